@@ -1,0 +1,36 @@
+# The README's two commands: `make serve` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MODEL  ?= smollm2-135m-instruct
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+# Torch first, pinned to the CPU build when there is no CUDA, so that no
+# dependency pulls a multi-GB CUDA wheel; then the project, editable, with dev extras.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3.11 -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q 'torch>=2.4,<2.15'; \
+	else \
+	  $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/trillm serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/trillm bench --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

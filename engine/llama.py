@@ -1,0 +1,154 @@
+"""Our Llama-family forward pass (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Weights are plain tensors held by the model; Q/K/V and gate/up projections are
+fused into one matmul each at load time. ``transformers`` supplies only the config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.rope import apply_rotary, cos_sin_table
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+@attrs.frozen
+class LlamaShape:
+    """The numbers of a Llama-family config that the forward pass uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "LlamaShape":
+        archs = set(cfg.get("architectures") or ["LlamaForCausalLM"])
+        if not archs & SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {sorted(archs)}; trillm serves {sorted(SUPPORTED_ARCHITECTURES)}")
+        # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+        )
+
+
+@attrs.define
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32 like the reference implementation, then cast back."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights plus the forward pass; the KV cache is owned by the caller."""
+
+    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_len: int) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.final_norm = w["model.norm.weight"]
+        self.layers: list[LayerWeights] = []
+        for i in range(shape.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if shape.attention_bias and a + "q_proj.bias" in w:
+                bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w[p + "input_layernorm.weight"],
+                    qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous(),
+                    qkv_bias=bias,
+                    o_proj=w[a + "o_proj.weight"],
+                    post_norm=w[p + "post_attention_layernorm.weight"],
+                    gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
+                    down=w[p + "mlp.down_proj.weight"],
+                )
+            )
+        cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.scale = shape.head_dim**-0.5
+
+    @classmethod
+    def load(cls, folder: Path, config: dict[str, Any], dtype: torch.dtype, max_len: int) -> "LlamaModel":
+        weights: dict[str, torch.Tensor] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    weights[key] = f.get_tensor(key)
+        if not weights:
+            raise FileNotFoundError(f"no .safetensors files in {folder}")
+        return cls(LlamaShape.from_config(config), weights, dtype, max_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
+    ) -> torch.Tensor:
+        """Run the batch through every layer; return float32 logits [S, vocab]."""
+        s = self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        h = self.embed[input_ids]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+            x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), cos, sin)
+            k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
+            v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(-1, q_size), layer.o_proj)
+            x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,33 @@
+"""Per-request sampling parameters, validated once at the engine boundary."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class SamplingParams:
+    """What one request asks of the sampler and the stop checks.
+
+    ``max_tokens`` of None means "until EOS or the context is full".
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    ignore_eos: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (off) or >= 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

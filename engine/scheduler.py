@@ -1,0 +1,167 @@
+"""Scheduling policy: which tokens of which sequences run in the next step.
+
+Pure and synchronous (no Trio, no tensors) so every rule is unit-tested by
+calling methods. The scheduler actor in ``engine.engine`` only moves messages
+and calls into this class.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+from engine.kv_pages import PageAllocator, pages_needed
+from engine.sequence import Sequence
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """``length`` tokens of ``seq`` starting at position ``start``."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new one is sampled."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@attrs.frozen
+class Batch:
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill and preemption by recompute.
+
+    Each step: every running sequence gets its next tokens (decodes first, one
+    token each), then waiting sequences are admitted FCFS while the token
+    budget, the sequence limit and the free pages allow. A running sequence
+    that cannot grow preempts the newest running one instead of failing.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_batch_tokens: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max_batch_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- admission and removal -------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if pages_needed(min(seq.max_len, seq.num_tokens + 1), self.page_size) > self.allocator.num_pages:
+            raise ValueError("sequence can never fit in the KV cache")
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a sequence wherever it is and free its pages; idempotent."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self._release(seq)
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.running.remove(seq)
+                self._release(seq)
+                return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------
+
+    def schedule(self) -> Batch:
+        budget = self.max_batch_tokens
+        chunks: list[ScheduledChunk] = []
+        # Decodes first (one token each), then running prefills, oldest first.
+        order = sorted(self.running, key=lambda s: s.num_pending != 1)
+        scheduled: set[int] = set()
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq not in self.running:
+                continue  # preempted while making room for an older one
+            length = min(seq.num_pending, budget)
+            if not self._grow(seq, seq.num_computed + length, scheduled):
+                continue  # it preempted itself
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            scheduled.add(id(seq))
+            budget -= length
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            length = min(seq.num_pending, budget)
+            need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
+            if not self.allocator.can_allocate(need):
+                break  # admission never over-commits: it waits for pages
+            seq.pages += self.allocator.allocate(need)
+            self.waiting.popleft()
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            budget -= length
+        return Batch(tuple(chunks))
+
+    def _grow(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Give ``seq`` pages for ``num_tokens``, preempting newer sequences if needed.
+
+        Returns False when ``seq`` itself had to be preempted.
+        """
+        need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
+        while not self.allocator.can_allocate(need):
+            victims = [s for s in self.running if id(s) not in scheduled]
+            victim = max(victims, key=lambda s: s.arrival_time)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages += self.allocator.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def complete(self, batch: Batch, sampled: list[int]) -> list[Sequence]:
+        """Apply a finished step: advance, append sampled tokens, retire finished.
+
+        ``sampled`` holds one token per chunk that samples, in batch order.
+        Sequences aborted while the step ran are no longer running and are
+        skipped (their pages were freed once, by ``abort``). Returns the
+        sequences that got a new token.
+        """
+        tokens = iter(sampled)
+        updated: list[Sequence] = []
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            token = next(tokens) if chunk.samples else None
+            if seq not in self.running:
+                continue
+            seq.num_computed = chunk.start + chunk.length
+            if token is None:
+                continue
+            seq.append_token(token)
+            updated.append(seq)
+            if seq.is_finished:
+                self.running.remove(seq)
+                self._release(seq)
+        return updated
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+        seq.pages = []
