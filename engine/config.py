@@ -15,7 +15,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16"
-    page_size: int = 16
+    page_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     num_pages: int | None = None
     kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int = 64
@@ -23,11 +23,6 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     served_model_name: str | None = None
-
-    @page_size.validator
-    def _check_page_size(self, _attr: attrs.Attribute, value: int) -> None:
-        if value < 1:
-            raise ValueError("page_size must be >= 1")
 
     @property
     def model_name(self) -> str:

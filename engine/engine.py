@@ -1,0 +1,358 @@
+"""The engine: a scheduler actor and a model-runner actor in one nursery.
+
+Callers talk to it through three calls: ``submit`` (returns the receive end
+of a per-request output channel), ``abort`` (idempotent) and simply closing
+that receive end. Both ``submit`` and ``abort`` are synchronous, so a handler
+can release its request from a ``finally`` block even while it is being
+cancelled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import attrs
+import torch
+import trio
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_pages import PageAllocator, pages_needed
+from engine.llama import LlamaModel
+from engine.model_runner import ModelRunner, StepInputs, choose_dtype, kv_bytes_per_token
+from engine.model_source import resolve_model
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger("trillm.engine")
+_ids = itertools.count()
+
+
+class RequestRejected(ValueError):
+    """The request can never be served (e.g. its prompt does not fit the context)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineNotRunning(RuntimeError):
+    """Raised by ``submit`` when the engine is not (or no longer) taking work."""
+
+
+@attrs.frozen
+class RequestOutput:
+    """One step's news for one request: new tokens, their text, maybe the end."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@attrs.frozen
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    free_pages: int
+    total_pages: int
+    num_open_requests: int
+    num_aborted: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@attrs.define(eq=False)
+class _Live:
+    seq: Sequence
+    channel: trio.MemorySendChannel[RequestOutput]
+    detokenizer: IncrementalDetokenizer
+
+
+@attrs.frozen
+class _Submit:
+    live: _Live
+
+
+@attrs.frozen
+class _Abort:
+    request_id: str
+
+
+def _eos_ids(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    sources: list[Any] = [config.get("eos_token_id"), tokenizer.eos_token_id]
+    gen = folder / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
+    """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread)."""
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+    folder = resolve_model(config.model)
+    model_config = json.loads((folder / "config.json").read_text())
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.dtype)
+    if dtype is None:
+        if config.dtype != "auto":
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, not {config.dtype!r}")
+        dtype = choose_dtype()
+    max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
+    model = LlamaModel.load(folder, model_config, dtype, max_len)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    log.info("loaded %s (%s) from %s", config.model, dtype, folder)
+    return model, tokenizer, _eos_ids(folder, model_config, tokenizer)
+
+
+class Engine:
+    """Continuous-batching engine around one model."""
+
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens)
+        self.runner = ModelRunner(model, num_pages, config.page_size)
+        self.max_model_len = min(
+            config.max_model_len or model.shape.max_position_embeddings,
+            model.shape.max_position_embeddings,
+            num_pages * config.page_size,
+        )
+        self._live: dict[str, _Live] = {}
+        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[_Submit | _Abort](math.inf)
+        self._running = False
+        self._limiter = trio.CapacityLimiter(1)
+        self.num_aborted = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def load(cls, config: EngineConfig) -> "Engine":
+        """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
+        return cls(config, *load_model(config))
+
+    # -- the interface handlers use ------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            free_pages=self.allocator.free_pages,
+            total_pages=self.allocator.num_pages,
+            num_open_requests=len(self._live),
+            num_aborted=self.num_aborted,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> tuple[str, trio.MemoryReceiveChannel[RequestOutput]]:
+        """Queue a request; return its id and the receive end of its outputs.
+
+        Never blocks. Raises ``RequestRejected`` for a request that can never
+        run and ``EngineNotRunning`` when the engine is stopped. Closing the
+        returned channel cancels the request.
+        """
+        if not self._running:
+            raise EngineNotRunning("the engine is not running")
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context holds {self.max_model_len}, "
+                "including at least one generated token",
+                "messages",
+            )
+        if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
+            raise RequestRejected("a prompt token id is outside the vocabulary", "prompt")
+        request_id = request_id or f"req-{next(_ids)}"
+        if request_id in self._live:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+        seq = Sequence(request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic())
+        send, receive = trio.open_memory_channel[RequestOutput](math.inf)
+        live = _Live(seq, send, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids))
+        self._live[request_id] = live
+        self._inbox_tx.send_nowait(_Submit(live))
+        return request_id, receive
+
+    def abort(self, request_id: str) -> None:
+        """Ask the scheduler to drop a request and free its pages; idempotent, never blocks."""
+        if self._running and request_id in self._live:
+            self._inbox_tx.send_nowait(_Abort(request_id))
+
+    @asynccontextmanager
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[trio.MemoryReceiveChannel[RequestOutput]]:
+        """Submit, yield the output channel, and release the request on exit.
+
+        On cancellation (or any exit) the channel is closed and the request
+        aborted synchronously, so its pages are freed within one step.
+        """
+        request_id, receive = self.submit(prompt_ids, params)
+        try:
+            with receive:
+                yield receive
+        finally:
+            self.abort(request_id)
+
+    # -- the actors ----------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled.
+
+        On cancellation: stops admitting, waits for the step in flight (the
+        worker thread is never abandoned), ends every open request with
+        finish_reason "abort", frees all pages, and returns.
+        """
+        batch_tx, batch_rx = trio.open_memory_channel[StepInputs](0)
+        result_tx, result_rx = trio.open_memory_channel[list[int] | Exception](0)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._runner_actor, batch_rx, result_tx)
+                self._running = True
+                task_status.started()
+                await self._scheduler_actor(batch_tx, result_rx)
+        finally:
+            self._running = False
+            self._end_all("abort")
+
+    async def _runner_actor(
+        self,
+        batch_rx: trio.MemoryReceiveChannel[StepInputs],
+        result_tx: trio.MemorySendChannel[list[int] | Exception],
+    ) -> None:
+        async with batch_rx, result_tx:
+            async for inputs in batch_rx:
+                try:
+                    result: list[int] | Exception = await trio.to_thread.run_sync(
+                        self.runner.execute, inputs, limiter=self._limiter
+                    )
+                except Exception as exc:  # a failed step fails its batch, not the server
+                    log.exception("model step failed")
+                    result = exc
+                await result_tx.send(result)
+
+    async def _scheduler_actor(
+        self,
+        batch_tx: trio.MemorySendChannel[StepInputs],
+        result_rx: trio.MemoryReceiveChannel[list[int] | Exception],
+    ) -> None:
+        async with batch_tx, result_rx:
+            while True:
+                if not self.scheduler.has_work:
+                    self._handle(await self._inbox_rx.receive())
+                self._drain_inbox()
+                batch = self.scheduler.schedule()
+                if not batch.chunks:
+                    if self.scheduler.has_work:  # nothing fits yet; wait for news
+                        self._handle(await self._inbox_rx.receive())
+                    continue
+                await batch_tx.send(self.runner.prepare(batch))
+                result = await result_rx.receive()
+                if isinstance(result, Exception):
+                    for chunk in batch.chunks:
+                        self._finish(chunk.seq.request_id, "error")
+                    continue
+                for seq in self.scheduler.complete(batch, result):
+                    self._route(seq)
+                self._drain_inbox()  # aborts that arrived during the step: freed now
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self._handle(self._inbox_rx.receive_nowait())
+            except trio.WouldBlock:
+                return
+
+    def _handle(self, message: _Submit | _Abort) -> None:
+        if isinstance(message, _Submit):
+            live = message.live
+            if live.seq.request_id in self._live:
+                self.scheduler.add(live.seq)
+                self.prompt_tokens_total += len(live.seq.prompt_ids)
+        else:
+            if message.request_id in self._live:
+                self.num_aborted += 1
+                self._finish(message.request_id, None)
+
+    def _route(self, seq: Sequence) -> None:
+        """Send a sequence's new token to its consumer; a gone consumer aborts it."""
+        live = self._live[seq.request_id]
+        self.generation_tokens_total += 1
+        token = seq.output_ids[-1]
+        text = live.detokenizer.push(token)
+        if seq.is_finished:
+            text += live.detokenizer.flush()
+        output = RequestOutput(
+            seq.request_id, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids)
+        )
+        try:
+            live.channel.send_nowait(output)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.num_aborted += 1
+            self._finish(seq.request_id, None)
+            return
+        if seq.is_finished:
+            live.channel.close()
+            del self._live[seq.request_id]
+
+    def _finish(self, request_id: str, reason: str | None) -> None:
+        """Drop a request now: free its pages and, if given a reason, tell its consumer."""
+        live = self._live.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        if live is None:
+            return
+        if reason is not None:
+            seq = live.seq
+            try:
+                live.channel.send_nowait(
+                    RequestOutput(request_id, live.detokenizer.flush(), (), reason, len(seq.prompt_ids), len(seq.output_ids))
+                )
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        live.channel.close()
+
+    def _end_all(self, reason: str) -> None:
+        for request_id in list(self._live):
+            self._finish(request_id, reason)
+        self._drain_queued_submits()
+
+    def _drain_queued_submits(self) -> None:
+        while True:
+            try:
+                self._inbox_rx.receive_nowait()
+            except trio.WouldBlock:
+                return

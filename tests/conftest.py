@@ -1,0 +1,56 @@
+"""Shared fixtures: the real default model (loaded once) and engines that must end idle."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import pytest
+import trio
+
+from engine.config import EngineConfig
+from engine.engine import Engine, load_model
+from engine.model_source import DEFAULT_ALIAS, resolve_model
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return resolve_model(DEFAULT_ALIAS)
+
+
+@pytest.fixture(scope="session")
+def model_parts(model_dir) -> tuple[Any, Any, frozenset[int]]:
+    """SmolLM2 in float32, so it can be compared with transformers exactly."""
+    return load_model(EngineConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_parts):
+    return model_parts[1]
+
+
+async def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
+    """Wait until the engine holds no requests and every page is free, or fail."""
+    with trio.move_on_after(timeout):
+        while True:
+            s = engine.stats()
+            if s.num_open_requests == 0 and s.num_running == 0 and s.num_waiting == 0 and s.free_pages == s.total_pages:
+                return
+            await trio.sleep(0.01)
+    s = engine.stats()
+    raise AssertionError(f"engine did not return to idle: {s}")
+
+
+def make_engine(model_parts, **overrides: Any) -> Engine:
+    settings: dict[str, Any] = dict(dtype="float32", num_pages=256, page_size=16, max_num_seqs=32, max_batch_tokens=256)
+    settings.update(overrides)
+    return Engine(EngineConfig(**settings), *model_parts)
+
+
+@pytest.fixture
+async def engine(model_parts, nursery) -> AsyncIterator[Engine]:
+    """A running engine; after the test it must be idle with every page free."""
+    eng = make_engine(model_parts)
+    await nursery.start(eng.run)
+    yield eng
+    await wait_idle(eng)
+    nursery.cancel_scope.cancel()
