@@ -1,0 +1,161 @@
+"""The Quart-Trio app: routes, error shapes, and the engine's lifetime.
+
+``create_app()`` loads the model synchronously (so Hypercorn's startup timeout
+never races a first-time download); the engine's actors start in the app's
+startup hook inside the app's nursery and stop in its shutdown hook.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from api import chat
+from api.chat_schema import parse_chat_request
+from api.errors import ApiError
+from api.metrics import metrics_registry, render
+from api.settings import config_from_env
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+VERSION = "0.1.0"
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class EngineHost:
+    """Runs the engine in its own cancel scope so it can be stopped before the server."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._scope: trio.CancelScope | None = None
+        self._stopped = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with trio.CancelScope() as self._scope:
+                await self.engine.run(task_status=task_status)
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """End every open stream (finish_reason "abort"), free all pages, wait for the actors."""
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._stopped.wait()
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers, mimetype="application/json")
+
+
+def create_app(engine: Engine | None = None, config: EngineConfig | None = None) -> QuartTrio:
+    if engine is None:
+        engine = Engine.load(config or config_from_env())
+    app = QuartTrio("trillm")
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+    app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
+    host = EngineHost(engine)
+    app.extensions["trillm_host"] = host
+    model_name = engine.config.model_name
+    registry = metrics_registry(engine, model_name)
+    created = int(time.time())
+
+    @app.before_serving
+    async def start_engine() -> None:
+        await app.nursery.start(host.run)
+
+    @app.after_serving
+    async def stop_engine() -> None:
+        await host.stop()
+
+    @app.errorhandler(ApiError)
+    async def api_error(exc: ApiError) -> Response:
+        return _json(exc.body(), exc.status, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        message = exc.description or exc.name
+        if status == 413:
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+        return _json(ApiError(message, status, code=code).body(), status)
+
+    @app.errorhandler(Exception)
+    async def unexpected(exc: Exception) -> Response:
+        app.logger.exception("unexpected error")
+        return _json(ApiError(f"internal error: {type(exc).__name__}", 500).body(), 500)
+
+    async def json_body() -> Any:
+        data = await request.get_data(cache=False)
+        try:
+            return json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(
+                f"the model '{name}' does not exist; this server serves '{model_name}'",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        req = parse_chat_request(await json_body())
+        check_model(req.model)
+        if not engine.is_running:
+            raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable")
+        ids = chat.prompt_ids(engine, req)
+        chat.check_fits(engine, ids)
+        params = chat.sampling_params(req)
+        if not req.stream:
+            return _json(await chat.complete(engine, model_name, ids, params))
+        response = Response(
+            chat.stream(engine, model_name, ids, params, req.include_usage),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        response.timeout = None  # Quart's 60 s response timeout would cut long streams
+        return response
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "trillm",
+                        "max_model_len": engine.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return _json({"status": "ok"})
+        return _json(ApiError("the engine is not serving", 503).body(), 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(registry), mimetype="text/plain; version=0.0.4")
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": VERSION})
+
+    return app

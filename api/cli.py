@@ -1,0 +1,84 @@
+"""``trillm`` command line: ``serve`` (embedded Hypercorn) and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from functools import partial
+
+import trio
+
+from api.settings import config_from_env, env_documentation
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI API",
+                       epilog="Environment variables (flags win):\n" + env_documentation(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="alias (smollm2-135m-instruct), HF folder, or .gguf file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--page-size", type=int)
+    p.add_argument("--num-pages", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-batch-tokens", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--served-model-name")
+
+
+async def serve(app, host: str, port: int) -> None:
+    """Serve until SIGINT/SIGTERM; then end open streams with a final chunk and exit.
+
+    The engine is stopped before Hypercorn, so every stream gets its last
+    chunk and ``[DONE]`` before the connections close.
+    """
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 5
+
+    async def shutdown_trigger() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+        print("[trillm] shutting down: ending open streams", file=sys.stderr, flush=True)
+        await app.extensions["trillm_host"].stop()
+
+    print(f"[trillm] serving {app.extensions['trillm_host'].engine.config.model_name} on http://{host}:{port}",
+          file=sys.stderr, flush=True)
+    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="trillm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    from api.bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    if args.command == "serve":
+        from api.app import create_app
+
+        config = config_from_env(
+            model=args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+            max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+            max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+        )
+        app = create_app(config=config)
+        trio.run(partial(serve, app, args.host, args.port))
+    elif args.command == "bench":
+        from api.bench import run_bench
+
+        run_bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Engine configuration from ``TRILLM_*`` environment variables (for ``hypercorn -k trio``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from engine.config import EngineConfig
+
+# environment variable -> (EngineConfig field, parser)
+_ENV = {
+    "TRILLM_MODEL": ("model", str),
+    "TRILLM_DTYPE": ("dtype", str),
+    "TRILLM_PAGE_SIZE": ("page_size", int),
+    "TRILLM_NUM_PAGES": ("num_pages", int),
+    "TRILLM_KV_CACHE_MB": ("kv_cache_bytes", lambda v: int(float(v) * 1024 * 1024)),
+    "TRILLM_MAX_NUM_SEQS": ("max_num_seqs", int),
+    "TRILLM_MAX_BATCH_TOKENS": ("max_batch_tokens", int),
+    "TRILLM_MAX_MODEL_LEN": ("max_model_len", int),
+    "TRILLM_NUM_THREADS": ("num_threads", int),
+    "TRILLM_SERVED_MODEL_NAME": ("served_model_name", str),
+}
+
+
+def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -> EngineConfig:
+    """Build the engine config; explicit ``overrides`` (e.g. CLI flags) win over the environment."""
+    env = os.environ if env is None else env
+    values: dict[str, object] = {}
+    for name, (field, parse) in _ENV.items():
+        if env.get(name):
+            try:
+                values[field] = parse(env[name])
+            except ValueError as exc:
+                raise SystemExit(f"{name}={env[name]!r} is not valid: {exc}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig(**values)  # type: ignore[arg-type]
+
+
+def env_documentation() -> str:
+    return "\n".join(f"  {name:<26} {field}" for name, (field, _) in _ENV.items())
