@@ -1,0 +1,46 @@
+"""A real Hypercorn server on 127.0.0.1 (port 0) around a real engine, for end-to-end tests."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import AsyncIterator
+
+import attrs
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from api.app import create_app
+from engine.engine import Engine
+from tests.conftest import make_engine, wait_idle
+
+
+@attrs.frozen
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    port: int
+    engine: Engine
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+
+@asynccontextmanager
+async def running_server(model_parts, **engine_overrides) -> AsyncIterator[Server]:
+    """Serve until the block ends; then the engine must be idle and everything stops."""
+    engine = make_engine(model_parts, **engine_overrides)
+    app = create_app(engine=engine)
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.graceful_timeout = 2
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
+        url = binds[0]
+        yield Server(url, int(url.rsplit(":", 1)[1]), engine)
+        await wait_idle(engine)
+        shutdown.set()
+    assert not engine.is_running

@@ -1,0 +1,227 @@
+"""The OpenAI API end to end: real Hypercorn on loopback, real engine, real ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import trio
+
+from tests.conftest import wait_idle
+from tests.server import running_server
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+async def server(model_parts):
+    async with running_server(model_parts) as srv:
+        yield srv
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+async def in_thread(fn, *args, **kwargs):
+    """The sync openai client runs in a thread so the server keeps the event loop."""
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+
+
+async def test_models_health_version(server):
+    models = await in_thread(lambda: client(server).models.list())
+    assert [m.id for m in models.data] == [MODEL]
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        assert (await http.get("/health")).json() == {"status": "ok"}
+        assert (await http.get("/version")).status_code == 200
+
+
+async def test_streaming_answer_is_sensible_and_matches_non_streaming(server):
+    def run():
+        c = client(server)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0, stream=True))
+        whole = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0)
+        return chunks, whole
+
+    chunks, whole = await in_thread(run)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" and ch.model == MODEL and ch.created for ch in chunks)
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert "Paris" in streamed
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].delta.content is None
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.content == streamed
+    assert whole.choices[0].finish_reason == "stop"
+    tok = server.engine.tokenizer
+    templated = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    prompt_tokens = len(tok(templated, add_special_tokens=False)["input_ids"])
+    assert whole.usage.prompt_tokens == prompt_tokens
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert 1 <= whole.usage.completion_tokens <= 30
+
+
+async def test_raw_prompt_length_finish_and_default_max_tokens(server):
+    def run():
+        return client(server).chat.completions.create(
+            model=MODEL, messages=[], extra_body={"prompt": "The first ten prime numbers are", "ignore_eos": True},
+            temperature=0.7,
+        )
+
+    # The openai client always sends messages; a raw prompt goes through httpx instead.
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        r = await http.post("/v1/chat/completions", json={"model": MODEL, "prompt": "The first ten prime numbers are",
+                                                           "ignore_eos": True, "temperature": 0.7})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["usage"]["completion_tokens"] == 16  # the default max_tokens
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["message"]["content"]
+    with pytest.raises(openai.BadRequestError):
+        await in_thread(run)  # messages=[] and prompt together is a 400
+
+
+async def test_stream_include_usage(server):
+    def run():
+        return list(client(server).chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+
+    chunks = await in_thread(run)
+    assert all(ch.usage is None for ch in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+BAD_REQUESTS = [
+    ({"model": MODEL}, 400, "messages"),
+    ({"messages": QUESTION}, 400, "model"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "messages": QUESTION, "temperature": True}, 400, "temperature"),
+    ({"model": MODEL, "messages": QUESTION, "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "messages": QUESTION, "top_k": 0}, 400, "top_k"),
+    ({"model": MODEL, "messages": QUESTION, "n": 2}, 400, "n"),
+    ({"model": MODEL, "messages": QUESTION, "stop": ["."]}, 400, "stop"),
+    ({"model": MODEL, "messages": QUESTION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "messages": QUESTION, "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ({"model": MODEL, "messages": QUESTION, "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "messages": QUESTION, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"model": "gpt-4", "messages": QUESTION}, 404, "model"),
+    ([1, 2, 3], 400, None),
+]
+
+
+async def test_bad_input_gets_openai_shaped_errors_and_does_not_disturb_a_stream(server):
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        async with http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "messages": QUESTION, "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0,
+        }) as stream:
+            lines = stream.aiter_lines()
+            first = await lines.__anext__()
+            assert first.startswith("data: ")
+            for body, status, param in BAD_REQUESTS:
+                r = await http.post("/v1/chat/completions", json=body)
+                assert r.status_code == status, (body, r.text)
+                err = r.json()["error"]
+                assert set(err) == {"message", "type", "param", "code"} and err["message"]
+                assert err["param"] == param, (body, err)
+            r = await http.post("/v1/chat/completions", content=b"{not json")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            assert await _oversized_body_status(server) == 413
+            r = await http.get("/v1/nothing-here")
+            assert r.status_code == 404 and "error" in r.json()
+            long_prompt = "hello " * 9000
+            r = await http.post("/v1/chat/completions", json={"model": MODEL, "prompt": long_prompt})
+            assert r.status_code == 400 and str(server.engine.max_model_len) in r.json()["error"]["message"]
+            assert "9001" in r.json()["error"]["message"]
+            rest = [line async for line in lines if line]
+        events = [first, *rest]
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2][len("data: "):])
+    assert final["choices"][0]["finish_reason"] == "length"
+    content = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events[:-1]]
+    assert len([c for c in content if c]) >= 30  # the stream carried on to its 40 tokens
+
+
+async def _oversized_body_status(server) -> int:
+    """Announce a 9 MiB body and send none of it: the 413 must come back at once."""
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: 9437184\r\n\r\n")
+        reply = b""
+        with trio.fail_after(10):
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                reply += await stream.receive_some()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+    return int(head.split()[1])
+
+
+async def test_openai_client_raises_typed_errors(server):
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as nf:
+        await in_thread(c.chat.completions.create, model="nope", messages=QUESTION)
+    assert nf.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        await in_thread(c.chat.completions.create, model=MODEL, messages=QUESTION, temperature=9)
+    assert bad.value.body["param"] == "temperature"
+
+
+async def _drop_after(server, n_events: int) -> None:
+    """A raw client that reads ``n_events`` SSE events and then hangs up."""
+    body = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True, "stream": True})
+    stream = await trio.open_tcp_stream("127.0.0.1", server.port)
+    async with stream:
+        await stream.send_all(
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        seen = b""
+        while seen.count(b"data: ") < n_events:
+            data = await stream.receive_some()
+            assert data, "server closed early"
+            seen += data
+
+
+async def _metric(server, name: str) -> float:
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        text = (await http.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith(f"trillm:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} missing")
+
+
+async def test_disconnect_storm_frees_everything_and_server_still_serves(server):
+    total = server.engine.stats().total_pages
+    async with trio.open_nursery() as nursery:
+        for i in range(40):
+            nursery.start_soon(_drop_after, server, 1 + i % 6)
+    # Every dropped stream is released within a few steps.
+    await wait_idle(server.engine, timeout=10)
+    assert server.engine.stats().num_aborted >= 40
+    assert await _metric(server, "num_requests_running") == 0
+    assert await _metric(server, "kv_cache_free_pages") == total
+    reply = await in_thread(client(server).chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=8)
+    assert reply.choices[0].message.content
+
+
+async def test_non_streaming_client_that_gives_up_frees_its_request(server):
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", timeout=1.0, json={
+                "model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True})
+    await wait_idle(server.engine, timeout=10)
+    assert server.engine.stats().num_aborted == 1
