@@ -58,26 +58,20 @@ class ModelRunner:
         self.model = model
         self.page_size = page_size
         s = model.shape
-        num_slots = num_pages * page_size
+        shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
         self.kv_cache = [
-            (
-                torch.zeros(num_slots, s.num_kv_heads, s.head_dim, dtype=model.dtype),
-                torch.zeros(num_slots, s.num_kv_heads, s.head_dim, dtype=model.dtype),
-            )
+            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
             for _ in range(s.num_layers)
         ]
 
-    def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(pages, dtype=torch.long)
-        return table[pos // self.page_size] * self.page_size + pos % self.page_size
-
     def prepare(self, batch: Batch) -> StepInputs:
+        ps = self.page_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
         decode_rows: list[int] = []
-        decode_ctx: list[torch.Tensor] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         params: list[SamplingParams] = []
@@ -86,31 +80,31 @@ class ModelRunner:
             seq, start, n = chunk.seq, chunk.start, chunk.length
             end = start + n
             ids += seq.token_ids(start, end)
-            positions.append(torch.arange(start, end))
-            context = self._slots(seq.pages, 0, end)
-            slot_mapping.append(context[start:])
+            pos = torch.arange(start, end)
+            positions.append(pos)
+            table = seq.pages[: -(-end // ps)]
+            slot_mapping.append(torch.tensor(table)[pos // ps] * ps + pos % ps)
             if n == 1:
                 decode_rows.append(row)
-                decode_ctx.append(context)
+                decode_tables.append(table)
+                decode_lens.append(end)
             else:
                 mask = None
                 if start > 0:  # causal within the chunk, everything cached before it
-                    mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
-                prefills.append(PrefillSpan(row, row + n, context, mask))
+                    mask = torch.arange(end).unsqueeze(0) <= pos.unsqueeze(1)
+                prefills.append(PrefillSpan(row, row + n, torch.tensor(table), end, mask))
             row += n
             if chunk.samples:
                 logits_rows.append(row - 1)
                 params.append(seq.params)
-        longest = max((len(c) for c in decode_ctx), default=0)
-        decode_slots = torch.zeros(len(decode_ctx), longest, dtype=torch.long)
-        decode_mask = torch.zeros(len(decode_ctx), 1, 1, longest, dtype=torch.bool)
-        for i, ctx in enumerate(decode_ctx):
-            decode_slots[i, : len(ctx)] = ctx
-            decode_mask[i, 0, 0, : len(ctx)] = True
+        width = max((len(t) for t in decode_tables), default=0)
+        decode_pages = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
+        lens = torch.tensor(decode_lens, dtype=torch.long)
+        decode_mask = (torch.arange(width * ps).unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_lens), 1, 1, width * ps)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-            decode_slots=decode_slots,
+            decode_pages=decode_pages.view(len(decode_tables), width),
             decode_mask=decode_mask,
             prefills=tuple(prefills),
         )
