@@ -1,3 +1,229 @@
-"""``trillm bench``: placeholder replaced below."""
-def add_parser(sub): sub.add_parser("bench")
-def run_bench(args): raise SystemExit("not yet")
+"""``trillm bench``: serving throughput, TTFT and inter-token latency against a same-run baseline.
+
+It starts ``trillm serve`` in a subprocess (or uses ``--url``), drives N
+concurrent streaming clients with fixed prompt/output lengths (``ignore_eos``),
+then measures plain ``transformers`` ``generate`` on the same model and dtype
+in this process (one request, and statically batched N), and prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark serving against transformers generate")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--url", help="benchmark a running server instead of starting one")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--no-baseline", action="store_true", help="skip transformers generate")
+
+
+@attrs.frozen
+class RunResult:
+    label: str
+    concurrency: int
+    output_tokens: int
+    seconds: float
+    ttft: tuple[float, ...] = ()
+    itl: tuple[float, ...] = ()
+    probe_ttft: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _pct(values: tuple[float, ...], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
+    """Text of exactly ``n_tokens`` tokens (checked by round trip), different for every client."""
+    words = ["river", "stone", "cloud", "garden", "lamp", "window", "forest", "paper", "signal", "harbor"]
+    text = ""
+    while True:
+        candidate = text + " " + rng.choice(words)
+        if len(tokenizer(candidate)["input_ids"]) > n_tokens:
+            return text
+        text = candidate
+
+
+async def _stream_one(http: Any, prompt: str, max_tokens: int, started: trio.Event | None) -> tuple[float, list[float], int]:
+    """One streaming request: (ttft, inter-token gaps, completion tokens)."""
+    import json
+
+    body = {"model": _MODEL[0], "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, last, gaps, tokens, seen = float("nan"), 0.0, [], 0, 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            if event["choices"] and event["choices"][0]["delta"].get("content"):
+                now = time.perf_counter()
+                if seen == 0:
+                    ttft = now - t0
+                else:
+                    gaps.append(now - last)
+                last, seen = now, seen + 1
+                if seen == 5 and started is not None:
+                    started.set()
+    return ttft, gaps, tokens
+
+
+_MODEL = ["smollm2-135m-instruct"]
+
+
+async def _serving_run(url: str, prompts: list[str], output_len: int, probe_prompt: str) -> RunResult:
+    import httpx
+
+    results: list[tuple[float, list[float], int]] = []
+    probe: list[float] = []
+    limits = httpx.Limits(max_connections=len(prompts) + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        all_started = [trio.Event() for _ in prompts]
+
+        async def client(i: int) -> None:
+            results.append(await _stream_one(http, prompts[i], output_len, all_started[i]))
+
+        async def prober() -> None:
+            for event in all_started:
+                await event.wait()
+            ttft, _, _ = await _stream_one(http, probe_prompt, 8, None)
+            probe.append(ttft)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(client, i)
+            if len(prompts) > 1:
+                nursery.start_soon(prober)
+        # The probe's own 8 tokens finish inside the window; count only the clients.
+        seconds = time.perf_counter() - t0
+    return RunResult(
+        "trillm (HTTP, streaming)", len(prompts), sum(r[2] for r in results), seconds,
+        tuple(r[0] for r in results), tuple(g for r in results for g in r[1]), probe[0] if probe else None,
+    )
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit("the server did not become healthy")
+
+
+def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int) -> RunResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    batch = torch.tensor(prompts_ids)
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=True, temperature=0.8,
+                  pad_token_id=0, attention_mask=torch.ones_like(batch))
+    with torch.inference_mode():
+        model.generate(batch[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
+        t0 = time.perf_counter()
+        out = model.generate(batch, **kwargs)
+        seconds = time.perf_counter() - t0
+    produced = (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    label = "transformers generate (static batch)" if len(prompts_ids) > 1 else "transformers generate"
+    return RunResult(label, len(prompts_ids), produced, seconds)
+
+
+def _table(rows: list[RunResult], baselines: dict[int, RunResult]) -> str:
+    lines = [
+        "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | TTFT of a newcomer (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = baselines.get(r.concurrency)
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base is not r else ""
+        ttft = f"{_pct(r.ttft, 0.5):.3f} / {_pct(r.ttft, 0.99):.3f}" if r.ttft else ""
+        itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f}" if r.itl else ""
+        probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
+        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} |")
+    return "\n".join(lines)
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from engine.model_runner import choose_dtype
+    from engine.model_source import resolve_model
+
+    _MODEL[0] = args.model
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or choose_dtype()
+    dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    rng = random.Random(0)
+    prompts = [_prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels) + 1)]
+    print(f"[bench] model={args.model} dtype={dtype_name} prompt={args.prompt_len} output={args.output_len} "
+          f"threads={torch.get_num_threads()} levels={levels}", file=sys.stderr, flush=True)
+
+    proc = None
+    url = args.url
+    if url is None:
+        url = f"http://127.0.0.1:{args.port}"
+        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
+                                 str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1)],
+                                env={**os.environ})
+    rows: list[RunResult] = []
+    try:
+        _wait_healthy(url, proc)
+        for level in levels:
+            result = trio.run(partial(_serving_run, url, prompts[:level], args.output_len, prompts[-1]))
+            print(f"[bench] trillm c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+            rows.append(result)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+
+    baselines: dict[int, RunResult] = {}
+    if not args.no_baseline:
+        for level in levels:
+            ids = [tokenizer(p)["input_ids"][: args.prompt_len - 8] for p in prompts[:level]]
+            width = min(len(i) for i in ids)
+            result = _baseline(model_dir, dtype, [i[:width] for i in ids], args.output_len)
+            print(f"[bench] {result.label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+            baselines[level] = result
+            rows.append(result)
+    print(_table(rows, baselines))

@@ -109,7 +109,10 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread)."""
     from transformers import AutoTokenizer
 
-    torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+    # The forward pass runs in the runner's worker thread with all cores. A
+    # second OpenMP team on the loading thread would halve its speed on small
+    # machines, so the caller's thread stays single-threaded.
+    torch.set_num_threads(1)
     folder = resolve_model(config.model)
     model_config = json.loads((folder / "config.json").read_text())
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.dtype)
@@ -135,7 +138,7 @@ class Engine:
         num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens)
-        self.runner = ModelRunner(model, num_pages, config.page_size)
+        self.runner = ModelRunner(model, num_pages, config.page_size, config.num_threads or os.cpu_count() or 1)
         self.max_model_len = min(
             config.max_model_len or model.shape.max_position_embeddings,
             model.shape.max_position_embeddings,

@@ -54,8 +54,9 @@ def choose_dtype() -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_pages: int, page_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_pages: int, page_size: int, num_threads: int | None = None) -> None:
         self.model = model
+        self.num_threads = num_threads or torch.get_num_threads()
         self.page_size = page_size
         s = model.shape
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
@@ -118,6 +119,8 @@ class ModelRunner:
 
     def execute(self, inputs: StepInputs) -> list[int]:
         """Forward + sample; one token per sampling chunk, in batch order."""
+        if torch.get_num_threads() != self.num_threads:  # OpenMP settings are per calling thread
+            torch.set_num_threads(self.num_threads)
         with torch.inference_mode():
             logits = self.model.forward(
                 inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows
