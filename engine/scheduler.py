@@ -17,16 +17,20 @@ from engine.sequence import Sequence
 
 @attrs.frozen
 class ScheduledChunk:
-    """``length`` tokens of ``seq`` starting at position ``start``."""
+    """``length`` tokens of ``seq`` starting at position ``start``.
+
+    ``samples`` is fixed when scheduled: the chunk reaches the end of the known
+    tokens, so the step samples a new one after it.
+    """
 
     seq: Sequence
     start: int
     length: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new one is sampled."""
-        return self.start + self.length == self.seq.num_tokens
+    @classmethod
+    def next_for(cls, seq: Sequence, length: int) -> "ScheduledChunk":
+        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens)
 
 
 @attrs.frozen
@@ -97,7 +101,7 @@ class Scheduler:
             length = min(seq.num_pending, budget)
             if not self._grow(seq, seq.num_computed + length, scheduled):
                 continue  # it preempted itself
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            chunks.append(ScheduledChunk.next_for(seq, length))
             scheduled.add(id(seq))
             budget -= length
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
@@ -109,7 +113,7 @@ class Scheduler:
             seq.pages += self.allocator.allocate(need)
             self.waiting.popleft()
             self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, length))
+            chunks.append(ScheduledChunk.next_for(seq, length))
             budget -= length
         return Batch(tuple(chunks))
 
