@@ -1,0 +1,79 @@
+"""The two ways users launch trillm, as real processes: ``hypercorn -k trio`` and ``trillm serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+MODEL = "smollm2-135m-instruct"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"server exited with {proc.returncode}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("server never became healthy")
+
+
+def test_hypercorn_cli_with_environment_settings():
+    port = _free_port()
+    env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}", "api.app:create_app()"], env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "smol"
+        metrics = httpx.get(url + "/metrics").text
+        assert 'trillm:kv_cache_total_pages{model_name="smol"} 64.0' in metrics
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_trillm_serve_sigterm_ends_open_streams_with_a_final_chunk():
+    port = _free_port()
+    env = {**os.environ, "TRILLM_NUM_PAGES": "64"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--dtype", "float32"], env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        events = []
+        body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 5:
+                    proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
