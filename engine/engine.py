@@ -149,6 +149,7 @@ class Engine:
         self._running = False
         self._limiter = trio.CapacityLimiter(1)
         self.num_aborted = 0
+        self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -285,6 +286,7 @@ class Engine:
                     continue
                 await batch_tx.send(self.runner.prepare(batch))
                 result = await result_rx.receive()
+                self.num_steps += 1
                 if isinstance(result, Exception):
                     for chunk in batch.chunks:
                         self._finish(chunk.seq.request_id, "error")

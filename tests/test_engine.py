@@ -92,6 +92,23 @@ async def test_closing_the_channel_alone_cancels_the_request(engine, tokenizer):
     assert engine.stats().num_aborted == 1
 
 
+async def test_pages_of_a_cancelled_request_are_free_after_the_next_step(engine, tokenizer):
+    """Cancellation reaches the scheduler within one step, even with others running."""
+    ids = tokenizer("Tell me a story about a cat")["input_ids"]
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    _, other = engine.submit(ids, params)
+    _, victim = engine.submit(ids + ids, params)
+    await victim.receive()
+    victim.close()  # the consumer leaves
+    step = engine.num_steps
+    while engine.num_steps < step + 2:  # the step in flight, then one more
+        await other.receive()
+    stats = engine.stats()
+    assert stats.num_open_requests == 1 and stats.num_running == 1
+    assert stats.free_pages + len(engine.scheduler.running[0].pages) == stats.total_pages
+    other.close()
+
+
 async def test_preemption_under_a_tiny_pool_gives_identical_greedy_outputs(model_parts, tokenizer, nursery):
     prompts = [f"Story {i}: the wizard and the" for i in range(6)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
