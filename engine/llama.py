@@ -66,13 +66,25 @@ class LlamaShape:
 
 @attrs.define
 class LayerWeights:
+    """One decoder layer; projection weights are stored transposed, [in, out]."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv: torch.Tensor  # [hidden, (H + 2 KVH) * D]
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor  # [hidden, 2 * intermediate]
     down: torch.Tensor
+
+
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> contiguous [in, out]: on CPUs ``x @ w_t`` beats ``F.linear(x, w)``
+    for small batches (measured 1.2-2x on the decode shapes of SmolLM2)."""
+    return weight.t().contiguous()
+
+
+def _project(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,7 +102,8 @@ class LlamaModel:
         self.dtype = dtype
         w = {k: v.to(dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.lm_head_t = _t(head)
         self.final_norm = w["model.norm.weight"]
         self.layers: list[LayerWeights] = []
         for i in range(shape.num_layers):
@@ -102,12 +115,12 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w[p + "input_layernorm.weight"],
-                    qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous(),
+                    qkv=_t(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])),
                     qkv_bias=bias,
-                    o_proj=w[a + "o_proj.weight"],
+                    o_proj=_t(w[a + "o_proj.weight"]),
                     post_norm=w[p + "post_attention_layernorm.weight"],
-                    gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous(),
-                    down=w[p + "mlp.down_proj.weight"],
+                    gate_up=_t(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                    down=_t(w[p + "mlp.down_proj.weight"]),
                 )
             )
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
@@ -140,15 +153,15 @@ class LlamaModel:
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = _project(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), cos, sin)
             k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
             v = v.reshape(-1, s.num_kv_heads, s.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(-1, q_size), layer.o_proj)
+            h = h + _project(attn.reshape(-1, q_size), layer.o_proj)
             x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = _project(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + _project(F.silu(gate) * up, layer.down)
         h = rms_norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return _project(h, self.lm_head_t).float()
