@@ -38,6 +38,15 @@ def sampling_params(req: ChatRequest) -> SamplingParams:
         top_k=req.top_k,
         top_p=req.top_p,
         ignore_eos=req.ignore_eos,
+        min_p=req.min_p,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias,
+        seed=req.seed,
     )
 
 

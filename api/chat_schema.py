@@ -29,6 +29,15 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -98,6 +107,51 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+MAX_STOP_STRINGS = 4
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise _bad("stop", "must be a string or a list of strings")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    return tuple(s for s in stop if s)
+
+
+def _stop_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise _bad("stop_token_ids", "must be a list of non-negative token ids")
+    return tuple(ids)
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", "must be an object mapping token ids to numbers")
+    out = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if token < 0:
+            raise _bad("logit_bias", f"token ids must be >= 0, got {token}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise _bad("logit_bias", f"biases must be numbers in [-100, 100], got {value!r} for {key}")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
 def _reject_unsupported(body: dict[str, Any]) -> None:
     """Fields that exist in the OpenAI API but are not implemented yet: a clear 400, never ignored."""
     n = _integer(body, "n", 1)
@@ -105,22 +159,10 @@ def _reject_unsupported(body: dict[str, Any]) -> None:
         raise _bad("n", f"must be >= 1, got {n}")
     if n != 1:
         raise _bad("n", "only n=1 is supported so far")
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise _bad("stop", "must be a string or a list of strings")
-    if stop:
-        raise _bad("stop", "stop sequences are not supported yet")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
-            raise _bad(name, "penalties are not supported yet; only 0 is accepted")
     if _boolean(body, "logprobs", False):
         raise _bad("logprobs", "logprobs are not supported yet")
     if _integer(body, "top_logprobs", 0):
         raise _bad("top_logprobs", "logprobs are not supported yet")
-    if body.get("seed") is not None:
-        raise _bad("seed", "seeded sampling is not supported yet")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", "logit_bias is not supported yet")
     if body.get("tools"):
         raise _bad("tools", "tool calling is not supported")
     fmt = body.get("response_format")
@@ -176,4 +218,28 @@ def parse_chat_request(body: Any) -> ChatRequest:
         stream=stream,
         include_usage=include_usage,
         ignore_eos=_boolean(body, "ignore_eos", False),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        min_tokens=_min_tokens(body),
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        logit_bias=_logit_bias(body),
+        seed=_seed(body),
     )
+
+
+def _min_tokens(body: dict[str, Any]) -> int:
+    value = _integer(body, "min_tokens", 0)
+    assert value is not None
+    if value < 0:
+        raise _bad("min_tokens", f"must be >= 0, got {value}")
+    return value
+
+
+def _seed(body: dict[str, Any]) -> int | None:
+    value = _integer(body, "seed", None)
+    if value is not None and not -(2**63) <= value < 2**64:
+        raise _bad("seed", "must fit in 64 bits")
+    return value

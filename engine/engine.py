@@ -32,6 +32,7 @@ from engine.model_source import resolve_model
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.stop_strings import StopStringMatcher
 
 log = logging.getLogger("trillm.engine")
 _ids = itertools.count()
@@ -79,6 +80,7 @@ class _Live:
     seq: Sequence
     channel: trio.MemorySendChannel[RequestOutput]
     detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
 
 
 @attrs.frozen
@@ -205,8 +207,10 @@ class Engine:
         if params.max_tokens is not None:
             max_len = min(max_len, len(prompt_ids) + params.max_tokens)
         seq = Sequence(request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic())
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
-        live = _Live(seq, send, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids))
+        live = _Live(seq, send, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids), StopStringMatcher(params.stop))
         self._live[request_id] = live
         self._inbox_tx.send_nowait(_Submit(live))
         return request_id, receive
@@ -321,6 +325,12 @@ class Engine:
         text = live.detokenizer.push(token)
         if seq.is_finished:
             text += live.detokenizer.flush()
+        text = live.stops.push(text)
+        if live.stops.stopped:  # a stop string ends it, whatever else happened this step
+            seq.finish_reason = "stop"
+            self.scheduler.abort(seq.request_id)  # frees its pages now
+        elif seq.is_finished:
+            text += live.stops.flush()
         output = RequestOutput(
             seq.request_id, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids)
         )
@@ -344,7 +354,7 @@ class Engine:
             seq = live.seq
             try:
                 live.channel.send_nowait(
-                    RequestOutput(request_id, live.detokenizer.flush(), (), reason, len(seq.prompt_ids), len(seq.output_ids))
+                    RequestOutput(request_id, live.stops.push(live.detokenizer.flush()) + live.stops.flush(), (), reason, len(seq.prompt_ids), len(seq.output_ids))
                 )
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass

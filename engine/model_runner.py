@@ -15,8 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.llama import LlamaModel
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.sampler import SampleRow, sample
 from engine.scheduler import Batch
 
 
@@ -26,7 +25,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
-    params: tuple[SamplingParams, ...]
+    rows: tuple[SampleRow, ...]
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
@@ -75,7 +74,7 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
-        params: list[SamplingParams] = []
+        rows: list[SampleRow] = []
         row = 0
         for chunk in batch.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.length
@@ -97,7 +96,14 @@ class ModelRunner:
             row += n
             if chunk.samples:
                 logits_rows.append(row - 1)
-                params.append(seq.params)
+                p = seq.params
+                rows.append(SampleRow(
+                    p,
+                    seq.generator,
+                    seq.prompt_ids if p.repetition_penalty != 1.0 else (),
+                    tuple(seq.output_ids) if p.needs_history else (),
+                    seq.banned_ids,
+                ))
         width = max((len(t) for t in decode_tables), default=0)
         decode_pages = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.long)
@@ -114,7 +120,7 @@ class ModelRunner:
             positions=torch.cat(positions),
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
-            params=tuple(params),
+            rows=tuple(rows),
         )
 
     def execute(self, inputs: StepInputs) -> list[int]:
@@ -125,6 +131,6 @@ class ModelRunner:
             logits = self.model.forward(
                 inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows
             )
-            if not inputs.params:
+            if not inputs.rows:
                 return []
-            return sample(logits, list(inputs.params))
+            return sample(logits, list(inputs.rows))

@@ -10,13 +10,24 @@ class SamplingParams:
     """What one request asks of the sampler and the stop checks.
 
     ``max_tokens`` of None means "until EOS or the context is full".
+    Penalties follow OpenAI (presence/frequency, over generated tokens) and
+    vLLM (repetition, over prompt and generated tokens).
     """
 
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+    min_p: float = 0.0
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -27,7 +38,18 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (off) or >= 1")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_history(self) -> bool:
+        """True when the sampler must see the tokens generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

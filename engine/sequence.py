@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from typing import Any
+
 from engine.sampling_params import SamplingParams
 
 
@@ -27,6 +29,16 @@ class Sequence:
     num_computed: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
+    generator: Any = None  # the request's own torch.Generator when it has a seed
+
+    @property
+    def banned_ids(self) -> tuple[int, ...]:
+        """Tokens the sampler must not pick yet: stops before ``min_tokens`` is reached."""
+        p = self.params
+        if len(self.output_ids) >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(sorted(self.eos_ids))
+        return eos + p.stop_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +65,8 @@ class Sequence:
         """Record a sampled token and decide whether the sequence is done."""
         self.output_ids.append(token)
         p = self.params
-        if token in self.eos_ids and not p.ignore_eos:
+        may_stop = len(self.output_ids) > p.min_tokens  # the new token's index is >= min_tokens
+        if may_stop and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
             self.finish_reason = "stop"
         elif p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
             self.finish_reason = "length"

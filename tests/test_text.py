@@ -77,3 +77,38 @@ def test_llama3_rope_scaling_matches_transformers():
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = inverse_frequencies(128, 500000.0, scaling)
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=0)
+
+
+def test_penalties_bias_and_bans_follow_their_formulas():
+    from engine.sampler import SampleRow, _adjust
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
+                            logit_bias=((4, 10.0),))
+    row = SampleRow(params, None, prompt_ids=(0,), output_ids=(1, 1, 2), banned_ids=(3,))
+    out = _adjust(logits, [row])[0].tolist()
+    # token 0: prompt only -> repetition 2.0 / 2; token 1: -1 * 2 then -(0.25 * 2 + 0.5); token 2: 0.5 / 2 - 0.75
+    assert out[0] == 1.0
+    assert out[1] == -2.0 - 1.0
+    assert out[2] == 0.25 - 0.75
+    assert out[3] == float("-inf")  # banned (min_tokens not reached)
+    assert out[4] == 11.0
+    assert logits[0, 4] == 1.0  # the input is not modified
+
+
+def test_seeded_rows_draw_the_same_whatever_the_batch():
+    from engine.sampler import SampleRow
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 100)
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    other = SamplingParams(temperature=1.0)
+
+    def seeded_row() -> SampleRow:
+        return SampleRow(seeded, torch.Generator().manual_seed(7))
+
+    alone = [sample(logits[:1], [seeded_row()])[0] for _ in range(20)]
+    crowded = [sample(logits, [seeded_row(), SampleRow(other), SampleRow(other), SampleRow(other)])[0] for _ in range(20)]
+    assert alone == crowded
+    unseeded = {sample(logits[:1], [SampleRow(other)])[0] for _ in range(20)}
+    assert len(unseeded) > 1  # without a seed the draws do vary
