@@ -16,8 +16,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import chat
+from api import chat, completions
 from api.chat_schema import parse_chat_request
+from api.completion_schema import parse_completion_request
 from api.errors import ApiError
 from api.metrics import metrics_registry, render
 from api.settings import config_from_env
@@ -108,24 +109,40 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
                 code="model_not_found",
             )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        req = parse_chat_request(await json_body())
-        check_model(req.model)
+    def check_serving() -> None:
         if not engine.is_running:
             raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable")
-        ids = chat.prompt_ids(engine, req)
-        chat.check_fits(engine, ids)
-        params = chat.sampling_params(req)
-        if not req.stream:
-            return _json(await chat.complete(engine, model_name, ids, params))
+
+    def sse_response(events: Any) -> Response:
         response = Response(
-            chat.stream(engine, model_name, ids, params, req.include_usage),
-            mimetype="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         response.timeout = None  # Quart's 60 s response timeout would cut long streams
         return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        req = parse_chat_request(await json_body())
+        check_model(req.common.model)
+        check_serving()
+        ids = chat.prompt_ids(engine, req)
+        chat.check_prompt(engine, ids, "messages" if req.messages is not None else "prompt")
+        params = req.common.params
+        if not req.common.stream:
+            return _json(await chat.complete(engine, model_name, ids, params))
+        return sse_response(chat.stream(engine, model_name, ids, params, req.common.include_usage))
+
+    @app.post("/v1/completions")
+    async def completions_endpoint() -> Response:
+        req = parse_completion_request(await json_body())
+        check_model(req.common.model)
+        check_serving()
+        prompts = completions.prompt_ids(engine, req)
+        for ids in prompts:
+            chat.check_prompt(engine, ids, "prompt")
+        if not req.common.stream:
+            return _json(await completions.complete(engine, model_name, req, prompts))
+        return sse_response(completions.stream(engine, model_name, req, prompts))
 
     @app.get("/v1/models")
     async def models() -> Response:

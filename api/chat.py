@@ -8,17 +8,19 @@ synchronous calls only, so the scheduler frees the pages within one step.
 
 from __future__ import annotations
 
-import json
+import logging
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 import trio
 
 from api.chat_schema import ChatRequest
 from api.errors import ApiError
+from api.responses import new_completion_id, sse, usage
 from engine.engine import Engine, EngineNotRunning, RequestOutput, RequestRejected
 from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("trillm.api")
 
 
 def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
@@ -31,55 +33,21 @@ def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
     return tok(req.prompt)["input_ids"]
 
 
-def sampling_params(req: ChatRequest) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=req.top_p,
-        ignore_eos=req.ignore_eos,
-        min_p=req.min_p,
-        min_tokens=req.min_tokens,
-        stop=req.stop,
-        stop_token_ids=req.stop_token_ids,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        logit_bias=req.logit_bias,
-        seed=req.seed,
-    )
-
-
-def check_fits(engine: Engine, ids: list[int]) -> None:
+def check_prompt(engine: Engine, ids: list[int], param: str) -> None:
     """Reject up front what the engine would reject, so the client gets a 400, not a broken stream."""
-    if len(ids) >= engine.max_model_len:
-        raise ApiError(
-            f"the prompt has {len(ids)} tokens but this model's context is {engine.max_model_len} tokens "
-            "(the prompt must leave room for at least one generated token)",
-            param="messages",
-            code="context_length_exceeded",
-        )
+    try:
+        engine.check_prompt(ids)
+    except RequestRejected as exc:
+        raise ApiError(str(exc), param=param, code=exc.code) from None
 
 
 def submit(engine: Engine, ids: list[int], params: SamplingParams) -> tuple[str, trio.MemoryReceiveChannel[RequestOutput]]:
     try:
         return engine.submit(ids, params)
     except RequestRejected as exc:
-        raise ApiError(str(exc), param=exc.param) from None
+        raise ApiError(str(exc), param=exc.param, code=exc.code) from None
     except EngineNotRunning:
         raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
 
 
 async def complete(engine: Engine, model: str, ids: list[int], params: SamplingParams) -> dict[str, Any]:
@@ -113,13 +81,8 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
                 "finish_reason": last.finish_reason,
             }
         ],
-        "usage": _usage(last.num_prompt_tokens, last.num_output_tokens),
+        "usage": usage(last.num_prompt_tokens, last.num_output_tokens),
     }
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
 
 
 async def stream(
@@ -138,13 +101,13 @@ async def stream(
         }
         if include_usage:
             body["usage"] = None
-        return _sse(body)
+        return sse(body)
 
     try:
         request_id, outputs = submit(engine, ids, params)
     except ApiError as exc:
-        yield _sse(exc.body())
-        yield _sse("[DONE]")
+        yield sse(exc.body())
+        yield sse("[DONE]")
         return
     try:
         with outputs:
@@ -157,10 +120,14 @@ async def stream(
             finish = last.finish_reason if last else "abort"
             yield chunk({}, finish)
             if include_usage:
-                usage = _usage(len(ids), last.num_output_tokens if last else 0)
-                yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": usage})
-            yield _sse("[DONE]")
+                totals = usage(len(ids), last.num_output_tokens if last else 0)
+                yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                            "model": model, "choices": [], "usage": totals})
+            yield sse("[DONE]")
+    except Exception as exc:  # a bug must end the stream cleanly, not cut the connection
+        log.exception("stream failed")
+        yield sse(ApiError(f"internal error: {type(exc).__name__}", 500).body())
+        yield sse("[DONE]")
     finally:
         # Runs on normal end, on trio.Cancelled and on GeneratorExit alike; no awaits here.
         engine.abort(request_id)

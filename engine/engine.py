@@ -41,9 +41,10 @@ _ids = itertools.count()
 class RequestRejected(ValueError):
     """The request can never be served (e.g. its prompt does not fit the context)."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class EngineNotRunning(RuntimeError):
@@ -55,6 +56,7 @@ class RequestOutput:
     """One step's news for one request: new tokens, their text, maybe the end."""
 
     request_id: str
+    index: int  # which of the requests sharing a channel (``submit_many``)
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
@@ -81,6 +83,7 @@ class _Live:
     channel: trio.MemorySendChannel[RequestOutput]
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
+    index: int = 0
 
 
 @attrs.frozen
@@ -179,8 +182,24 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total,
         )
 
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Raise ``RequestRejected`` for a prompt that can never run here."""
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(prompt_ids)} tokens but this model's context is {self.max_model_len} tokens "
+                "(the prompt must leave room for at least one generated token)",
+                "prompt",
+                "context_length_exceeded",
+            )
+        if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
+            raise RequestRejected(
+                f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt"
+            )
+
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams
     ) -> tuple[str, trio.MemoryReceiveChannel[RequestOutput]]:
         """Queue a request; return its id and the receive end of its outputs.
 
@@ -188,32 +207,38 @@ class Engine:
         run and ``EngineNotRunning`` when the engine is stopped. Closing the
         returned channel cancels the request.
         """
+        ids, receive = self.submit_many([(prompt_ids, params)])
+        return ids[0], receive
+
+    def submit_many(
+        self, requests: list[tuple[list[int], SamplingParams]]
+    ) -> tuple[list[str], trio.MemoryReceiveChannel[RequestOutput]]:
+        """Queue several requests whose outputs share one channel (``RequestOutput.index``
+        tells them apart): the choices of one API call. All or none are queued.
+
+        The channel ends when every request has finished; closing it cancels all of them.
+        """
         if not self._running:
             raise EngineNotRunning("the engine is not running")
-        if not prompt_ids:
-            raise RequestRejected("the prompt is empty", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(prompt_ids)} tokens; this model's context holds {self.max_model_len}, "
-                "including at least one generated token",
-                "messages",
-            )
-        if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
-            raise RequestRejected("a prompt token id is outside the vocabulary", "prompt")
-        request_id = request_id or f"req-{next(_ids)}"
-        if request_id in self._live:
-            raise RequestRejected(f"request id {request_id!r} is already in use")
-        max_len = self.max_model_len
-        if params.max_tokens is not None:
-            max_len = min(max_len, len(prompt_ids) + params.max_tokens)
-        seq = Sequence(request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic())
-        if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+        for prompt_ids, _ in requests:
+            self.check_prompt(prompt_ids)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
-        live = _Live(seq, send, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids), StopStringMatcher(params.stop))
-        self._live[request_id] = live
-        self._inbox_tx.send_nowait(_Submit(live))
-        return request_id, receive
+        ids = []
+        with send:
+            for index, (prompt_ids, params) in enumerate(requests):
+                request_id = f"req-{next(_ids)}"
+                max_len = self.max_model_len
+                if params.max_tokens is not None:
+                    max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+                seq = Sequence(request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic())
+                if params.seed is not None:
+                    seq.generator = torch.Generator().manual_seed(params.seed)
+                live = _Live(seq, send.clone(), IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
+                             StopStringMatcher(params.stop), index)
+                self._live[request_id] = live
+                self._inbox_tx.send_nowait(_Submit(live))
+                ids.append(request_id)
+        return ids, receive
 
     def abort(self, request_id: str) -> None:
         """Ask the scheduler to drop a request and free its pages; idempotent, never blocks."""
@@ -332,7 +357,7 @@ class Engine:
         elif seq.is_finished:
             text += live.stops.flush()
         output = RequestOutput(
-            seq.request_id, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids)
+            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids)
         )
         try:
             live.channel.send_nowait(output)
@@ -352,10 +377,10 @@ class Engine:
             return
         if reason is not None:
             seq = live.seq
+            text = live.stops.push(live.detokenizer.flush()) + live.stops.flush()
+            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids), len(seq.output_ids))
             try:
-                live.channel.send_nowait(
-                    RequestOutput(request_id, live.stops.push(live.detokenizer.flush()) + live.stops.flush(), (), reason, len(seq.prompt_ids), len(seq.output_ids))
-                )
+                live.channel.send_nowait(output)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
         live.channel.close()

@@ -1,0 +1,113 @@
+"""``POST /v1/completions``: one choice per prompt, all sharing one engine channel.
+
+Cancellation works as for chat: leaving the handler or the SSE generator
+closes the shared channel and aborts every choice synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from api.completion_schema import CompletionRequest
+from api.errors import ApiError
+from api.responses import new_completion_id, sse, usage
+from engine.engine import Engine, EngineNotRunning, RequestOutput, RequestRejected
+
+log = logging.getLogger("trillm.api")
+
+
+def prompt_ids(engine: Engine, req: CompletionRequest) -> list[list[int]]:
+    tok = engine.tokenizer
+    return [list(p) if isinstance(p, tuple) else tok(p)["input_ids"] for p in req.prompts]
+
+
+def _submit(engine: Engine, req: CompletionRequest, prompts: list[list[int]]):
+    try:
+        return engine.submit_many([(ids, req.common.params) for ids in prompts])
+    except RequestRejected as exc:
+        raise ApiError(str(exc), param="prompt", code=exc.code) from None
+    except EngineNotRunning:
+        raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
+
+
+def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+    if not req.echo:
+        return [""] * len(prompts)
+    return [p if isinstance(p, str) else engine.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+
+
+async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]]) -> dict[str, Any]:
+    """Run every choice to its end and return the ``text_completion`` body."""
+    request_ids, outputs = _submit(engine, req, prompts)
+    texts = _echo_texts(engine, req, prompts)
+    last: dict[int, RequestOutput] = {}
+    try:
+        with outputs:
+            async for out in outputs:
+                texts[out.index] += out.text
+                last[out.index] = out
+    finally:
+        for request_id in request_ids:
+            engine.abort(request_id)
+    if len(last) != len(prompts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
+        raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
+    return {
+        "id": new_completion_id(),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": last[i].finish_reason}
+            for i in range(len(prompts))
+        ],
+        "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in last.values())),
+    }
+
+
+async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]]) -> AsyncIterator[bytes]:
+    """SSE: [echoed prompts], text pieces as they come, a finish chunk per choice, [usage], [DONE]."""
+    completion_id, created = new_completion_id(), int(time.time())
+    include_usage = req.common.include_usage
+
+    def chunk(index: int, text: str, finish_reason: str | None) -> bytes:
+        body: dict[str, Any] = {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    try:
+        request_ids, outputs = _submit(engine, req, prompts)
+    except ApiError as exc:
+        yield sse(exc.body())
+        yield sse("[DONE]")
+        return
+    try:
+        with outputs:
+            for index, text in enumerate(_echo_texts(engine, req, prompts)):
+                if text:
+                    yield chunk(index, text, None)
+            generated = [0] * len(prompts)
+            async for out in outputs:
+                generated[out.index] = out.num_output_tokens
+                if out.text or out.finish_reason:
+                    yield chunk(out.index, out.text, out.finish_reason)
+            if include_usage:
+                totals = usage(sum(len(p) for p in prompts), sum(generated))
+                yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
+                           "choices": [], "usage": totals})
+            yield sse("[DONE]")
+    except Exception as exc:  # a bug must end the stream cleanly, not cut the connection
+        log.exception("stream failed")
+        yield sse(ApiError(f"internal error: {type(exc).__name__}", 500).body())
+        yield sse("[DONE]")
+    finally:
+        for request_id in request_ids:  # synchronous: safe under Cancelled and GeneratorExit
+            engine.abort(request_id)
