@@ -54,3 +54,12 @@ async def engine(model_parts, nursery) -> AsyncIterator[Engine]:
     yield eng
     await wait_idle(eng)
     nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def server(model_parts):
+    """A real Hypercorn server on 127.0.0.1 around a fresh engine; idle afterwards."""
+    from tests.server import running_server
+
+    async with running_server(model_parts) as srv:
+        yield srv

@@ -7,6 +7,7 @@ from functools import partial
 from typing import AsyncIterator
 
 import attrs
+import openai
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -44,3 +45,16 @@ async def running_server(model_parts, **engine_overrides) -> AsyncIterator[Serve
         await wait_idle(engine)
         shutdown.set()
     assert not engine.is_running
+
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+async def in_thread(fn, *args, **kwargs):
+    """The sync openai client runs in a thread so the server keeps the event loop."""
+    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))

@@ -10,25 +10,7 @@ import pytest
 import trio
 
 from tests.conftest import wait_idle
-from tests.server import running_server
-
-MODEL = "smollm2-135m-instruct"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture
-async def server(model_parts):
-    async with running_server(model_parts) as srv:
-        yield srv
-
-
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
-
-
-async def in_thread(fn, *args, **kwargs):
-    """The sync openai client runs in a thread so the server keeps the event loop."""
-    return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
+from tests.server import MODEL, QUESTION, client, in_thread
 
 
 async def test_models_health_version(server):

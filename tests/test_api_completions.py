@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from tests.conftest import wait_idle
-from tests.test_api import MODEL, client, in_thread, server  # noqa: F401  (fixture)
+from tests.server import MODEL, client, in_thread
 
 PROMPTS = ["The capital of France is", "One, two, three,"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from tests.test_api import MODEL, QUESTION, client, in_thread, server  # noqa: F401  (fixture)
+from tests.server import MODEL, QUESTION, client, in_thread
 
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
