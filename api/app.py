@@ -129,8 +129,8 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
         chat.check_prompt(engine, ids, "messages" if req.messages is not None else "prompt")
         params = req.common.params
         if not req.common.stream:
-            return _json(await chat.complete(engine, model_name, ids, params))
-        return sse_response(chat.stream(engine, model_name, ids, params, req.common.include_usage))
+            return _json(await chat.complete(engine, model_name, ids, params, req.common.n))
+        return sse_response(chat.stream(engine, model_name, ids, params, req.common.n, req.common.include_usage))
 
     @app.post("/v1/completions")
     async def completions_endpoint() -> Response:

@@ -12,12 +12,11 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-import trio
-
 from api.chat_schema import ChatRequest
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
-from engine.engine import Engine, EngineNotRunning, RequestOutput, RequestRejected
+from api.submission import abort_all, submit_choices
+from engine.engine import Engine, RequestOutput, RequestRejected
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("trillm.api")
@@ -41,32 +40,23 @@ def check_prompt(engine: Engine, ids: list[int], param: str) -> None:
         raise ApiError(str(exc), param=param, code=exc.code) from None
 
 
-def submit(engine: Engine, ids: list[int], params: SamplingParams) -> tuple[str, trio.MemoryReceiveChannel[RequestOutput]]:
-    try:
-        return engine.submit(ids, params)
-    except RequestRejected as exc:
-        raise ApiError(str(exc), param=exc.param, code=exc.code) from None
-    except EngineNotRunning:
-        raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
+async def complete(engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+    """Run every choice to its end and return the ``chat.completion`` body.
 
-
-async def complete(engine: Engine, model: str, ids: list[int], params: SamplingParams) -> dict[str, Any]:
-    """Run to the end and return the ``chat.completion`` body.
-
-    If the handler is cancelled (client gone, deadline), the request is aborted
-    on the way out and its pages freed.
+    If the handler is cancelled (client gone, deadline), the requests are
+    aborted on the way out and their pages freed.
     """
-    request_id, outputs = submit(engine, ids, params)
-    text: list[str] = []
-    last: RequestOutput | None = None
+    request_ids, outputs = submit_choices(engine, [ids], params, n)
+    texts = [""] * n
+    last: dict[int, RequestOutput] = {}
     try:
         with outputs:
             async for out in outputs:
-                text.append(out.text)
-                last = out
+                texts[out.index] += out.text
+                last[out.index] = out
     finally:
-        engine.abort(request_id)
-    if last is None or last.finish_reason in ("abort", "error"):
+        abort_all(engine, request_ids)
+    if len(last) != n or any(o.finish_reason in ("abort", "error") for o in last.values()):
         raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
     return {
         "id": new_completion_id(),
@@ -75,54 +65,55 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(text)},
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
                 "logprobs": None,
-                "finish_reason": last.finish_reason,
+                "finish_reason": last[i].finish_reason,
             }
+            for i in range(n)
         ],
-        "usage": usage(last.num_prompt_tokens, last.num_output_tokens),
+        "usage": usage(len(ids), sum(o.num_output_tokens for o in last.values())),
     }
 
 
 async def stream(
-    engine: Engine, model: str, ids: list[int], params: SamplingParams, include_usage: bool
+    engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int, include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """Yield SSE events: a role chunk, content chunks, a finish chunk, [usage], [DONE]."""
+    """SSE: a role chunk per choice, content chunks, a finish chunk per choice, [usage], [DONE]."""
     completion_id, created = new_completion_id(), int(time.time())
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None) -> bytes:
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None) -> bytes:
         body: dict[str, Any] = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
         }
         if include_usage:
             body["usage"] = None
         return sse(body)
 
     try:
-        request_id, outputs = submit(engine, ids, params)
+        request_ids, outputs = submit_choices(engine, [ids], params, n)
     except ApiError as exc:
         yield sse(exc.body())
         yield sse("[DONE]")
         return
     try:
         with outputs:
-            yield chunk({"role": "assistant", "content": ""}, None)
-            last: RequestOutput | None = None
+            for index in range(n):
+                yield chunk(index, {"role": "assistant", "content": ""}, None)
+            generated = [0] * n
             async for out in outputs:
-                last = out
+                generated[out.index] = out.num_output_tokens
                 if out.text:
-                    yield chunk({"content": out.text}, None)
-            finish = last.finish_reason if last else "abort"
-            yield chunk({}, finish)
+                    yield chunk(out.index, {"content": out.text}, None)
+                if out.finish_reason:
+                    yield chunk(out.index, {}, out.finish_reason)
             if include_usage:
-                totals = usage(len(ids), last.num_output_tokens if last else 0)
                 yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "choices": [], "usage": totals})
+                           "model": model, "choices": [], "usage": usage(len(ids), sum(generated))})
             yield sse("[DONE]")
     except Exception as exc:  # a bug must end the stream cleanly, not cut the connection
         log.exception("stream failed")
@@ -130,4 +121,4 @@ async def stream(
         yield sse("[DONE]")
     finally:
         # Runs on normal end, on trio.Cancelled and on GeneratorExit alike; no awaits here.
-        engine.abort(request_id)
+        abort_all(engine, request_ids)

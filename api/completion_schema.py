@@ -9,6 +9,7 @@ import attrs
 from api.fields import CommonFields, bad, boolean, integer, parse_common
 
 MAX_PROMPTS = 64
+MAX_CHOICES = 128
 
 
 @attrs.frozen
@@ -52,4 +53,6 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         raise bad("logprobs", "logprobs are not supported yet")
     if integer(body, "best_of", 1, 1) != 1:
         raise bad("best_of", "only best_of=1 is supported")
+    if len(prompts) * common.n > MAX_CHOICES:
+        raise bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {common.n}")
     return CompletionRequest(common, prompts, boolean(body, "echo", False))

@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator
 from api.completion_schema import CompletionRequest
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
-from engine.engine import Engine, EngineNotRunning, RequestOutput, RequestRejected
+from api.submission import abort_all, submit_choices
+from engine.engine import Engine, RequestOutput
 
 log = logging.getLogger("trillm.api")
 
@@ -21,15 +22,6 @@ log = logging.getLogger("trillm.api")
 def prompt_ids(engine: Engine, req: CompletionRequest) -> list[list[int]]:
     tok = engine.tokenizer
     return [list(p) if isinstance(p, tuple) else tok(p)["input_ids"] for p in req.prompts]
-
-
-def _submit(engine: Engine, req: CompletionRequest, prompts: list[list[int]]):
-    try:
-        return engine.submit_many([(ids, req.common.params) for ids in prompts])
-    except RequestRejected as exc:
-        raise ApiError(str(exc), param="prompt", code=exc.code) from None
-    except EngineNotRunning:
-        raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
 
 
 def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -40,8 +32,9 @@ def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]
 
 async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]]) -> dict[str, Any]:
     """Run every choice to its end and return the ``text_completion`` body."""
-    request_ids, outputs = _submit(engine, req, prompts)
-    texts = _echo_texts(engine, req, prompts)
+    request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
+    n = req.common.n
+    texts = [echo for echo in _echo_texts(engine, req, prompts) for _ in range(n)]
     last: dict[int, RequestOutput] = {}
     try:
         with outputs:
@@ -49,9 +42,8 @@ async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: 
                 texts[out.index] += out.text
                 last[out.index] = out
     finally:
-        for request_id in request_ids:
-            engine.abort(request_id)
-    if len(last) != len(prompts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
+        abort_all(engine, request_ids)
+    if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
         raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
     return {
         "id": new_completion_id(),
@@ -60,7 +52,7 @@ async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: 
         "model": model,
         "choices": [
             {"index": i, "text": texts[i], "logprobs": None, "finish_reason": last[i].finish_reason}
-            for i in range(len(prompts))
+            for i in range(len(texts))
         ],
         "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in last.values())),
     }
@@ -84,17 +76,19 @@ async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: li
         return sse(body)
 
     try:
-        request_ids, outputs = _submit(engine, req, prompts)
+        request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
     except ApiError as exc:
         yield sse(exc.body())
         yield sse("[DONE]")
         return
     try:
         with outputs:
+            n = req.common.n
             for index, text in enumerate(_echo_texts(engine, req, prompts)):
-                if text:
-                    yield chunk(index, text, None)
-            generated = [0] * len(prompts)
+                for j in range(n):
+                    if text:
+                        yield chunk(index * n + j, text, None)
+            generated = [0] * (len(prompts) * n)
             async for out in outputs:
                 generated[out.index] = out.num_output_tokens
                 if out.text or out.finish_reason:
@@ -109,5 +103,4 @@ async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: li
         yield sse(ApiError(f"internal error: {type(exc).__name__}", 500).body())
         yield sse("[DONE]")
     finally:
-        for request_id in request_ids:  # synchronous: safe under Cancelled and GeneratorExit
-            engine.abort(request_id)
+        abort_all(engine, request_ids)

@@ -17,6 +17,7 @@ from engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 16
+MAX_N = 32
 
 
 @attrs.frozen
@@ -25,6 +26,7 @@ class CommonFields:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -135,8 +137,6 @@ def _top_k(body: dict[str, Any]) -> int:
 
 def reject_unsupported(body: dict[str, Any]) -> None:
     """Fields of the OpenAI API that we do not implement yet: a clear 400, never ignored."""
-    if integer(body, "n", 1, lo=1) != 1:
-        raise bad("n", "only n=1 is supported so far")
     if body.get("tools"):
         raise bad("tools", "tool calling is not supported")
     fmt = body.get("response_format")
@@ -177,4 +177,4 @@ def parse_common(body: Any) -> CommonFields:
         logit_bias=_logit_bias(body),
         seed=_seed(body),
     )
-    return CommonFields(model, params, stream, include_usage)
+    return CommonFields(model, params, stream, include_usage, integer(body, "n", 1, 1, MAX_N))

@@ -64,7 +64,8 @@ async def test_echo_and_streaming_match_the_one_shot_text(server):
         ({"prompt": [[]]}, "prompt"),
         ({"prompt": [99999999]}, "prompt"),
         ({}, "prompt"),
-        ({"prompt": "x", "n": 3}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": ["x"] * 64, "n": 3}, "n"),
         ({"prompt": "x", "logprobs": 9}, "logprobs"),
     ],
 )
@@ -90,3 +91,12 @@ async def test_leaving_a_multi_prompt_stream_frees_every_choice(server):
     await in_thread(read_a_little)
     await wait_idle(server.engine)
     assert server.engine.stats().num_aborted == 6
+
+
+async def test_n_choices_per_prompt_are_ordered_prompt_major(server):
+    c = client(server)
+    reply = await in_thread(c.completions.create, model=MODEL, prompt=PROMPTS, n=2, max_tokens=5, temperature=0)
+    assert [ch.index for ch in reply.choices] == [0, 1, 2, 3]
+    texts = [ch.text for ch in reply.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3] and texts[0] != texts[2]  # greedy: same per prompt
+    assert reply.usage.completion_tokens == 20

@@ -78,3 +78,26 @@ async def test_logit_bias_min_tokens_and_penalties_change_the_output(server):
         penalised = await in_thread(c.chat.completions.create, model=MODEL, messages=STORY, max_tokens=40,
                                     temperature=0, **extra)
         assert penalised.choices[0].message.content != plain.choices[0].message.content, extra
+
+
+async def test_n_choices_streamed_and_not_agree_under_a_seed(server):
+    c = client(server)
+    kwargs = dict(model=MODEL, messages=STORY, max_tokens=12, temperature=1.0, seed=5, n=3)
+    whole = await in_thread(c.chat.completions.create, **kwargs)
+    assert [ch.index for ch in whole.choices] == [0, 1, 2]
+    texts = [ch.message.content for ch in whole.choices]
+    assert len(set(texts)) > 1  # the choices are different samples
+    assert 3 <= whole.usage.completion_tokens <= 36  # summed over the three choices
+
+    def streamed():
+        return list(c.chat.completions.create(stream=True, **kwargs))
+
+    chunks = await in_thread(streamed)
+    pieces = ["", "", ""]
+    finishes = [None, None, None]
+    for ch in chunks:
+        (choice,) = ch.choices
+        pieces[choice.index] += choice.delta.content or ""
+        finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert pieces == texts
+    assert finishes == [ch.finish_reason for ch in whole.choices]
