@@ -16,7 +16,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import chat, completions
+from api import chat, completions, tokenize
 from api.chat_schema import parse_chat_request
 from api.completion_schema import parse_completion_request
 from api.errors import ApiError
@@ -143,6 +143,22 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
         if not req.common.stream:
             return _json(await completions.complete(engine, model_name, req, prompts))
         return sse_response(completions.stream(engine, model_name, req, prompts))
+
+    def check_optional_model(body: Any) -> None:
+        if isinstance(body, dict) and body.get("model") is not None:
+            check_model(body["model"])
+
+    @app.post("/tokenize")
+    async def tokenize_endpoint() -> Response:
+        body = await json_body()
+        check_optional_model(body)
+        return _json(tokenize.tokenize(engine, body))
+
+    @app.post("/detokenize")
+    async def detokenize_endpoint() -> Response:
+        body = await json_body()
+        check_optional_model(body)
+        return _json(tokenize.detokenize(engine, body))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -33,7 +33,7 @@ def _content(index: int, content: Any) -> str:
     raise bad(param, "must be a string or a list of text parts")
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(value, list):
         raise bad("messages", "must be a list of message objects")
     if not value:
@@ -55,7 +55,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     common = parse_common(body)
     messages = prompt = None
     if body.get("messages") is not None:
-        messages = _messages(body["messages"])
+        messages = parse_messages(body["messages"])
     if body.get("prompt") is not None:
         if not isinstance(body["prompt"], str):
             raise bad("prompt", "must be a string")

@@ -217,3 +217,21 @@ async def test_non_streaming_client_that_gives_up_frees_its_request(server):
                 "model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True})
     await wait_idle(server.engine, timeout=10)
     assert server.engine.stats().num_aborted == 1
+
+
+async def test_tokenize_detokenize_round_trip(server):
+    text = "Hello, wörld! 東京 🎉"
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        t = (await http.post("/tokenize", json={"model": MODEL, "prompt": text})).json()
+        assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == server.engine.max_model_len
+        back = (await http.post("/detokenize", json={"model": MODEL, "tokens": t["tokens"]})).json()
+        assert back == {"prompt": text}
+        chat = (await http.post("/tokenize", json={"model": MODEL, "messages": QUESTION})).json()
+        reply = await in_thread(client(server).chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=1)
+        assert chat["count"] == reply.usage.prompt_tokens
+        for path, body, status in [("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+                                   ("/tokenize", {"prompt": 5}, 400),
+                                   ("/detokenize", {"tokens": [-1]}, 400),
+                                   ("/detokenize", {"tokens": "abc"}, 400)]:
+            r = await http.post(path, json=body)
+            assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
