@@ -13,10 +13,12 @@ import time
 from typing import Any, AsyncIterator
 
 from api.chat_schema import ChatRequest
+from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
 from api.submission import abort_all, submit_choices
 from engine.engine import Engine, RequestOutput, RequestRejected
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("trillm.api")
@@ -30,6 +32,12 @@ def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
         text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False)["input_ids"]
     return tok(req.prompt)["input_ids"]
+
+
+def _logprobs(engine: Engine, params: SamplingParams, items: Any) -> dict[str, Any] | None:
+    if params.logprobs is None:
+        return None
+    return {"content": logprobs.chat_content(engine.tokenizer, items)}
 
 
 def check_prompt(engine: Engine, ids: list[int], param: str) -> None:
@@ -48,11 +56,13 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
     """
     request_ids, outputs = submit_choices(engine, [ids], params, n)
     texts = [""] * n
+    token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
     last: dict[int, RequestOutput] = {}
     try:
         with outputs:
             async for out in outputs:
                 texts[out.index] += out.text
+                token_logprobs[out.index] += out.logprobs
                 last[out.index] = out
     finally:
         abort_all(engine, request_ids)
@@ -67,7 +77,7 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
             {
                 "index": i,
                 "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": None,
+                "logprobs": _logprobs(engine, params, token_logprobs[i]),
                 "finish_reason": last[i].finish_reason,
             }
             for i in range(n)
@@ -82,13 +92,15 @@ async def stream(
     """SSE: a role chunk per choice, content chunks, a finish chunk per choice, [usage], [DONE]."""
     completion_id, created = new_completion_id(), int(time.time())
 
-    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None) -> bytes:
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": _logprobs(engine, params, lps) if lps else None,
+                  "finish_reason": finish_reason}
         body: dict[str, Any] = {
             "id": completion_id,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [choice],
         }
         if include_usage:
             body["usage"] = None
@@ -107,8 +119,8 @@ async def stream(
             generated = [0] * n
             async for out in outputs:
                 generated[out.index] = out.num_output_tokens
-                if out.text:
-                    yield chunk(out.index, {"content": out.text}, None)
+                if out.text or out.logprobs:
+                    yield chunk(out.index, {"content": out.text}, None, out.logprobs)
                 if out.finish_reason:
                     yield chunk(out.index, {}, out.finish_reason)
             if include_usage:

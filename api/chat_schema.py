@@ -9,6 +9,7 @@ import attrs
 from api.fields import CommonFields, bad, boolean, integer, parse_common
 
 ROLES = {"system", "user", "assistant", "developer"}
+MAX_TOP_LOGPROBS = 20
 
 
 @attrs.frozen
@@ -62,6 +63,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
         prompt = body["prompt"]
     if (messages is None) == (prompt is None):
         raise bad("messages", "give exactly one of 'messages' or 'prompt'")
-    if boolean(body, "logprobs", False) or integer(body, "top_logprobs", 0, 0, 20):
-        raise bad("logprobs", "logprobs are not supported yet")
+    logprobs = boolean(body, "logprobs", False)
+    top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if body.get("top_logprobs") is not None and not logprobs:
+        raise bad("top_logprobs", "needs 'logprobs': true")
+    if logprobs:
+        common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=top))
     return ChatRequest(common, messages, prompt)

@@ -10,6 +10,7 @@ from api.fields import CommonFields, bad, boolean, integer, parse_common
 
 MAX_PROMPTS = 64
 MAX_CHOICES = 128
+MAX_LOGPROBS = 5
 
 
 @attrs.frozen
@@ -49,10 +50,14 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     prompts = _prompts(body["prompt"])
     if body.get("suffix"):
         raise bad("suffix", "suffix (fill-in-the-middle) is not supported")
-    if integer(body, "logprobs", 0, 0, 5):
-        raise bad("logprobs", "logprobs are not supported yet")
+    echo = boolean(body, "echo", False)
+    if body.get("logprobs") is not None:
+        if echo:
+            raise bad("logprobs", "logprobs together with echo (prompt logprobs) are not supported")
+        k = integer(body, "logprobs", 0, 0, MAX_LOGPROBS)
+        common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=k))
     if integer(body, "best_of", 1, 1) != 1:
         raise bad("best_of", "only best_of=1 is supported")
     if len(prompts) * common.n > MAX_CHOICES:
         raise bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {common.n}")
-    return CompletionRequest(common, prompts, boolean(body, "echo", False))
+    return CompletionRequest(common, prompts, echo)

@@ -11,10 +11,12 @@ import time
 from typing import Any, AsyncIterator
 
 from api.completion_schema import CompletionRequest
+from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
 from api.submission import abort_all, submit_choices
 from engine.engine import Engine, RequestOutput
+from engine.sampler import TokenLogprobs
 
 log = logging.getLogger("trillm.api")
 
@@ -22,6 +24,12 @@ log = logging.getLogger("trillm.api")
 def prompt_ids(engine: Engine, req: CompletionRequest) -> list[list[int]]:
     tok = engine.tokenizer
     return [list(p) if isinstance(p, tuple) else tok(p)["input_ids"] for p in req.prompts]
+
+
+def _logprobs(engine: Engine, req: CompletionRequest, items: list[TokenLogprobs], offset: int) -> Any:
+    if req.common.params.logprobs is None:
+        return None
+    return logprobs.legacy(engine.tokenizer, items, offset)
 
 
 def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -35,11 +43,13 @@ async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: 
     request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
     n = req.common.n
     texts = [echo for echo in _echo_texts(engine, req, prompts) for _ in range(n)]
+    token_logprobs: list[list[TokenLogprobs]] = [[] for _ in texts]
     last: dict[int, RequestOutput] = {}
     try:
         with outputs:
             async for out in outputs:
                 texts[out.index] += out.text
+                token_logprobs[out.index] += out.logprobs
                 last[out.index] = out
     finally:
         abort_all(engine, request_ids)
@@ -51,7 +61,8 @@ async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: 
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": last[i].finish_reason}
+            {"index": i, "text": texts[i], "logprobs": _logprobs(engine, req, token_logprobs[i], 0),
+             "finish_reason": last[i].finish_reason}
             for i in range(len(texts))
         ],
         "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in last.values())),
@@ -63,13 +74,17 @@ async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: li
     completion_id, created = new_completion_id(), int(time.time())
     include_usage = req.common.include_usage
 
-    def chunk(index: int, text: str, finish_reason: str | None) -> bytes:
+    offsets: dict[int, int] = {}  # characters sent so far per choice, for text_offset
+
+    def chunk(index: int, text: str, finish_reason: str | None, lps: Any = ()) -> bytes:
+        lp = _logprobs(engine, req, list(lps), offsets.get(index, 0)) if lps else None
+        offsets[index] = offsets.get(index, 0) + len(text)
         body: dict[str, Any] = {
             "id": completion_id,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}],
         }
         if include_usage:
             body["usage"] = None
@@ -91,8 +106,8 @@ async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: li
             generated = [0] * (len(prompts) * n)
             async for out in outputs:
                 generated[out.index] = out.num_output_tokens
-                if out.text or out.finish_reason:
-                    yield chunk(out.index, out.text, out.finish_reason)
+                if out.text or out.finish_reason or out.logprobs:
+                    yield chunk(out.index, out.text, out.finish_reason, out.logprobs)
             if include_usage:
                 totals = usage(sum(len(p) for p in prompts), sum(generated))
                 yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,

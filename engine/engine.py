@@ -27,6 +27,7 @@ from engine.kv_pages import PageAllocator
 from engine.llama import LlamaModel
 from engine.loading import load_model
 from engine.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
+from engine.sampler import Sampled, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -60,6 +61,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token in ``token_ids`` when asked for
 
 
 @attrs.frozen
@@ -233,7 +235,7 @@ class Engine:
         finish_reason "abort", frees all pages, and returns.
         """
         batch_tx, batch_rx = trio.open_memory_channel[StepInputs](0)
-        result_tx, result_rx = trio.open_memory_channel[list[int] | Exception](0)
+        result_tx, result_rx = trio.open_memory_channel[Sampled | Exception](0)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._runner_actor, batch_rx, result_tx)
@@ -247,12 +249,12 @@ class Engine:
     async def _runner_actor(
         self,
         batch_rx: trio.MemoryReceiveChannel[StepInputs],
-        result_tx: trio.MemorySendChannel[list[int] | Exception],
+        result_tx: trio.MemorySendChannel[Sampled | Exception],
     ) -> None:
         async with batch_rx, result_tx:
             async for inputs in batch_rx:
                 try:
-                    result: list[int] | Exception = await trio.to_thread.run_sync(
+                    result: Sampled | Exception = await trio.to_thread.run_sync(
                         self.runner.execute, inputs, limiter=self._limiter
                     )
                 except Exception as exc:  # a failed step fails its batch, not the server
@@ -263,7 +265,7 @@ class Engine:
     async def _scheduler_actor(
         self,
         batch_tx: trio.MemorySendChannel[StepInputs],
-        result_rx: trio.MemoryReceiveChannel[list[int] | Exception],
+        result_rx: trio.MemoryReceiveChannel[Sampled | Exception],
     ) -> None:
         async with batch_tx, result_rx:
             while True:
@@ -282,8 +284,12 @@ class Engine:
                     for chunk in batch.chunks:
                         self._finish(chunk.seq.request_id, "error")
                     continue
-                for seq in self.scheduler.complete(batch, result):
-                    self._route(seq)
+                logprobs = {
+                    id(chunk.seq): lp
+                    for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)
+                }
+                for seq in self.scheduler.complete(batch, result.tokens):
+                    self._route(seq, logprobs.get(id(seq)))
                 self._drain_inbox()  # aborts that arrived during the step: freed now
 
     def _drain_inbox(self) -> None:
@@ -304,7 +310,7 @@ class Engine:
                 self.num_aborted += 1
                 self._finish(message.request_id, None)
 
-    def _route(self, seq: Sequence) -> None:
+    def _route(self, seq: Sequence, logprobs: TokenLogprobs | None) -> None:
         """Send a sequence's new token to its consumer; a gone consumer aborts it."""
         live = self._live[seq.request_id]
         self.generation_tokens_total += 1
@@ -319,7 +325,8 @@ class Engine:
         elif seq.is_finished:
             text += live.stops.flush()
         output = RequestOutput(
-            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids)
+            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
+            (logprobs,) if logprobs is not None else (),
         )
         try:
             live.channel.send_nowait(output)

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.llama import LlamaModel
-from engine.sampler import SampleRow, sample
+from engine.sampler import SampleRow, Sampled, sample_with_logprobs
 from engine.scheduler import Batch
 
 
@@ -123,7 +123,7 @@ class ModelRunner:
             rows=tuple(rows),
         )
 
-    def execute(self, inputs: StepInputs) -> list[int]:
+    def execute(self, inputs: StepInputs) -> Sampled:
         """Forward + sample; one token per sampling chunk, in batch order."""
         if torch.get_num_threads() != self.num_threads:  # OpenMP settings are per calling thread
             torch.set_num_threads(self.num_threads)
@@ -132,5 +132,5 @@ class ModelRunner:
                 inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows
             )
             if not inputs.rows:
-                return []
-            return sample(logits, list(inputs.rows))
+                return Sampled([], [])
+            return sample_with_logprobs(logits, list(inputs.rows))

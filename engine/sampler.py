@@ -25,10 +25,53 @@ class SampleRow:
     banned_ids: tuple[int, ...] = ()  # EOS and stop ids while min_tokens is not reached
 
 
+@attrs.frozen
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``k`` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
+class Sampled:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where not asked for
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -> list[int]:
     """One token per row of float32 ``logits`` [B, V], each row by its own parameters."""
+    return sample_with_logprobs(logits, rows).tokens
+
+
+def sample_with_logprobs(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -> Sampled:
+    """Sample, and report log-probabilities where a row asks for them.
+
+    The reported distribution is the one sampled from before truncation:
+    after logit_bias, bans and penalties, divided by the temperature (1 for
+    greedy rows), and before min_p/top_k/top_p.
+    """
     rows = [r if isinstance(r, SampleRow) else SampleRow(r) for r in rows]
     logits = _adjust(logits, rows)
+    tokens = _choose(logits, rows)
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        k = row.params.logprobs
+        if k is None:
+            continue
+        temperature = row.params.temperature if not row.params.greedy and row.params.temperature > 0 else 1.0
+        logp = torch.log_softmax(logits[i] / temperature, dim=-1)
+        top = torch.topk(logp, k) if k else None
+        logprobs[i] = TokenLogprobs(
+            tokens[i],
+            float(logp[tokens[i]]),
+            tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (),
+        )
+    return Sampled(tokens, logprobs)
+
+
+def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
     if random_rows:

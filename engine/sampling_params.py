@@ -28,6 +28,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.min_tokens < 0:
             raise ValueError("min_tokens must be >= 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
 

@@ -67,6 +67,7 @@ async def test_echo_and_streaming_match_the_one_shot_text(server):
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": ["x"] * 64, "n": 3}, "n"),
         ({"prompt": "x", "logprobs": 9}, "logprobs"),
+        ({"prompt": "x", "logprobs": 1, "echo": True}, "logprobs"),
     ],
 )
 async def test_bad_completion_requests_are_400s(server, body, param):
