@@ -188,6 +188,7 @@ class Engine:
             self.check_prompt(prompt_ids)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         ids = []
+        leaders: dict[tuple[int, ...], Sequence] = {}
         with send:
             for index, (prompt_ids, params) in enumerate(requests):
                 request_id = f"req-{next(_ids)}"
@@ -197,6 +198,9 @@ class Engine:
                 seq = Sequence(request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic())
                 if params.seed is not None:
                     seq.generator = torch.Generator().manual_seed(params.seed)
+                seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
+                if seq.leader is seq:
+                    seq.leader = None
                 live = _Live(seq, send.clone(), IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
                              StopStringMatcher(params.stop), index)
                 self._live[request_id] = live

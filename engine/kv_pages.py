@@ -8,10 +8,11 @@ class OutOfPages(Exception):
 
 
 class PageAllocator:
-    """Hands out page indices from a fixed pool with exact accounting.
+    """Hands out page indices from a fixed pool with exact, reference-counted accounting.
 
-    Every page is either free or owned; freeing a page twice or one that was
-    never handed out is a bug and raises at once instead of corrupting the pool.
+    A page is free or held by one or more sequences (``share`` adds a holder,
+    e.g. the n choices of one prompt). Releasing a page more often than it was
+    taken is a bug and raises at once instead of corrupting the pool.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -20,7 +21,7 @@ class PageAllocator:
         self.num_pages = num_pages
         # Stack of free pages; low indices are handed out first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._owned: set[int] = set()
+        self._refs: dict[int, int] = {}
 
     @property
     def free_pages(self) -> int:
@@ -28,7 +29,10 @@ class PageAllocator:
 
     @property
     def used_pages(self) -> int:
-        return len(self._owned)
+        return len(self._refs)
+
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -37,15 +41,29 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
-        self._owned.update(pages)
+        for page in pages:
+            self._refs[page] = 1
         return pages
 
-    def free(self, pages: list[int]) -> None:
+    def share(self, pages: list[int]) -> list[int]:
+        """Add a holder to pages that are already held; returns them for the new holder."""
         for page in pages:
-            if page not in self._owned:
-                raise AssertionError(f"page {page} freed but not owned")
-            self._owned.remove(page)
-            self._free.append(page)
+            if page not in self._refs:
+                raise AssertionError(f"page {page} shared but not held")
+            self._refs[page] += 1
+        return list(pages)
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one holder of each page; a page nobody holds goes back to the pool."""
+        for page in pages:
+            count = self._refs.get(page)
+            if count is None:
+                raise AssertionError(f"page {page} freed but not held")
+            if count == 1:
+                del self._refs[page]
+                self._free.append(page)
+            else:
+                self._refs[page] = count - 1
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

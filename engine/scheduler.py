@@ -106,6 +106,8 @@ class Scheduler:
             budget -= length
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.leader is not None and not self._follow(seq):
+                break  # its leader is still prefilling the shared prompt
             length = min(seq.num_pending, budget)
             need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
             if not self.allocator.can_allocate(need):
@@ -116,6 +118,26 @@ class Scheduler:
             chunks.append(ScheduledChunk.next_for(seq, length))
             budget -= length
         return Batch(tuple(chunks))
+
+    def _follow(self, seq: Sequence) -> bool:
+        """Fork ``seq`` from its leader's prompt pages once they are computed.
+
+        It shares every full page before the one holding the last prompt
+        token and computes the rest itself (at most one page), so pages it
+        writes are always its own. Returns False while it must wait.
+        """
+        leader = seq.leader
+        assert leader is not None
+        if leader in self.running and leader.num_computed >= len(leader.prompt_ids):
+            shared = (len(seq.prompt_ids) - 1) // self.page_size
+            seq.pages = self.allocator.share(leader.pages[:shared])
+            seq.num_computed = shared * self.page_size
+            seq.leader = None
+            return True
+        if leader in self.running or leader in self.waiting:
+            return False
+        seq.leader = None  # the leader is gone: compute the prompt alone
+        return True
 
     def _grow(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Give ``seq`` pages for ``num_tokens``, preempting newer sequences if needed.
@@ -137,6 +159,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = 0
+        seq.leader = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

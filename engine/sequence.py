@@ -30,6 +30,9 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: Any = None  # the request's own torch.Generator when it has a seed
+    # Another choice of the same prompt: this one waits for its prefill and
+    # then shares its full prompt pages instead of computing them again.
+    leader: "Sequence | None" = attrs.field(default=None, repr=False)
 
     @property
     def banned_ids(self) -> tuple[int, ...]:

@@ -174,3 +174,21 @@ async def test_shutdown_ends_open_streams_and_frees_everything(model_parts, toke
     assert eng._limiter.borrowed_tokens == 0
     with pytest.raises(EngineNotRunning):
         eng.submit(ids, SamplingParams())
+
+
+async def test_choices_of_one_prompt_share_its_pages_and_match_a_lone_run(engine, tokenizer):
+    ids = tokenizer("Describe in detail how a steam engine works, step by step, for a curious child who " * 3)["input_ids"]
+    assert len(ids) > 2 * 16  # at least two full pages to share
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    lone = [t for o in await _drain(engine, ids, params) for t in o.token_ids]
+
+    _, outputs = engine.submit_many([(ids, params)] * 3)
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    shared_seen = False
+    with outputs:
+        async for out in outputs:
+            tokens[out.index] += out.token_ids
+            held = [p for s in engine.scheduler.running for p in s.pages]
+            shared_seen |= len(held) > len(set(held))
+    assert shared_seen
+    assert tokens == {0: lone, 1: lone, 2: lone}

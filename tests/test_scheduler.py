@@ -108,9 +108,16 @@ def test_random_interleavings_never_leak_or_double_free(seed):
         action = rng.random()
         if action < 0.3:
             name = f"r{i}"
+            first = seq(name, rng.randint(1, 20), rng.randint(1, 20), t=i)
+            group = [first]
+            for j in range(rng.choice([0, 0, 1, 3])):  # n > 1: followers of the same prompt
+                follower = seq(f"{name}.{j}", len(first.prompt_ids), rng.randint(1, 20), t=i)
+                follower.leader = first
+                group.append(follower)
             try:
-                s.add(seq(name, rng.randint(1, 20), rng.randint(1, 20), t=i))
-                live.append(name)
+                for member in group:
+                    s.add(member)
+                    live.append(member.request_id)
             except ValueError:
                 pass
         elif action < 0.4 and live:
@@ -121,9 +128,41 @@ def test_random_interleavings_never_leak_or_double_free(seed):
                 s.abort(rng.choice(live))
             s.complete(batch, [rng.randint(0, 100) for c in batch.chunks if c.samples])
         owned = [p for q in [*s.running, *s.waiting] for p in q.pages]
-        assert len(owned) == len(set(owned))
-        assert s.allocator.free_pages + len(owned) == total
+        assert all(owned.count(p) == s.allocator.refcount(p) for p in set(owned))
+        assert s.allocator.free_pages + len(set(owned)) == total
         assert all(not q.pages for q in s.waiting if q.num_computed == 0)
     for name in live:
         s.abort(name)
     assert s.allocator.free_pages == total
+
+
+def test_followers_share_the_leaders_full_prompt_pages():
+    s = Scheduler(PageAllocator(32), 4, 8, 64)
+    leader = seq("a", 10, max_tokens=3, t=0)
+    followers = [seq(f"a.{j}", 10, max_tokens=3, t=0) for j in range(2)]
+    for f in followers:
+        f.leader = leader
+    for q in [leader, *followers]:
+        s.add(q)
+    first = run_step(s)
+    assert [c.seq.request_id for c in first.chunks] == ["a"]  # followers wait for the prefill
+    second = run_step(s)
+    # Positions 0-7 (two full pages) are shared; each follower computes positions 8-9 itself.
+    assert [(c.seq.request_id, c.start, c.length) for c in second.chunks] == [("a", 10, 1), ("a.0", 8, 2), ("a.1", 8, 2)]
+    for f in followers:
+        assert f.pages[:2] == leader.pages[:2] and f.pages[2] != leader.pages[2]
+        assert s.allocator.refcount(f.pages[0]) == 3
+    while s.has_work:
+        run_step(s)
+    assert s.allocator.free_pages == 32
+
+
+def test_a_follower_whose_leader_is_gone_prefills_alone():
+    s = Scheduler(PageAllocator(32), 4, 8, 64)
+    leader, follower = seq("a", 10, t=0), seq("a.0", 10, t=0)
+    follower.leader = leader
+    s.add(leader)
+    s.add(follower)
+    s.abort("a")
+    batch = run_step(s)
+    assert [(c.seq.request_id, c.start, c.length) for c in batch.chunks] == [("a.0", 0, 10)]
