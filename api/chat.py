@@ -16,9 +16,8 @@ from api.chat_schema import ChatRequest
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
-from api.submission import abort_all, submit_choices
-from engine.engine import Engine, RequestOutput, RequestRejected
-from engine.sampler import TokenLogprobs
+from api.submission import abort_all, collect, submit_choices
+from engine.engine import Engine, RequestRejected
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("trillm.api")
@@ -55,19 +54,7 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
     aborted on the way out and their pages freed.
     """
     request_ids, outputs = submit_choices(engine, [ids], params, n)
-    texts = [""] * n
-    token_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
-    last: dict[int, RequestOutput] = {}
-    try:
-        with outputs:
-            async for out in outputs:
-                texts[out.index] += out.text
-                token_logprobs[out.index] += out.logprobs
-                last[out.index] = out
-    finally:
-        abort_all(engine, request_ids)
-    if len(last) != n or any(o.finish_reason in ("abort", "error") for o in last.values()):
-        raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
+    done = await collect(engine, request_ids, outputs, [""] * n)
     return {
         "id": new_completion_id(),
         "object": "chat.completion",
@@ -76,13 +63,13 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": _logprobs(engine, params, token_logprobs[i]),
-                "finish_reason": last[i].finish_reason,
+                "message": {"role": "assistant", "content": done.texts[i]},
+                "logprobs": _logprobs(engine, params, done.logprobs[i]),
+                "finish_reason": done.last[i].finish_reason,
             }
             for i in range(n)
         ],
-        "usage": usage(len(ids), sum(o.num_output_tokens for o in last.values())),
+        "usage": usage(len(ids), sum(o.num_output_tokens for o in done.last)),
     }
 
 

@@ -14,8 +14,8 @@ from api.completion_schema import CompletionRequest
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
-from api.submission import abort_all, submit_choices
-from engine.engine import Engine, RequestOutput
+from api.submission import abort_all, collect, submit_choices
+from engine.engine import Engine
 from engine.sampler import TokenLogprobs
 
 log = logging.getLogger("trillm.api")
@@ -41,31 +41,19 @@ def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]
 async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]]) -> dict[str, Any]:
     """Run every choice to its end and return the ``text_completion`` body."""
     request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
-    n = req.common.n
-    texts = [echo for echo in _echo_texts(engine, req, prompts) for _ in range(n)]
-    token_logprobs: list[list[TokenLogprobs]] = [[] for _ in texts]
-    last: dict[int, RequestOutput] = {}
-    try:
-        with outputs:
-            async for out in outputs:
-                texts[out.index] += out.text
-                token_logprobs[out.index] += out.logprobs
-                last[out.index] = out
-    finally:
-        abort_all(engine, request_ids)
-    if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
-        raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
+    echoes = [echo for echo in _echo_texts(engine, req, prompts) for _ in range(req.common.n)]
+    done = await collect(engine, request_ids, outputs, echoes)
     return {
         "id": new_completion_id(),
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": texts[i], "logprobs": _logprobs(engine, req, token_logprobs[i], 0),
-             "finish_reason": last[i].finish_reason}
-            for i in range(len(texts))
+            {"index": i, "text": done.texts[i], "logprobs": _logprobs(engine, req, done.logprobs[i], 0),
+             "finish_reason": done.last[i].finish_reason}
+            for i in range(len(done.texts))
         ],
-        "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in last.values())),
+        "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in done.last)),
     }
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import attrs
 import trio
 
+from engine.sampler import TokenLogprobs
+
 from api.errors import ApiError
 from engine.engine import Engine, EngineNotRunning, RequestOutput, RequestRejected
 from engine.sampling_params import SamplingParams
@@ -34,3 +36,40 @@ def abort_all(engine: Engine, request_ids: list[str]) -> None:
     """Synchronous, so it is safe in ``finally`` under ``trio.Cancelled`` or ``GeneratorExit``."""
     for request_id in request_ids:
         engine.abort(request_id)
+
+
+@attrs.frozen
+class Collected:
+    """Every choice of a finished call: text, per-token logprobs, last output."""
+
+    texts: list[str]
+    logprobs: list[list[TokenLogprobs]]
+    last: list[RequestOutput]
+
+
+async def collect(
+    engine: Engine,
+    request_ids: list[str],
+    outputs: trio.MemoryReceiveChannel[RequestOutput],
+    prefixes: list[str],
+) -> Collected:
+    """Read every choice to its end (texts start from ``prefixes``, e.g. echoed prompts).
+
+    If the caller is cancelled (client gone, deadline), every request is
+    aborted on the way out and its pages freed. A call the server ended
+    early (shutdown) is a 503.
+    """
+    texts = list(prefixes)
+    logprobs: list[list[TokenLogprobs]] = [[] for _ in texts]
+    last: dict[int, RequestOutput] = {}
+    try:
+        with outputs:
+            async for out in outputs:
+                texts[out.index] += out.text
+                logprobs[out.index] += out.logprobs
+                last[out.index] = out
+    finally:
+        abort_all(engine, request_ids)
+    if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
+        raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
+    return Collected(texts, logprobs, [last[i] for i in range(len(texts))])
