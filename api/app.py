@@ -21,6 +21,7 @@ from api.chat_schema import parse_chat_request
 from api.completion_schema import parse_completion_request
 from api.errors import ApiError
 from api.metrics import metrics_registry, render
+from api.openapi import openapi_document
 from api.settings import config_from_env
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -186,6 +187,10 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(render(registry), mimetype="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return _json(openapi_document(VERSION, model_name))
 
     @app.get("/version")
     async def version() -> Response:

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from api.fields import CommonFields, bad, boolean, integer, parse_common
+from api.fields import CommonFields, Field, bad, boolean_field, integer_field, parse_common
 
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_TOP_LOGPROBS = 20
@@ -52,19 +52,36 @@ def parse_messages(value: Any) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+MESSAGES = Field(
+    "messages",
+    {"type": ["array", "null"], "minItems": 1, "description": "the conversation; give messages or prompt",
+     "items": {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"enum": sorted(ROLES)},
+                              "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}}}},
+    lambda body: None if body.get("messages") is None else parse_messages(body["messages"]),
+)
+
+
+def _prompt(body: dict[str, Any]) -> str | None:
+    if body.get("prompt") is not None and not isinstance(body["prompt"], str):
+        raise bad("prompt", "must be a string")
+    return body.get("prompt")
+
+
+PROMPT = Field("prompt", {"type": ["string", "null"], "description": "raw text without the chat template"}, _prompt)
+LOGPROBS = boolean_field("logprobs", False, "return log-probabilities of the generated tokens")
+TOP_LOGPROBS = integer_field("top_logprobs", 0, 0, MAX_TOP_LOGPROBS, "alternatives per token; needs logprobs")
+CHAT_FIELDS: tuple[Field, ...] = (MESSAGES, PROMPT, LOGPROBS, TOP_LOGPROBS)
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     common = parse_common(body)
-    messages = prompt = None
-    if body.get("messages") is not None:
-        messages = parse_messages(body["messages"])
-    if body.get("prompt") is not None:
-        if not isinstance(body["prompt"], str):
-            raise bad("prompt", "must be a string")
-        prompt = body["prompt"]
+    messages, prompt = MESSAGES.parse(body), PROMPT.parse(body)
     if (messages is None) == (prompt is None):
         raise bad("messages", "give exactly one of 'messages' or 'prompt'")
-    logprobs = boolean(body, "logprobs", False)
-    top = integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    logprobs, top = LOGPROBS.parse(body), TOP_LOGPROBS.parse(body)
     if body.get("top_logprobs") is not None and not logprobs:
         raise bad("top_logprobs", "needs 'logprobs': true")
     if logprobs:

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from api.fields import CommonFields, bad, boolean, integer, parse_common
+from api.fields import CommonFields, Field, bad, boolean_field, integer_field, parse_common
 
 MAX_PROMPTS = 64
 MAX_CHOICES = 128
@@ -43,20 +43,35 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
     raise bad("prompt", "must be a string, a list of strings, a list of token ids, or a list of those lists")
 
 
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT = Field(
+    "prompt",
+    {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_PROMPTS},
+               _TOKENS, {"type": "array", "items": _TOKENS, "minItems": 1, "maxItems": MAX_PROMPTS}],
+     "description": "a string, strings, token ids, or lists of token ids; one choice set per prompt"},
+    lambda body: _prompts(body["prompt"]) if body.get("prompt") is not None else None,
+)
+ECHO = boolean_field("echo", False, "prepend the prompt to each choice")
+SUFFIX = Field("suffix", {"type": ["string", "null"], "maxLength": 0, "description": "not supported"}, lambda body: None)
+LOGPROBS = integer_field("logprobs", None, 0, MAX_LOGPROBS, "legacy log-probabilities with this many alternatives")
+BEST_OF = integer_field("best_of", 1, 1, 1, "only 1")
+COMPLETION_FIELDS: tuple[Field, ...] = (PROMPT, ECHO, SUFFIX, LOGPROBS, BEST_OF)
+
+
 def parse_completion_request(body: Any) -> CompletionRequest:
     common = parse_common(body)
-    if body.get("prompt") is None:
+    prompts = PROMPT.parse(body)
+    if prompts is None:
         raise bad("prompt", "is required")
-    prompts = _prompts(body["prompt"])
     if body.get("suffix"):
         raise bad("suffix", "suffix (fill-in-the-middle) is not supported")
-    echo = boolean(body, "echo", False)
-    if body.get("logprobs") is not None:
+    echo = ECHO.parse(body)
+    k = LOGPROBS.parse(body)
+    if k is not None:
         if echo:
             raise bad("logprobs", "logprobs together with echo (prompt logprobs) are not supported")
-        k = integer(body, "logprobs", 0, 0, MAX_LOGPROBS)
         common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=k))
-    if integer(body, "best_of", 1, 1) != 1:
+    if BEST_OF.parse(body) != 1:
         raise bad("best_of", "only best_of=1 is supported")
     if len(prompts) * common.n > MAX_CHOICES:
         raise bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {len(prompts)} x {common.n}")

@@ -8,7 +8,7 @@ silently ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -27,6 +27,38 @@ class CommonFields:
     stream: bool
     include_usage: bool
     n: int
+
+
+@attrs.frozen
+class Field:
+    """One request field: its JSON schema (for /openapi.json) beside the parser that enforces it."""
+
+    name: str
+    schema: dict[str, Any]
+    parse: Callable[[dict[str, Any]], Any]
+
+
+def number_field(name: str, default: float, lo: float, hi: float, doc: str, lo_open: bool = False) -> Field:
+    bound = {"exclusiveMinimum": lo} if lo_open else {"minimum": lo}
+    schema = {"type": ["number", "null"], **bound, "maximum": hi, "default": default, "description": doc}
+    return Field(name, schema, lambda body: number(body, name, default, lo, hi, lo_open))
+
+
+def integer_field(name: str, default: int | None, lo: int | None, hi: int | None, doc: str) -> Field:
+    schema: dict[str, Any] = {"type": ["integer", "null"], "description": doc}
+    if lo is not None:
+        schema["minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    if default is not None:
+        schema["default"] = default
+        return Field(name, schema, lambda body: integer(body, name, default, lo, hi))
+    return Field(name, schema, lambda body: optional_integer(body, name, lo, hi))
+
+
+def boolean_field(name: str, default: bool, doc: str) -> Field:
+    schema = {"type": ["boolean", "null"], "default": default, "description": doc}
+    return Field(name, schema, lambda body: boolean(body, name, default))
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -57,8 +89,8 @@ def integer(body: dict[str, Any], name: str, default: int, lo: int | None = None
     return value
 
 
-def optional_integer(body: dict[str, Any], name: str, lo: int | None = None) -> int | None:
-    return None if body.get(name) is None else integer(body, name, 0, lo)
+def optional_integer(body: dict[str, Any], name: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    return None if body.get(name) is None else integer(body, name, 0, lo, hi)
 
 
 def boolean(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -144,6 +176,44 @@ def reject_unsupported(body: dict[str, Any]) -> None:
         raise bad("response_format", "only {'type': 'text'} is supported")
 
 
+STOP = Field("stop", {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS},
+                                   {"type": "null"}],
+                         "description": "up to 4 stop strings; the stop text is not returned"}, _stop)
+STOP_TOKEN_IDS = Field("stop_token_ids", {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
+                                          "description": "token ids that end generation"}, _stop_token_ids)
+LOGIT_BIAS = Field("logit_bias", {"type": ["object", "null"], "additionalProperties": {"type": "number", "minimum": -100,
+                                                                                     "maximum": 100},
+                                  "description": "token id (as a string) -> bias added to its logit"}, _logit_bias)
+TOP_K = Field("top_k", {"type": ["integer", "null"], "minimum": -1, "not": {"const": 0}, "default": -1,
+                        "description": "-1 (off) or >= 1"}, _top_k)
+SEED = Field("seed", {"type": ["integer", "null"], "minimum": -(2**63), "maximum": 2**64 - 1,
+                      "description": "per-request generator seed"}, _seed)
+STREAM_OPTIONS = Field("stream_options", {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}},
+                                          "description": "only with stream: true"}, lambda body: None)
+
+# The fields every generation request shares, in the order they are documented.
+COMMON_FIELDS: tuple[Field, ...] = (
+    integer_field("max_tokens", None, 1, None, f"most tokens to generate (default {DEFAULT_MAX_TOKENS})"),
+    integer_field("max_completion_tokens", None, 1, None, "modern name of max_tokens; must agree with it"),
+    number_field("temperature", 1.0, 0.0, 2.0, "0 is greedy"),
+    TOP_K,
+    number_field("top_p", 1.0, 0.0, 1.0, "nucleus mass", lo_open=True),
+    number_field("min_p", 0.0, 0.0, 1.0, "drop tokens below min_p x the top probability"),
+    boolean_field("ignore_eos", False, "keep generating past end-of-sequence tokens"),
+    integer_field("min_tokens", 0, 0, None, "no EOS or stop token before this many tokens"),
+    STOP,
+    STOP_TOKEN_IDS,
+    number_field("presence_penalty", 0.0, -2.0, 2.0, "OpenAI presence penalty over generated tokens"),
+    number_field("frequency_penalty", 0.0, -2.0, 2.0, "OpenAI frequency penalty over generated tokens"),
+    number_field("repetition_penalty", 1.0, 0.0, 10.0, "vLLM repetition penalty over prompt and output", lo_open=True),
+    LOGIT_BIAS,
+    SEED,
+    integer_field("n", 1, 1, MAX_N, "choices per prompt"),
+    boolean_field("stream", False, "stream Server-Sent Events"),
+    STREAM_OPTIONS,
+)
+
+
 def parse_common(body: Any) -> CommonFields:
     """The model name, sampling parameters and streaming options of any generation request."""
     if not isinstance(body, dict):
@@ -151,11 +221,11 @@ def parse_common(body: Any) -> CommonFields:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "is required and must be a string")
-    stream = boolean(body, "stream", False)
+    v = {f.name: f.parse(body) for f in COMMON_FIELDS}
     include_usage = False
     options = body.get("stream_options")
     if options is not None:
-        if not stream:
+        if not v["stream"]:
             raise bad("stream_options", "is only allowed when 'stream' is true")
         if not isinstance(options, dict):
             raise bad("stream_options", "must be an object")
@@ -163,18 +233,18 @@ def parse_common(body: Any) -> CommonFields:
     reject_unsupported(body)
     params = SamplingParams(
         max_tokens=_max_tokens(body),
-        temperature=number(body, "temperature", 1.0, 0.0, 2.0),
-        top_k=_top_k(body),
-        top_p=number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        min_p=number(body, "min_p", 0.0, 0.0, 1.0),
-        ignore_eos=boolean(body, "ignore_eos", False),
-        min_tokens=integer(body, "min_tokens", 0, lo=0),
-        stop=_stop(body),
-        stop_token_ids=_stop_token_ids(body),
-        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
-        logit_bias=_logit_bias(body),
-        seed=_seed(body),
+        temperature=v["temperature"],
+        top_k=v["top_k"],
+        top_p=v["top_p"],
+        min_p=v["min_p"],
+        ignore_eos=v["ignore_eos"],
+        min_tokens=v["min_tokens"],
+        stop=v["stop"],
+        stop_token_ids=v["stop_token_ids"],
+        presence_penalty=v["presence_penalty"],
+        frequency_penalty=v["frequency_penalty"],
+        repetition_penalty=v["repetition_penalty"],
+        logit_bias=v["logit_bias"],
+        seed=v["seed"],
     )
-    return CommonFields(model, params, stream, include_usage, integer(body, "n", 1, 1, MAX_N))
+    return CommonFields(model, params, v["stream"], include_usage, v["n"])

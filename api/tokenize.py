@@ -6,8 +6,23 @@ from typing import Any
 
 from api.chat_schema import parse_messages
 from api.errors import ApiError
-from api.fields import bad, boolean
+from api.fields import Field, bad, boolean
 from engine.engine import Engine
+
+
+_OPTIONAL_MODEL = Field("model", {"type": ["string", "null"], "description": "if given, the served model"}, lambda b: None)
+TOKENIZE_FIELDS = (
+    _OPTIONAL_MODEL,
+    Field("prompt", {"type": ["string", "null"], "description": "text to tokenize"}, lambda b: None),
+    Field("messages", {"type": ["array", "null"], "minItems": 1, "items": {"type": "object"},
+                       "description": "chat messages; tokenized with the chat template"}, lambda b: None),
+    Field("add_special_tokens", {"type": ["boolean", "null"], "default": True}, lambda b: None),
+    Field("add_generation_prompt", {"type": ["boolean", "null"], "default": True}, lambda b: None),
+)
+DETOKENIZE_FIELDS = (
+    _OPTIONAL_MODEL,
+    Field("tokens", {"type": "array", "items": {"type": "integer", "minimum": 0}}, lambda b: None),
+)
 
 
 def tokenize(engine: Engine, body: Any) -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description built from the same ``Field``
+specs the request parsers enforce, plus the response shapes the handlers build."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api.chat_schema import CHAT_FIELDS
+from api.completion_schema import COMPLETION_FIELDS
+from api.fields import COMMON_FIELDS, Field
+from api.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+
+
+
+def _request(fields: tuple[Field, ...], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": required,
+        "properties": {f.name: f.schema for f in fields},
+        "additionalProperties": True,  # unknown fields are accepted and ignored
+    }
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+          "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+_FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
+_TOP = {"type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                                        "bytes": {"type": "array", "items": {"type": "integer"}}}}
+_CHAT_LOGPROBS = {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": {
+    **_TOP, "properties": {**_TOP["properties"], "top_logprobs": {"type": "array", "items": _TOP}}}}}}
+_LEGACY_LOGPROBS = {"type": ["object", "null"], "properties": {
+    "tokens": {"type": "array", "items": {"type": "string"}},
+    "token_logprobs": {"type": "array", "items": {"type": "number"}},
+    "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+    "text_offset": {"type": "array", "items": {"type": "integer"}}}}
+
+
+def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"}, "model": {"type": "string"},
+        "choices": {"type": "array", "items": choice}, "usage": {"anyOf": [_USAGE, {"type": "null"}]}}}
+
+
+def _model(name: str) -> Field:
+    return Field("model", {"type": "string", "enum": [name], "description": "the served model id"}, lambda b: None)
+
+
+def request_schemas(model_name: str) -> dict[str, Any]:
+    return {
+        "ChatCompletionRequest": _request((_model(model_name),) + CHAT_FIELDS + COMMON_FIELDS, ["model"]),
+        "CompletionRequest": _request((_model(model_name),) + COMPLETION_FIELDS + COMMON_FIELDS, ["model", "prompt"]),
+        "TokenizeRequest": _request(TOKENIZE_FIELDS, []),
+        "DetokenizeRequest": _request(DETOKENIZE_FIELDS, ["tokens"]),
+    }
+
+
+RESPONSE_SCHEMAS: dict[str, Any] = {
+    "ChatCompletion": _envelope("chat.completion", {"type": "object", "properties": {
+        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS,
+        "message": {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}),
+    "ChatCompletionChunk": _envelope("chat.completion.chunk", {"type": "object", "properties": {
+        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS,
+        "delta": {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}),
+    "Completion": _envelope("text_completion", {"type": "object", "properties": {
+        "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+        "logprobs": _LEGACY_LOGPROBS}}),
+    "Tokens": {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "integer"}}, "count": {"type": "integer"},
+        "max_model_len": {"type": "integer"}}},
+    "Text": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {
+            "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+            "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}}},
+    "Status": {"type": "object", "properties": {"status": {"type": "string"}}},
+    "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+            "code": {"type": ["string", "null"]}}}}},
+}
+
+_ERRORS = {str(code): {"description": text, "content": {"application/json": {"schema": _ref("Error")}}}
+           for code, text in [(400, "invalid request"), (404, "unknown model"), (413, "body too large"),
+                              (503, "not serving")]}
+
+
+def _json(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _post(request: str, reply: str, summary: str, stream_chunk: str | None = None) -> dict[str, Any]:
+    ok = _json(reply, "the reply")
+    if stream_chunk:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description":
+                                                         f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"}}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": _ref(request)}}}, "responses": {"200": ok, **_ERRORS}}}
+
+
+def _get(reply: str, summary: str, errors: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": _json(reply, "the reply"),
+                                                      **{c: _ERRORS[c] for c in errors}}}}
+
+
+def openapi_document(version: str, model_name: str) -> dict[str, Any]:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "trillm", "version": version, "description": "OpenAI-compatible LLM inference server"},
+        "paths": {
+            "/v1/chat/completions": _post("ChatCompletionRequest", "ChatCompletion", "chat completion",
+                                          "ChatCompletionChunk"),
+            "/v1/completions": _post("CompletionRequest", "Completion", "text completion (legacy)", "Completion"),
+            "/tokenize": _post("TokenizeRequest", "Tokens", "text or messages to token ids"),
+            "/detokenize": _post("DetokenizeRequest", "Text", "token ids to text"),
+            "/v1/models": _get("ModelList", "the served model"),
+            "/health": _get("Status", "200 while serving", ("503",)),
+            "/version": _get("Version", "server version"),
+        },
+        "components": {"schemas": {**request_schemas(model_name), **RESPONSE_SCHEMAS}},
+    }
