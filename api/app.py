@@ -127,7 +127,7 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
         check_model(req.common.model)
         check_serving()
         ids = chat.prompt_ids(engine, req)
-        chat.check_prompt(engine, ids, "messages" if req.messages is not None else "prompt")
+        chat.check_prompt(engine, ids, "messages" if req.messages is not None else "prompt", req.common)
         params = req.common.params
         if not req.common.stream:
             return _json(await chat.complete(engine, model_name, ids, params, req.common.n))
@@ -140,7 +140,7 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
         check_serving()
         prompts = completions.prompt_ids(engine, req)
         for ids in prompts:
-            chat.check_prompt(engine, ids, "prompt")
+            chat.check_prompt(engine, ids, "prompt", req.common)
         if not req.common.stream:
             return _json(await completions.complete(engine, model_name, req, prompts))
         return sse_response(completions.stream(engine, model_name, req, prompts))

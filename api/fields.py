@@ -27,6 +27,7 @@ class CommonFields:
     stream: bool
     include_usage: bool
     n: int
+    max_tokens_given: bool  # False: the default, clamped to the context instead of rejected
 
 
 @attrs.frozen
@@ -247,4 +248,5 @@ def parse_common(body: Any) -> CommonFields:
         logit_bias=v["logit_bias"],
         seed=v["seed"],
     )
-    return CommonFields(model, params, v["stream"], include_usage, v["n"])
+    given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
+    return CommonFields(model, params, v["stream"], include_usage, v["n"], given)

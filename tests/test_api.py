@@ -138,6 +138,12 @@ async def test_bad_input_gets_openai_shaped_errors_and_does_not_disturb_a_stream
             r = await http.post("/v1/chat/completions", json={"model": MODEL, "prompt": long_prompt})
             assert r.status_code == 400 and str(server.engine.max_model_len) in r.json()["error"]["message"]
             assert "9001" in r.json()["error"]["message"]
+            room = server.engine.max_model_len - 10
+            fits = {"model": MODEL, "prompt": "hello " * 10, "max_tokens": room, "temperature": 0}
+            r = await http.post("/v1/completions", json={**fits, "max_tokens": room + 5})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+            assert str(room + 5) in err["message"] and str(server.engine.max_model_len) in err["message"]
             rest = [line async for line in lines if line]
         events = [first, *rest]
     assert events[-1] == "data: [DONE]"

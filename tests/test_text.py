@@ -112,3 +112,22 @@ def test_seeded_rows_draw_the_same_whatever_the_batch():
     assert alone == crowded
     unseeded = {sample(logits[:1], [SampleRow(other)])[0] for _ in range(20)}
     assert len(unseeded) > 1  # without a seed the draws do vary
+
+
+def test_incremental_detokenizer_property(tokenizer):
+    """For any text, the streamed pieces concatenate to the decoded text and never hold U+FFFD."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(st.text(max_size=60), st.sampled_from(["", "Hi:", "<|im_start|>assistant\n"]))
+    def check(text: str, prompt: str) -> None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        detok = IncrementalDetokenizer(tokenizer, tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        pieces = [detok.push(t) for t in ids] + [detok.flush()]
+        expected = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(pieces) == expected
+        if "\ufffd" not in expected:
+            assert not any("\ufffd" in p for p in pieces)
+
+    check()
