@@ -242,3 +242,17 @@ async def test_tokenize_detokenize_round_trip(server):
                                    ("/detokenize", {"tokens": "abc"}, 400)]:
             r = await http.post(path, json=body)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_unknown_fields_are_ignored_and_extra_paths_work_through_the_openai_client(server):
+    c = client(server)
+    reply = await in_thread(c.chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=3, user="u1",
+                            extra_body={"best_of": 1, "some_future_field": {"x": 1}, "use_beam_search": False})
+    assert reply.usage.completion_tokens >= 1
+    # The docs show the openai client reaching the non-/v1 endpoints by absolute URL.
+    tokens = await in_thread(c.post, server.url + "/tokenize", body={"prompt": "Hello"}, cast_to=object)
+    assert tokens["count"] == len(tokens["tokens"]) >= 1
+    text = await in_thread(c.post, server.url + "/detokenize", body={"tokens": tokens["tokens"]}, cast_to=object)
+    assert text == {"prompt": "Hello"}
+    assert (await in_thread(c.get, server.url + "/health", cast_to=object)) == {"status": "ok"}
+    assert "version" in await in_thread(c.get, server.url + "/version", cast_to=object)
