@@ -33,7 +33,10 @@ def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -
             except ValueError as exc:
                 raise SystemExit(f"{name}={env[name]!r} is not valid: {exc}") from None
     values.update({k: v for k, v in overrides.items() if v is not None})
-    return EngineConfig(**values)  # type: ignore[arg-type]
+    try:
+        return EngineConfig(**values)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"invalid trillm configuration: {exc}") from None
 
 
 def env_documentation() -> str:

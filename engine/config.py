@@ -24,6 +24,18 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     served_model_name: str | None = None
 
+    def __attrs_post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        # Decodes take one token each from the budget; prefills need what is left.
+        if self.max_batch_tokens <= self.max_num_seqs:
+            raise ValueError(
+                f"max_batch_tokens ({self.max_batch_tokens}) must exceed max_num_seqs ({self.max_num_seqs}), "
+                "or running decodes could starve every prefill"
+            )
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model

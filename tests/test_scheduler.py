@@ -166,3 +166,18 @@ def test_a_follower_whose_leader_is_gone_prefills_alone():
     s.abort("a")
     batch = run_step(s)
     assert [(c.seq.request_id, c.start, c.length) for c in batch.chunks] == [("a.0", 0, 10)]
+
+
+def test_engine_config_and_environment_settings_are_validated():
+    from api.settings import config_from_env
+    from engine.config import EngineConfig
+
+    config = config_from_env({"TRILLM_NUM_PAGES": "64", "TRILLM_KV_CACHE_MB": "1.5", "TRILLM_SERVED_MODEL_NAME": "m"},
+                             max_num_seqs=8)
+    assert (config.num_pages, config.kv_cache_bytes, config.model_name, config.max_num_seqs) == (64, 1572864, "m", 8)
+    with pytest.raises(SystemExit, match="TRILLM_PAGE_SIZE"):
+        config_from_env({"TRILLM_PAGE_SIZE": "big"})
+    with pytest.raises(SystemExit, match="max_batch_tokens"):
+        config_from_env({"TRILLM_MAX_NUM_SEQS": "600"})
+    with pytest.raises(ValueError):
+        EngineConfig(page_size=0)
