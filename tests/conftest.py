@@ -47,13 +47,21 @@ def make_engine(model_parts, **overrides: Any) -> Engine:
 
 
 @pytest.fixture
-async def engine(model_parts, nursery) -> AsyncIterator[Engine]:
-    """A running engine; after the test it must be idle with every page free."""
+async def engine(model_parts) -> AsyncIterator[Engine]:
+    """A running engine; after the test it must be idle with every page free,
+    and once stopped it must leave no task and no borrowed worker thread behind."""
+    from tests.server import all_tasks
+
     eng = make_engine(model_parts)
-    await nursery.start(eng.run)
-    yield eng
-    await wait_idle(eng)
-    nursery.cancel_scope.cancel()
+    before = all_tasks()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(eng.run)
+        yield eng
+        await wait_idle(eng)
+        nursery.cancel_scope.cancel()
+    leaked = all_tasks() - before
+    assert not leaked, f"tasks outlived the engine: {[t.name for t in leaked]}"
+    assert eng._limiter.borrowed_tokens == 0 and not eng.is_running
 
 
 @pytest.fixture

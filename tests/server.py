@@ -28,6 +28,17 @@ class Server:
         return self.url + "/v1"
 
 
+def all_tasks() -> set[trio.lowlevel.Task]:
+    """Every living task, found by walking the task tree from the root."""
+    found: set[trio.lowlevel.Task] = set()
+    stack = [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        found.add(task)
+        stack.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return found
+
+
 @asynccontextmanager
 async def running_server(model_parts, **engine_overrides) -> AsyncIterator[Server]:
     """Serve until the block ends; then the engine must be idle and everything stops."""
@@ -38,6 +49,7 @@ async def running_server(model_parts, **engine_overrides) -> AsyncIterator[Serve
     config.accesslog = None
     config.graceful_timeout = 2
     shutdown = trio.Event()
+    before = all_tasks()
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
         url = binds[0]
@@ -45,6 +57,8 @@ async def running_server(model_parts, **engine_overrides) -> AsyncIterator[Serve
         await wait_idle(engine)
         shutdown.set()
     assert not engine.is_running
+    leaked = all_tasks() - before
+    assert not leaked, f"tasks outlived the server: {[t.name for t in leaked]}"
 
 
 MODEL = "smollm2-135m-instruct"
