@@ -64,7 +64,7 @@ def test_trillm_serve_sigterm_ends_open_streams_with_a_final_chunk():
     try:
         _wait_healthy(url, proc)
         events = []
-        body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line:
