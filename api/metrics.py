@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.engine import Engine
@@ -42,9 +42,46 @@ class EngineCollector:
             yield c
 
 
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                    80.0)
+
+
+class PrometheusObserver:
+    """The engine's per-request timings as Prometheus histograms and counters."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def histogram(name: str, doc: str) -> Histogram:
+            h = Histogram(f"trillm:{name}", doc, ["model_name"], registry=registry, buckets=_LATENCY_BUCKETS)
+            return h.labels(model_name)
+
+        self._ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self._itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
+        self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self._queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
+        self._success = Counter("trillm:request_success", "Requests that finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=registry)
+        self._model_name = model_name
+
+    def queue_time(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self._e2e.observe(seconds)
+        self._success.labels(self._model_name, reason).inc()
+
+
 def metrics_registry(engine: Engine, model_name: str) -> CollectorRegistry:
+    """A registry of this app's own: the engine's gauges and counters read at scrape
+    time, and the request-timing histograms the engine reports into."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(engine, model_name))  # type: ignore[arg-type]
+    engine.observer = PrometheusObserver(registry, model_name)
     return registry
 
 

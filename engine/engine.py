@@ -32,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 from engine.stop_strings import StopStringMatcher
+from engine.telemetry import EngineObserver, NullObserver, RequestTimer
 
 log = logging.getLogger("trillm.engine")
 _ids = itertools.count()
@@ -84,6 +85,7 @@ class _Live:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     index: int = 0
+    timer: RequestTimer = attrs.field(factory=RequestTimer)
 
 
 @attrs.frozen
@@ -99,8 +101,16 @@ class _Abort:
 class Engine:
     """Continuous-batching engine around one model."""
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: Any,
+        eos_ids: frozenset[int],
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.config = config
+        self.observer: EngineObserver = observer or NullObserver()
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -281,6 +291,9 @@ class Engine:
                     if self.scheduler.has_work:  # nothing fits yet; wait for news
                         self._handle(await self._inbox_rx.receive())
                     continue
+                now = time.monotonic()
+                for chunk in batch.chunks:
+                    self._live[chunk.seq.request_id].timer.on_scheduled(self.observer, now)
                 await batch_tx.send(self.runner.prepare(batch))
                 result = await result_rx.receive()
                 self.num_steps += 1
@@ -338,7 +351,10 @@ class Engine:
             self.num_aborted += 1
             self._finish(seq.request_id, None)
             return
+        now = time.monotonic()
+        live.timer.on_token(self.observer, now)
         if seq.is_finished:
+            live.timer.on_finished(self.observer, seq.finish_reason or "stop", now)
             live.channel.close()
             del self._live[seq.request_id]
 

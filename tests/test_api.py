@@ -256,3 +256,16 @@ async def test_unknown_fields_are_ignored_and_extra_paths_work_through_the_opena
     assert text == {"prompt": "Hello"}
     assert (await in_thread(c.get, server.url + "/health", cast_to=object)) == {"status": "ok"}
     assert "version" in await in_thread(c.get, server.url + "/version", cast_to=object)
+
+
+async def test_metrics_report_request_timings_and_outcomes(server):
+    c = client(server)
+    await in_thread(c.chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=5,
+                    extra_body={"ignore_eos": True})
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        text = (await http.get("/metrics")).text
+    label = f'model_name="{MODEL}"'
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert f"trillm:{name}_count{{{label}}} 1.0" in text, name
+    assert f"trillm:inter_token_latency_seconds_count{{{label}}} 4.0" in text
+    assert f'trillm:request_success_total{{finished_reason="length",{label}}} 1.0' in text
