@@ -22,7 +22,8 @@ from api.completion_schema import parse_completion_request
 from api.errors import ApiError
 from api.metrics import metrics_registry, render
 from api.openapi import openapi_document
-from api.settings import config_from_env
+from api.settings import config_from_env, request_timeout_from_env
+from api.submission import check_capacity
 from engine.config import EngineConfig
 from engine.engine import Engine
 
@@ -56,9 +57,18 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers, mimetype="application/json")
 
 
-def create_app(engine: Engine | None = None, config: EngineConfig | None = None) -> QuartTrio:
+def create_app(
+    engine: Engine | None = None, config: EngineConfig | None = None, request_timeout: float | None = None
+) -> QuartTrio:
+    """The app around ``engine`` (loaded from ``config`` or ``TRILLM_*`` if not given).
+
+    ``request_timeout`` (default ``TRILLM_REQUEST_TIMEOUT``, else none) bounds
+    every generation request from its arrival.
+    """
     if engine is None:
         engine = Engine.load(config or config_from_env())
+    if request_timeout is None:
+        request_timeout = request_timeout_from_env()
     app = QuartTrio("trillm")
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
@@ -128,10 +138,13 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
         check_serving()
         ids = chat.prompt_ids(engine, req)
         chat.check_prompt(engine, ids, "messages" if req.messages is not None else "prompt", req.common)
-        params = req.common.params
+        params, deadline = req.common.params, trio.current_time() + request_timeout
         if not req.common.stream:
-            return _json(await chat.complete(engine, model_name, ids, params, req.common.n))
-        return sse_response(chat.stream(engine, model_name, ids, params, req.common.n, req.common.include_usage))
+            return _json(await chat.complete(engine, model_name, ids, params, req.common.n, deadline))
+        check_capacity(engine, req.common.n)
+        return sse_response(
+            chat.stream(engine, model_name, ids, params, req.common.n, req.common.include_usage, deadline)
+        )
 
     @app.post("/v1/completions")
     async def completions_endpoint() -> Response:
@@ -141,9 +154,11 @@ def create_app(engine: Engine | None = None, config: EngineConfig | None = None)
         prompts = completions.prompt_ids(engine, req)
         for ids in prompts:
             chat.check_prompt(engine, ids, "prompt", req.common)
+        deadline = trio.current_time() + request_timeout
         if not req.common.stream:
-            return _json(await completions.complete(engine, model_name, req, prompts))
-        return sse_response(completions.stream(engine, model_name, req, prompts))
+            return _json(await completions.complete(engine, model_name, req, prompts, deadline))
+        check_capacity(engine, len(prompts) * req.common.n)
+        return sse_response(completions.stream(engine, model_name, req, prompts, deadline))
 
     def check_optional_model(body: Any) -> None:
         if isinstance(body, dict) and body.get("model") is not None:

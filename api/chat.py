@@ -17,7 +17,7 @@ from api.fields import CommonFields
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
-from api.submission import abort_all, collect, submit_choices
+from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
 from engine.engine import Engine, RequestRejected
 from engine.sampling_params import SamplingParams
 
@@ -60,14 +60,16 @@ def check_prompt(engine: Engine, ids: list[int], param: str, common: CommonField
         )
 
 
-async def complete(engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int) -> dict[str, Any]:
+async def complete(
+    engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int, deadline: float
+) -> dict[str, Any]:
     """Run every choice to its end and return the ``chat.completion`` body.
 
     If the handler is cancelled (client gone, deadline), the requests are
     aborted on the way out and their pages freed.
     """
     request_ids, outputs = submit_choices(engine, [ids], params, n)
-    done = await collect(engine, request_ids, outputs, [""] * n)
+    done = await collect(engine, request_ids, outputs, [""] * n, deadline)
     return {
         "id": new_completion_id(),
         "object": "chat.completion",
@@ -87,9 +89,13 @@ async def complete(engine: Engine, model: str, ids: list[int], params: SamplingP
 
 
 async def stream(
-    engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int, include_usage: bool
+    engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int, include_usage: bool, deadline: float
 ) -> AsyncIterator[bytes]:
-    """SSE: a role chunk per choice, content chunks, a finish chunk per choice, [usage], [DONE]."""
+    """SSE: a role chunk per choice, content chunks, a finish chunk per choice, [usage], [DONE].
+
+    At the deadline every unfinished choice gets a final chunk with
+    ``finish_reason: "length"`` and the stream ends normally.
+    """
     completion_id, created = new_completion_id(), int(time.time())
 
     def chunk(index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> bytes:
@@ -117,12 +123,18 @@ async def stream(
             for index in range(n):
                 yield chunk(index, {"role": "assistant", "content": ""}, None)
             generated = [0] * n
-            async for out in outputs:
-                generated[out.index] = out.num_output_tokens
-                if out.text or out.logprobs:
-                    yield chunk(out.index, {"content": out.text}, None, out.logprobs)
-                if out.finish_reason:
-                    yield chunk(out.index, {}, out.finish_reason)
+            finished: set[int] = set()
+            try:
+                while (out := await receive_until(outputs, deadline)) is not None:
+                    generated[out.index] = out.num_output_tokens
+                    if out.text or out.logprobs:
+                        yield chunk(out.index, {"content": out.text}, None, out.logprobs)
+                    if out.finish_reason:
+                        finished.add(out.index)
+                        yield chunk(out.index, {}, out.finish_reason)
+            except RequestTimedOut:
+                for index in sorted(set(range(n)) - finished):
+                    yield chunk(index, {}, "length")
             if include_usage:
                 yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
                            "model": model, "choices": [], "usage": usage(len(ids), sum(generated))})

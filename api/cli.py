@@ -25,8 +25,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-pages", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-batch-tokens", type=int)
+    p.add_argument("--max-waiting", type=int, help="queued requests beyond this get 503 + Retry-After")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--served-model-name")
+    p.add_argument("--request-timeout", type=float, help="seconds per generation request (default: none)")
 
 
 async def serve(app, host: str, port: int) -> None:
@@ -69,10 +71,10 @@ def main(argv: list[str] | None = None) -> None:
 
         config = config_from_env(
             model=args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
-            max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+            max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name,
         )
-        app = create_app(config=config)
+        app = create_app(config=config, request_timeout=args.request_timeout or None)
         trio.run(partial(serve, app, args.host, args.port))
     elif args.command == "bench":
         from api.bench import run_bench

@@ -14,7 +14,7 @@ from api.completion_schema import CompletionRequest
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, usage
-from api.submission import abort_all, collect, submit_choices
+from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
 from engine.engine import Engine
 from engine.sampler import TokenLogprobs
 
@@ -38,11 +38,13 @@ def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]
     return [p if isinstance(p, str) else engine.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
 
 
-async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]]) -> dict[str, Any]:
+async def complete(
+    engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]], deadline: float
+) -> dict[str, Any]:
     """Run every choice to its end and return the ``text_completion`` body."""
     request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
     echoes = [echo for echo in _echo_texts(engine, req, prompts) for _ in range(req.common.n)]
-    done = await collect(engine, request_ids, outputs, echoes)
+    done = await collect(engine, request_ids, outputs, echoes, deadline)
     return {
         "id": new_completion_id(),
         "object": "text_completion",
@@ -57,8 +59,13 @@ async def complete(engine: Engine, model: str, req: CompletionRequest, prompts: 
     }
 
 
-async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]]) -> AsyncIterator[bytes]:
-    """SSE: [echoed prompts], text pieces as they come, a finish chunk per choice, [usage], [DONE]."""
+async def stream(
+    engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]], deadline: float
+) -> AsyncIterator[bytes]:
+    """SSE: [echoed prompts], text pieces as they come, a finish chunk per choice, [usage], [DONE].
+
+    At the deadline every unfinished choice gets a final chunk with ``finish_reason: "length"``.
+    """
     completion_id, created = new_completion_id(), int(time.time())
     include_usage = req.common.include_usage
 
@@ -92,10 +99,17 @@ async def stream(engine: Engine, model: str, req: CompletionRequest, prompts: li
                     if text:
                         yield chunk(index * n + j, text, None)
             generated = [0] * (len(prompts) * n)
-            async for out in outputs:
-                generated[out.index] = out.num_output_tokens
-                if out.text or out.finish_reason or out.logprobs:
-                    yield chunk(out.index, out.text, out.finish_reason, out.logprobs)
+            finished: set[int] = set()
+            try:
+                while (out := await receive_until(outputs, deadline)) is not None:
+                    generated[out.index] = out.num_output_tokens
+                    if out.finish_reason:
+                        finished.add(out.index)
+                    if out.text or out.finish_reason or out.logprobs:
+                        yield chunk(out.index, out.text, out.finish_reason, out.logprobs)
+            except RequestTimedOut:
+                for index in sorted(set(range(len(generated))) - finished):
+                    yield chunk(index, "", "length")
             if include_usage:
                 totals = usage(sum(len(p) for p in prompts), sum(generated))
                 yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,

@@ -86,7 +86,7 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
 
 _ERRORS = {str(code): {"description": text, "content": {"application/json": {"schema": _ref("Error")}}}
            for code, text in [(400, "invalid request"), (404, "unknown model"), (413, "body too large"),
-                              (503, "not serving")]}
+                              (503, "overloaded or not serving"), (504, "past the request deadline")]}
 
 
 def _json(name: str, description: str) -> dict[str, Any]:

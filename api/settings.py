@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping
 
@@ -15,6 +16,7 @@ _ENV = {
     "TRILLM_NUM_PAGES": ("num_pages", int),
     "TRILLM_KV_CACHE_MB": ("kv_cache_bytes", lambda v: int(float(v) * 1024 * 1024)),
     "TRILLM_MAX_NUM_SEQS": ("max_num_seqs", int),
+    "TRILLM_MAX_WAITING": ("max_waiting", int),
     "TRILLM_MAX_BATCH_TOKENS": ("max_batch_tokens", int),
     "TRILLM_MAX_MODEL_LEN": ("max_model_len", int),
     "TRILLM_NUM_THREADS": ("num_threads", int),
@@ -40,4 +42,18 @@ def config_from_env(env: Mapping[str, str] | None = None, **overrides: object) -
 
 
 def env_documentation() -> str:
-    return "\n".join(f"  {name:<26} {field}" for name, (field, _) in _ENV.items())
+    lines = [f"  {name:<26} {field}" for name, (field, _) in _ENV.items()]
+    return "\n".join([*lines, f"  {'TRILLM_REQUEST_TIMEOUT':<26} seconds per generation request (0: none)"])
+
+
+def request_timeout_from_env(env: Mapping[str, str] | None = None) -> float:
+    """``TRILLM_REQUEST_TIMEOUT`` in seconds; unset or 0 means no limit (infinity)."""
+    env = os.environ if env is None else env
+    raw = env.get("TRILLM_REQUEST_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        raise SystemExit(f"TRILLM_REQUEST_TIMEOUT={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise SystemExit("TRILLM_REQUEST_TIMEOUT must be >= 0")
+    return value or math.inf

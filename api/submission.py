@@ -8,7 +8,7 @@ import trio
 from engine.sampler import TokenLogprobs
 
 from api.errors import ApiError
-from engine.engine import Engine, EngineNotRunning, RequestOutput, RequestRejected
+from engine.engine import Engine, EngineNotRunning, EngineOverloaded, RequestOutput, RequestRejected
 from engine.sampling_params import SamplingParams
 
 
@@ -17,6 +17,19 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if params.seed is None:
         return [params] * n
     return [attrs.evolve(params, seed=params.seed + j) for j in range(n)]
+
+
+def _overloaded(exc: EngineOverloaded) -> ApiError:
+    return ApiError(f"the server is overloaded: {exc}; retry shortly", 503, code="server_overloaded",
+                    headers={"Retry-After": "1"})
+
+
+def check_capacity(engine: Engine, count: int) -> None:
+    """Before a stream starts, so a full queue is a real 503 rather than an error event in a 200 stream."""
+    try:
+        engine.check_capacity(count)
+    except EngineOverloaded as exc:
+        raise _overloaded(exc) from None
 
 
 def submit_choices(
@@ -28,8 +41,33 @@ def submit_choices(
         return engine.submit_many(requests)
     except RequestRejected as exc:
         raise ApiError(str(exc), param=exc.param, code=exc.code) from None
+    except EngineOverloaded as exc:
+        raise _overloaded(exc) from None
     except EngineNotRunning:
         raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
+
+
+class RequestTimedOut(Exception):
+    """The server-side deadline (``TRILLM_REQUEST_TIMEOUT``) passed."""
+
+
+async def receive_until(outputs: trio.MemoryReceiveChannel[RequestOutput], deadline: float) -> RequestOutput | None:
+    """The next output, or None when every choice has ended.
+
+    The cancel scope covers only this one receive, never a ``yield`` of a
+    streaming generator. Raises ``RequestTimedOut`` at ``deadline`` (trio time).
+    """
+    with trio.move_on_at(deadline):
+        try:
+            return await outputs.receive()
+        except trio.EndOfChannel:
+            return None
+    raise RequestTimedOut
+
+
+def timeout_error() -> ApiError:
+    return ApiError("the request ran past the server's time limit (TRILLM_REQUEST_TIMEOUT)", 504,
+                    code="request_timeout", type="timeout_error")
 
 
 def abort_all(engine: Engine, request_ids: list[str]) -> None:
@@ -52,22 +90,25 @@ async def collect(
     request_ids: list[str],
     outputs: trio.MemoryReceiveChannel[RequestOutput],
     prefixes: list[str],
+    deadline: float,
 ) -> Collected:
     """Read every choice to its end (texts start from ``prefixes``, e.g. echoed prompts).
 
     If the caller is cancelled (client gone, deadline), every request is
     aborted on the way out and its pages freed. A call the server ended
-    early (shutdown) is a 503.
+    early (shutdown) is a 503; one past its deadline a 504.
     """
     texts = list(prefixes)
     logprobs: list[list[TokenLogprobs]] = [[] for _ in texts]
     last: dict[int, RequestOutput] = {}
     try:
         with outputs:
-            async for out in outputs:
+            while (out := await receive_until(outputs, deadline)) is not None:
                 texts[out.index] += out.text
                 logprobs[out.index] += out.logprobs
                 last[out.index] = out
+    except RequestTimedOut:
+        raise timeout_error() from None
     finally:
         abort_all(engine, request_ids)
     if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):

@@ -19,6 +19,7 @@ class EngineConfig:
     num_pages: int | None = None
     kv_cache_bytes: int = 512 * 1024 * 1024
     max_num_seqs: int = 64
+    max_waiting: int = 1024  # requests queued beyond this are refused (EngineOverloaded)
     max_batch_tokens: int = 512  # per-step token budget (decode + prefill chunks)
     max_model_len: int | None = None  # None: the model's own context length
     num_threads: int | None = None  # torch intra-op threads; None: all cores
@@ -33,6 +34,8 @@ class EngineConfig:
                 f"max_batch_tokens ({self.max_batch_tokens}) must exceed max_num_seqs ({self.max_num_seqs}), "
                 "or running decodes could starve every prefill"
             )
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
 

@@ -51,6 +51,10 @@ class EngineNotRunning(RuntimeError):
     """Raised by ``submit`` when the engine is not (or no longer) taking work."""
 
 
+class EngineOverloaded(RuntimeError):
+    """Raised by ``submit`` when the waiting queue is full; try again shortly."""
+
+
 @attrs.frozen
 class RequestOutput:
     """One step's news for one request: new tokens, their text, maybe the end."""
@@ -172,6 +176,12 @@ class Engine:
                 f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt"
             )
 
+    def check_capacity(self, count: int) -> None:
+        """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the waiting queue."""
+        queued = len(self._live) - len(self.scheduler.running)  # submitted, not yet running
+        if queued + count > self.config.max_waiting:
+            raise EngineOverloaded(f"{queued} requests are already waiting (the limit is {self.config.max_waiting})")
+
     def submit(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> tuple[str, trio.MemoryReceiveChannel[RequestOutput]]:
@@ -194,6 +204,7 @@ class Engine:
         """
         if not self._running:
             raise EngineNotRunning("the engine is not running")
+        self.check_capacity(len(requests))
         for prompt_ids, _ in requests:
             self.check_prompt(prompt_ids)
         send, receive = trio.open_memory_channel[RequestOutput](math.inf)

@@ -40,10 +40,10 @@ def all_tasks() -> set[trio.lowlevel.Task]:
 
 
 @asynccontextmanager
-async def running_server(model_parts, **engine_overrides) -> AsyncIterator[Server]:
+async def running_server(model_parts, request_timeout: float | None = None, **engine_overrides) -> AsyncIterator[Server]:
     """Serve until the block ends; then the engine must be idle and everything stops."""
     engine = make_engine(model_parts, **engine_overrides)
-    app = create_app(engine=engine)
+    app = create_app(engine=engine, request_timeout=request_timeout)
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
