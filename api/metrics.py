@@ -23,8 +23,10 @@ class EngineCollector:
             "num_requests_running": ("Requests in the running batch.", s.num_running),
             "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
             "kv_cache_free_pages": ("Free KV cache pages.", s.free_pages),
+            "kv_cache_evictable_pages": ("Cached pages no request holds (reclaimed on demand).", s.evictable_pages),
             "kv_cache_total_pages": ("All KV cache pages.", s.total_pages),
-            "kv_cache_usage_perc": ("Fraction of KV cache pages in use.", 1 - s.free_pages / s.total_pages),
+            "kv_cache_usage_perc": ("Fraction of KV cache pages held by requests.",
+                                    1 - (s.free_pages + s.evictable_pages) / s.total_pages),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"trillm:{name}", doc, labels=["model_name"])
@@ -35,6 +37,8 @@ class EngineCollector:
             "num_preemptions": ("Running requests preempted for lack of pages.", s.num_preemptions),
             "prompt_tokens": ("Prompt tokens admitted.", s.prompt_tokens_total),
             "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(f"trillm:{name}", doc, labels=["model_name"])

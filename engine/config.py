@@ -22,6 +22,7 @@ class EngineConfig:
     max_waiting: int = 1024  # requests queued beyond this are refused (EngineOverloaded)
     max_batch_tokens: int = 512  # per-step token budget (decode + prefill chunks)
     max_model_len: int | None = None  # None: the model's own context length
+    prefix_cache: bool = True  # reuse KV pages of earlier requests that share a prefix
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     served_model_name: str | None = None
 

@@ -27,6 +27,7 @@ from engine.kv_pages import PageAllocator
 from engine.llama import LlamaModel
 from engine.loading import load_model
 from engine.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
+from engine.prefix_cache import PrefixCache
 from engine.sampler import Sampled, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -66,7 +67,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     num_prompt_tokens: int
     num_output_tokens: int
-    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token in ``token_ids`` when asked for
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache  # one per token in ``token_ids`` when asked for
 
 
 @attrs.frozen
@@ -74,12 +76,15 @@ class EngineStats:
     num_running: int
     num_waiting: int
     free_pages: int
+    evictable_pages: int  # cached, referenced by no request: reclaimed when needed
     total_pages: int
     num_open_requests: int
     num_aborted: int
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
 
 
 @attrs.define(eq=False)
@@ -120,7 +125,10 @@ class Engine:
         self.eos_ids = eos_ids
         num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
         self.allocator = PageAllocator(num_pages)
-        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens)
+        cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
+        self.scheduler = Scheduler(
+            self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens, cache
+        )
         self.runner = ModelRunner(model, num_pages, config.page_size, config.num_threads or os.cpu_count() or 1)
         self.max_model_len = min(
             config.max_model_len or model.shape.max_position_embeddings,
@@ -152,13 +160,20 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             free_pages=self.allocator.free_pages,
+            evictable_pages=self.scheduler.evictable_pages,
             total_pages=self.allocator.num_pages,
             num_open_requests=len(self._live),
             num_aborted=self.num_aborted,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
+
+    def flush_cache(self) -> int:
+        """Free every cached page no request holds; returns how many."""
+        return self.scheduler.flush_cache()
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ``RequestRejected`` for a prompt that can never run here."""
@@ -270,6 +285,7 @@ class Engine:
         finally:
             self._running = False
             self._end_all("abort")
+            self.scheduler.flush_cache()  # nothing outlives the engine: every page is free again
 
     async def _runner_actor(
         self,
@@ -354,7 +370,7 @@ class Engine:
             text += live.stops.flush()
         output = RequestOutput(
             seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
-            (logprobs,) if logprobs is not None else (),
+            (logprobs,) if logprobs is not None else (), seq.num_cached_tokens,
         )
         try:
             live.channel.send_nowait(output)
@@ -378,7 +394,8 @@ class Engine:
         if reason is not None:
             seq = live.seq
             text = live.stops.push(live.detokenizer.flush()) + live.stops.flush()
-            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids), len(seq.output_ids))
+            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids), len(seq.output_ids),
+                                   (), seq.num_cached_tokens)
             try:
                 live.channel.send_nowait(output)
             except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -12,6 +12,7 @@ from collections import deque
 import attrs
 
 from engine.kv_pages import PageAllocator, pages_needed
+from engine.prefix_cache import PrefixCache
 from engine.sequence import Sequence
 
 
@@ -51,8 +52,18 @@ class Scheduler:
     that cannot grow preempts the newest running one instead of failing.
     """
 
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_batch_tokens: int) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_batch_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max_batch_tokens
@@ -108,16 +119,50 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.leader is not None and not self._follow(seq):
                 break  # its leader is still prefilling the shared prompt
+            matched = self._reuse_cached_prefix(seq)
             length = min(seq.num_pending, budget)
             need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
-            if not self.allocator.can_allocate(need):
+            if not self._make_room(need):
+                if matched:  # give the cached pages back; try again next step
+                    self.allocator.free(seq.pages)
+                    seq.pages, seq.num_computed = [], 0
                 break  # admission never over-commits: it waits for pages
+            if not seq.admitted:
+                seq.admitted = True
+                seq.num_cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+                self.prefix_queries += len(seq.prompt_ids)
+                self.prefix_hits += seq.num_cached_tokens
             seq.pages += self.allocator.allocate(need)
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(ScheduledChunk.next_for(seq, length))
             budget -= length
         return Batch(tuple(chunks))
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> bool:
+        """Start ``seq`` after the longest prefix of its tokens found in the cache."""
+        if self.prefix_cache is None or seq.pages or seq.num_computed:
+            return False
+        pages = self.prefix_cache.match(seq.token_ids(0, seq.num_tokens))
+        if not pages:
+            return False
+        seq.pages = self.allocator.share(pages)
+        seq.num_computed = len(pages) * self.page_size
+        return True
+
+    def _make_room(self, need: int) -> bool:
+        """True when ``need`` pages can be allocated, evicting unreferenced cache if needed."""
+        short = need - self.allocator.free_pages
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.can_allocate(need)
+
+    def flush_cache(self) -> int:
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.prefix_cache.evictable_pages if self.prefix_cache is not None else 0
 
     def _follow(self, seq: Sequence) -> bool:
         """Fork ``seq`` from its leader's prompt pages once they are computed.
@@ -145,7 +190,7 @@ class Scheduler:
         Returns False when ``seq`` itself had to be preempted.
         """
         need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
-        while not self.allocator.can_allocate(need):
+        while not self._make_room(need):
             victims = [s for s in self.running if id(s) not in scheduled]
             victim = max(victims, key=lambda s: s.arrival_time)
             self._preempt(victim)
@@ -190,5 +235,8 @@ class Scheduler:
         return updated
 
     def _release(self, seq: Sequence) -> None:
+        """Drop the sequence's pages; with a prefix cache its computed full pages stay cached."""
+        if self.prefix_cache is not None and seq.pages:
+            self.prefix_cache.insert(seq.token_ids(0, seq.num_computed), seq.pages, seq.num_computed)
         self.allocator.free(seq.pages)
         seq.pages = []

@@ -29,6 +29,8 @@ class Sequence:
     num_computed: int = 0
     finish_reason: str | None = None
     num_preemptions: int = 0
+    admitted: bool = False  # has it ever been scheduled (preemption does not reset this)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     generator: Any = None  # the request's own torch.Generator when it has a seed
     # Another choice of the same prompt: this one waits for its prefill and
     # then shares its full prompt pages instead of computing them again.

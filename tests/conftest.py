@@ -29,11 +29,12 @@ def tokenizer(model_parts):
 
 
 async def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
-    """Wait until the engine holds no requests and every page is free, or fail."""
+    """Wait until the engine holds no requests and every page is free or only cached, or fail."""
     with trio.move_on_after(timeout):
         while True:
             s = engine.stats()
-            if s.num_open_requests == 0 and s.num_running == 0 and s.num_waiting == 0 and s.free_pages == s.total_pages:
+            idle = s.num_open_requests == 0 and s.num_running == 0 and s.num_waiting == 0
+            if idle and s.free_pages + s.evictable_pages == s.total_pages:
                 return
             await trio.sleep(0.01)
     s = engine.stats()

@@ -181,3 +181,77 @@ def test_engine_config_and_environment_settings_are_validated():
         config_from_env({"TRILLM_MAX_NUM_SEQS": "600"})
     with pytest.raises(ValueError):
         EngineConfig(page_size=0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_prefix_cache_never_leaks_and_never_serves_a_stale_prefix(seed):
+    """Random admit/grow/finish/cancel/preempt/evict with a prefix cache; the KV each step
+    attends must be exactly what was computed for that sequence's own tokens."""
+    from engine.prefix_cache import PrefixCache
+
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 4])
+    total = rng.randint(6, 40)
+    allocator = PageAllocator(total)
+    cache = PrefixCache(allocator, ps)
+    s = Scheduler(allocator, ps, rng.randint(1, 6), rng.randint(8, 40), cache)
+    written: dict[tuple[int, int], tuple[int, ...]] = {}  # (page, offset) -> the token prefix its KV encodes
+    stems = [[rng.randint(0, 3) for _ in range(12)] for _ in range(3)]  # shared prefixes make cache hits likely
+    live: list[str] = []
+    for i in range(250):
+        action = rng.random()
+        if action < 0.3:
+            prompt = rng.choice(stems)[: rng.randint(1, 12)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))]
+            q = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True), 10_000,
+                         frozenset(), arrival_time=i)
+            try:
+                s.add(q)
+                live.append(q.request_id)
+            except ValueError:
+                pass
+        elif action < 0.4 and live:
+            s.abort(live.pop(rng.randrange(len(live))))
+        elif action < 0.45:
+            cache.flush()
+        else:
+            batch = s.schedule()
+            for c in batch.chunks:  # everything before the chunk must hold this sequence's own prefix
+                for pos in range(c.start):
+                    page = c.seq.pages[pos // ps]
+                    assert written[(page, pos % ps)] == tuple(c.seq.token_ids(0, pos + 1)), "stale KV served"
+            for c in batch.chunks:
+                for pos in range(c.start, c.start + c.length):
+                    written[(c.seq.pages[pos // ps], pos % ps)] = tuple(c.seq.token_ids(0, pos + 1))
+            s.complete(batch, [rng.randint(0, 3) for c in batch.chunks if c.samples])
+        held = [p for q in [*s.running, *s.waiting] for p in q.pages]
+        cached = set(cache._nodes)
+        for page in set(held) | cached:
+            assert allocator.refcount(page) == held.count(page) + (page in cached)
+        assert allocator.free_pages + len(set(held) | cached) == total
+    for name in live:
+        s.abort(name)
+    assert allocator.free_pages + cache.evictable_pages == total
+    cache.flush()
+    assert allocator.free_pages == total
+
+
+def test_a_finished_or_cancelled_request_leaves_its_prefix_for_the_next():
+    from engine.prefix_cache import PrefixCache
+
+    allocator = PageAllocator(16)
+    s = Scheduler(allocator, 4, 8, 64, PrefixCache(allocator, 4))
+    first = seq("first", 10, max_tokens=3)
+    s.add(first)
+    run_step(s)
+    s.abort("first")  # cancelled after its prefill: positions 0-7 are two full cached pages
+    assert s.evictable_pages == 2 and allocator.free_pages == 14
+    again = Sequence("again", list(range(10)) + [99], SamplingParams(max_tokens=2, ignore_eos=True), 10_000, frozenset())
+    s.add(again)
+    batch = run_step(s)
+    assert [(c.start, c.length) for c in batch.chunks] == [(8, 3)]  # only the new tail is computed
+    assert again.num_cached_tokens == 8 and s.prefix_hits == 8 and s.prefix_queries == 10 + 11
+    while s.has_work:
+        run_step(s)
+    assert allocator.free_pages + s.evictable_pages == 16
+    assert s.flush_cache() > 0
+    assert allocator.free_pages == 16 and s.evictable_pages == 0
