@@ -176,6 +176,10 @@ def create_app(
         check_optional_model(body)
         return _json(tokenize.detokenize(engine, body))
 
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        return _json({"flushed_pages": engine.flush_cache()})
+
     @app.get("/v1/models")
     async def models() -> Response:
         return _json(

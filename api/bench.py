@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="benchmark a running server instead of starting one")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--no-baseline", action="store_true", help="skip transformers generate")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens of one shared 'system prompt' put before every client's prompt")
+    p.add_argument("--no-prefix-cache", action="store_true", help="start the server with --no-prefix-cache")
 
 
 @attrs.frozen
@@ -193,8 +196,10 @@ def run_bench(args: argparse.Namespace) -> None:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or choose_dtype()
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
-    prompts = [_prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels) + 1)]
-    print(f"[bench] model={args.model} dtype={dtype_name} prompt={args.prompt_len} output={args.output_len} "
+    shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
+    prompts = [shared + _prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels) + 1)]
+    print(f"[bench] model={args.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
+          f"output={args.output_len} prefix_cache={not args.no_prefix_cache} "
           f"threads={torch.get_num_threads()} levels={levels}", file=sys.stderr, flush=True)
 
     proc = None
@@ -202,7 +207,8 @@ def run_bench(args: argparse.Namespace) -> None:
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
         proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
-                                 str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1)],
+                                 str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
+                                 *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
                                 env={**os.environ})
     rows: list[RunResult] = []
     try:

@@ -84,7 +84,7 @@ async def complete(
             }
             for i in range(n)
         ],
-        "usage": usage(len(ids), sum(o.num_output_tokens for o in done.last)),
+        "usage": usage(len(ids), sum(o.num_output_tokens for o in done.last), done.last[0].num_cached_tokens),
     }
 
 
@@ -122,11 +122,12 @@ async def stream(
         with outputs:
             for index in range(n):
                 yield chunk(index, {"role": "assistant", "content": ""}, None)
-            generated = [0] * n
+            generated, cached = [0] * n, [0] * n
             finished: set[int] = set()
             try:
                 while (out := await receive_until(outputs, deadline)) is not None:
                     generated[out.index] = out.num_output_tokens
+                    cached[out.index] = out.num_cached_tokens
                     if out.text or out.logprobs:
                         yield chunk(out.index, {"content": out.text}, None, out.logprobs)
                     if out.finish_reason:
@@ -137,7 +138,7 @@ async def stream(
                     yield chunk(index, {}, "length")
             if include_usage:
                 yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                           "model": model, "choices": [], "usage": usage(len(ids), sum(generated))})
+                           "model": model, "choices": [], "usage": usage(len(ids), sum(generated), cached[0])})
             yield sse("[DONE]")
     except Exception as exc:  # a bug must end the stream cleanly, not cut the connection
         log.exception("stream failed")

@@ -28,6 +28,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-waiting", type=int, help="queued requests beyond this get 503 + Retry-After")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--served-model-name")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
+                   help="do not reuse KV pages between requests")
     p.add_argument("--request-timeout", type=float, help="seconds per generation request (default: none)")
 
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from_env(
             model=args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
             max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
-            max_model_len=args.max_model_len, served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len, served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
         )
         app = create_app(config=config, request_timeout=args.request_timeout or None)
         trio.run(partial(serve, app, args.host, args.port))

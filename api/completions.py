@@ -55,7 +55,8 @@ async def complete(
              "finish_reason": done.last[i].finish_reason}
             for i in range(len(done.texts))
         ],
-        "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in done.last)),
+        "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in done.last),
+                       sum(o.num_cached_tokens for o in done.last[:: req.common.n])),
     }
 
 
@@ -98,11 +99,12 @@ async def stream(
                 for j in range(n):
                     if text:
                         yield chunk(index * n + j, text, None)
-            generated = [0] * (len(prompts) * n)
+            generated, cached = [0] * (len(prompts) * n), [0] * (len(prompts) * n)
             finished: set[int] = set()
             try:
                 while (out := await receive_until(outputs, deadline)) is not None:
                     generated[out.index] = out.num_output_tokens
+                    cached[out.index] = out.num_cached_tokens
                     if out.finish_reason:
                         finished.add(out.index)
                     if out.text or out.finish_reason or out.logprobs:
@@ -111,7 +113,7 @@ async def stream(
                 for index in sorted(set(range(len(generated))) - finished):
                     yield chunk(index, "", "length")
             if include_usage:
-                totals = usage(sum(len(p) for p in prompts), sum(generated))
+                totals = usage(sum(len(p) for p in prompts), sum(generated), sum(cached[::n]))
                 yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
                            "choices": [], "usage": totals})
             yield sse("[DONE]")

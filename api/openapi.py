@@ -26,7 +26,10 @@ def _ref(name: str) -> dict[str, str]:
 
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+          "properties": {**{k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {"type": "object", "properties": {
+                             "cached_tokens": {"type": "integer", "minimum": 0}}}}}
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
 _TOP = {"type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
                                         "bytes": {"type": "array", "items": {"type": "integer"}}}}
@@ -77,6 +80,7 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
             "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
             "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}}},
     "Status": {"type": "object", "properties": {"status": {"type": "string"}}},
+    "Flushed": {"type": "object", "required": ["flushed_pages"], "properties": {"flushed_pages": {"type": "integer"}}},
     "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -118,6 +122,8 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             "/tokenize": _post("TokenizeRequest", "Tokens", "text or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Text", "token ids to text"),
             "/v1/models": _get("ModelList", "the served model"),
+            "/flush_cache": {"post": {"summary": "drop every cached KV page no request holds", "responses": {
+                "200": _json("Flushed", "how many pages were freed")}}},
             "/health": _get("Status", "200 while serving", ("503",)),
             "/version": _get("Version", "server version"),
         },

@@ -225,6 +225,10 @@ class Scheduler:
             if seq not in self.running:
                 continue
             seq.num_computed = chunk.start + chunk.length
+            if self.prefix_cache is not None and chunk.length > 1:
+                # Full prompt pages are final once computed: share them with
+                # requests arriving now, not only after this one ends.
+                self.prefix_cache.insert(seq.token_ids(0, seq.num_computed), seq.pages, seq.num_computed)
             if token is None:
                 continue
             seq.append_token(token)

@@ -68,7 +68,8 @@ async def test_streamed_logprobs_equal_the_one_shot_ones(server):
     chunks = await in_thread(streamed)
     entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
-    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content])
+    # The second run reuses cached prompt KV computed in another batch shape: equal up to float noise.
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content], abs=1e-4)
 
 
 async def test_legacy_completion_logprobs_shape(server):
