@@ -255,3 +255,23 @@ def test_a_finished_or_cancelled_request_leaves_its_prefix_for_the_next():
     assert allocator.free_pages + s.evictable_pages == 16
     assert s.flush_cache() > 0
     assert allocator.free_pages == 16 and s.evictable_pages == 0
+
+
+def test_a_long_prompt_never_stalls_running_decodes():
+    """Chunked prefill: every step of a 4,000-token prefill also carries each running decode,
+    and no step exceeds the token budget."""
+    s = Scheduler(PageAllocator(400), 16, 32, 256)
+    streams = [seq(f"s{i}", 20, max_tokens=1000, t=i) for i in range(16)]
+    for q in streams:
+        s.add(q)
+    while s.waiting or any(q.num_pending > 1 for q in s.running):
+        run_step(s)  # until all 16 are prefilled and decoding
+    s.add(seq("long", 4000, max_tokens=4, t=99))
+    steps = 0
+    while s.waiting or any(q.request_id == "long" and q.num_pending > 1 for q in s.running):
+        batch = run_step(s)
+        steps += 1
+        assert batch.num_tokens <= 256
+        decoding = {c.seq.request_id for c in batch.chunks if c.length == 1}
+        assert {q.request_id for q in streams} <= decoding
+    assert steps == -(-4000 // (256 - 16))  # the prompt took ceil(4000 / 240) steps, 240 tokens each
