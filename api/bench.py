@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="tokens of one shared 'system prompt' put before every client's prompt")
     p.add_argument("--no-prefix-cache", action="store_true", help="start the server with --no-prefix-cache")
+    p.add_argument("--probe-len", type=int, default=None,
+                   help="prompt tokens of the newcomer sent once every client streams (default: --prompt-len)")
 
 
 @attrs.frozen
@@ -169,14 +171,14 @@ def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_l
 
 def _table(rows: list[RunResult], baselines: dict[int, RunResult]) -> str:
     lines = [
-        "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | TTFT of a newcomer (s) |",
+        "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 / max (ms) | TTFT of a newcomer (s) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = baselines.get(r.concurrency)
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base is not r else ""
         ttft = f"{_pct(r.ttft, 0.5):.3f} / {_pct(r.ttft, 0.99):.3f}" if r.ttft else ""
-        itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f}" if r.itl else ""
+        itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f} / {max(r.itl) * 1e3:.0f}" if r.itl else ""
         probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
         lines.append(f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} |")
     return "\n".join(lines)
@@ -197,7 +199,8 @@ def run_bench(args: argparse.Namespace) -> None:
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
-    prompts = [shared + _prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels) + 1)]
+    prompts = [shared + _prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels))]
+    prompts.append(shared + _prompt(tokenizer, args.probe_len or args.prompt_len, rng))  # the newcomer
     print(f"[bench] model={args.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
           f"output={args.output_len} prefix_cache={not args.no_prefix_cache} "
           f"threads={torch.get_num_threads()} levels={levels}", file=sys.stderr, flush=True)
