@@ -27,13 +27,20 @@ class PrefillSpan:
 
 
 @attrs.frozen
+class DecodeGroup:
+    """Single-token decode rows of similar context length, attended together."""
+
+    rows: torch.Tensor  # [Bd] batch rows
+    pages: torch.Tensor  # [Bd, Pmax] page table per row (padded with page 0)
+    mask: torch.Tensor  # [Bd, 1, 1, Pmax * page_size] True where a slot holds context
+
+
+@attrs.frozen
 class AttentionMetadata:
     """How the rows of one flattened batch map onto the paged cache."""
 
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
-    decode_rows: torch.Tensor  # [Bd] batch rows that are single-token decodes
-    decode_pages: torch.Tensor  # [Bd, Pmax] page table per decode row (padded with page 0)
-    decode_mask: torch.Tensor  # [Bd, 1, 1, Pmax * page_size] True where a slot holds context
+    decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -63,12 +70,12 @@ def paged_attention(
     gqa = q.shape[1] != kv_heads
     out = torch.empty_like(q)
 
-    if meta.decode_rows.numel():
-        qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [Bd, H, 1, D]
-        kd = _gather(k_cache, meta.decode_pages).transpose(1, 2)  # [Bd, KVH, L, D]
-        vd = _gather(v_cache, meta.decode_pages).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-        out.index_copy_(0, meta.decode_rows, od.squeeze(2))
+    for group in meta.decodes:
+        qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bd, H, 1, D]
+        kd = _gather(k_cache, group.pages).transpose(1, 2)  # [Bd, KVH, L, D]
+        vd = _gather(v_cache, group.pages).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, group.rows, od.squeeze(2))
 
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

@@ -90,3 +90,17 @@ async def test_greedy_tokens_match_generate_alone_and_in_a_busy_batch(engine, to
         for prompt in PROMPTS:
             nursery.start_soon(collect, prompt, together)
     assert together == expected
+
+
+def test_decode_rows_are_grouped_by_context_length():
+    """One long context must not pad every decode row to its length."""
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(page_size=4)
+    lens = [10, 4000, 12, 3000]
+    tables = [list(range(-(-n // 4))) for n in lens]
+    groups = ModelRunner._decode_groups(runner, [0, 1, 2, 3], tables, lens)
+    assert [g.rows.tolist() for g in groups] == [[0, 2], [3, 1]]
+    short = groups[0]
+    assert short.pages.shape == (2, 3) and short.mask.shape == (2, 1, 1, 12)
+    assert short.mask[0, 0, 0].sum() == 10 and short.mask[1, 0, 0].sum() == 12
