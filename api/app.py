@@ -108,7 +108,7 @@ def create_app(
         data = await request.get_data(cache=False)
         try:
             return json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, 5,000-digit numbers, deep nesting
             raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
     def check_model(name: str) -> None:

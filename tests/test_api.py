@@ -129,8 +129,10 @@ async def test_bad_input_gets_openai_shaped_errors_and_does_not_disturb_a_stream
                 err = r.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["message"]
                 assert err["param"] == param, (body, err)
-            r = await http.post("/v1/chat/completions", content=b"{not json")
-            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+            for raw in (b"{not json", b"[" * 100_000 + b"]" * 100_000, b'{"max_tokens": ' + b"9" * 5000 + b"}",
+                        b"\xff\xfe"):
+                r = await http.post("/v1/chat/completions", content=raw)
+                assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", raw[:20]
             assert await _oversized_body_status(server) == 413
             r = await http.get("/v1/nothing-here")
             assert r.status_code == 404 and "error" in r.json()
