@@ -126,6 +126,10 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
                 "200": _json("Flushed", "how many pages were freed")}}},
             "/health": _get("Status", "200 while serving", ("503",)),
             "/version": _get("Version", "server version"),
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
+                "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "this document", "responses": {"200": {
+                "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         },
         "components": {"schemas": {**request_schemas(model_name), **RESPONSE_SCHEMAS}},
     }
