@@ -232,21 +232,8 @@ def parse_common(body: Any) -> CommonFields:
             raise bad("stream_options", "must be an object")
         include_usage = boolean(options, "include_usage", False)
     reject_unsupported(body)
-    params = SamplingParams(
-        max_tokens=_max_tokens(body),
-        temperature=v["temperature"],
-        top_k=v["top_k"],
-        top_p=v["top_p"],
-        min_p=v["min_p"],
-        ignore_eos=v["ignore_eos"],
-        min_tokens=v["min_tokens"],
-        stop=v["stop"],
-        stop_token_ids=v["stop_token_ids"],
-        presence_penalty=v["presence_penalty"],
-        frequency_penalty=v["frequency_penalty"],
-        repetition_penalty=v["repetition_penalty"],
-        logit_bias=v["logit_bias"],
-        seed=v["seed"],
-    )
+    # Every shared field named like a SamplingParams attribute goes straight into it.
+    sampling = {f.name for f in attrs.fields(SamplingParams)} - {"max_tokens"}
+    params = SamplingParams(max_tokens=_max_tokens(body), **{k: x for k, x in v.items() if k in sampling})
     given = body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None
     return CommonFields(model, params, v["stream"], include_usage, v["n"], given)
