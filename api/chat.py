@@ -8,7 +8,6 @@ synchronous calls only, so the scheduler frees the pages within one step.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -16,13 +15,10 @@ from api.chat_schema import ChatRequest
 from api.fields import CommonFields
 from api import logprobs
 from api.errors import ApiError
-from api.responses import new_completion_id, sse, usage
+from api.responses import new_completion_id, sse, stream_end, stream_failure, usage
 from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
 from engine.engine import Engine, RequestRejected
 from engine.sampling_params import SamplingParams
-
-log = logging.getLogger("trillm.api")
-
 
 def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
     tok = engine.tokenizer
@@ -136,14 +132,12 @@ async def stream(
             except RequestTimedOut:
                 for index in sorted(set(range(n)) - finished):
                     yield chunk(index, {}, "length")
-            if include_usage:
-                yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                           "model": model, "choices": [], "usage": usage(len(ids), sum(generated), cached[0])})
-            yield sse("[DONE]")
-    except Exception as exc:  # a bug must end the stream cleanly, not cut the connection
-        log.exception("stream failed")
-        yield sse(ApiError(f"internal error: {type(exc).__name__}", 500).body())
-        yield sse("[DONE]")
+            totals = usage(len(ids), sum(generated), cached[0]) if include_usage else None
+            for event in stream_end("chat.completion.chunk", completion_id, created, model, totals):
+                yield event
+    except Exception as exc:
+        for event in stream_failure(exc):
+            yield event
     finally:
         # Runs on normal end, on trio.Cancelled and on GeneratorExit alike; no awaits here.
         abort_all(engine, request_ids)

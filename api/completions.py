@@ -6,20 +6,16 @@ closes the shared channel and aborts every choice synchronously.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, AsyncIterator
 
 from api.completion_schema import CompletionRequest
 from api import logprobs
 from api.errors import ApiError
-from api.responses import new_completion_id, sse, usage
+from api.responses import new_completion_id, sse, stream_end, stream_failure, usage
 from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
 from engine.engine import Engine
 from engine.sampler import TokenLogprobs
-
-log = logging.getLogger("trillm.api")
-
 
 def prompt_ids(engine: Engine, req: CompletionRequest) -> list[list[int]]:
     tok = engine.tokenizer
@@ -112,14 +108,11 @@ async def stream(
             except RequestTimedOut:
                 for index in sorted(set(range(len(generated))) - finished):
                     yield chunk(index, "", "length")
-            if include_usage:
-                totals = usage(sum(len(p) for p in prompts), sum(generated), sum(cached[::n]))
-                yield sse({"id": completion_id, "object": "text_completion", "created": created, "model": model,
-                           "choices": [], "usage": totals})
-            yield sse("[DONE]")
-    except Exception as exc:  # a bug must end the stream cleanly, not cut the connection
-        log.exception("stream failed")
-        yield sse(ApiError(f"internal error: {type(exc).__name__}", 500).body())
-        yield sse("[DONE]")
+            totals = usage(sum(len(p) for p in prompts), sum(generated), sum(cached[::n])) if include_usage else None
+            for event in stream_end("text_completion", completion_id, created, model, totals):
+                yield event
+    except Exception as exc:
+        for event in stream_failure(exc):
+            yield event
     finally:
         abort_all(engine, request_ids)

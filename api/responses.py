@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
+
+from api.errors import ApiError
+
+log = logging.getLogger("trillm.api")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -25,3 +30,18 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     """One Server-Sent Event; ``payload`` is a JSON body or the literal ``[DONE]``."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
     return f"data: {data}\n\n".encode()
+
+
+def stream_end(obj: str, completion_id: str, created: int, model: str, totals: dict[str, Any] | None) -> list[bytes]:
+    """The last events of a stream: the usage chunk (``choices: []``) when asked for, then ``[DONE]``."""
+    events = []
+    if totals is not None:
+        events.append(sse({"id": completion_id, "object": obj, "created": created, "model": model,
+                           "choices": [], "usage": totals}))
+    return [*events, sse("[DONE]")]
+
+
+def stream_failure(exc: Exception) -> list[bytes]:
+    """A bug must end the stream with an error event and ``[DONE]``, not cut the connection."""
+    log.exception("stream failed", exc_info=exc)
+    return [sse(ApiError(f"internal error: {type(exc).__name__}", 500).body()), sse("[DONE]")]

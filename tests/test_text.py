@@ -131,3 +131,17 @@ def test_incremental_detokenizer_property(tokenizer):
             assert not any("\ufffd" in p for p in pieces)
 
     check()
+
+
+def test_a_failing_stream_ends_with_an_error_event_and_done():
+    import json as _json
+
+    from api.responses import stream_end, stream_failure
+
+    error, done = stream_failure(RuntimeError("boom"))
+    body = _json.loads(error.decode().removeprefix("data: "))
+    assert set(body["error"]) == {"message", "type", "param", "code"} and "RuntimeError" in body["error"]["message"]
+    assert done == b"data: [DONE]\n\n"
+    assert stream_end("text_completion", "cmpl-1", 0, "m", None) == [b"data: [DONE]\n\n"]
+    usage_event = _json.loads(stream_end("text_completion", "cmpl-1", 0, "m", {"total_tokens": 3})[0][6:])
+    assert usage_event["choices"] == [] and usage_event["usage"] == {"total_tokens": 3}
