@@ -9,6 +9,7 @@ in this process (one request, and statically batched N), and prints one table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -35,6 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0,
                    help="tokens of one shared 'system prompt' put before every client's prompt")
     p.add_argument("--no-prefix-cache", action="store_true", help="start the server with --no-prefix-cache")
+    p.add_argument("--cancel-heavy", type=float, metavar="SECONDS",
+                   help="run the stop-and-retry workload for this long instead (uses the first --concurrency)")
     p.add_argument("--probe-len", type=int, default=None,
                    help="prompt tokens of the newcomer sent once every client streams (default: --prompt-len)")
 
@@ -216,6 +219,12 @@ def run_bench(args: argparse.Namespace) -> None:
     rows: list[RunResult] = []
     try:
         _wait_healthy(url, proc)
+        if args.cancel_heavy:
+            from api.bench_cancel import cancel_heavy
+
+            report = trio.run(partial(cancel_heavy, url, args.model, prompts[: levels[0]], args.cancel_heavy))
+            print(json.dumps(report, indent=1))
+            return
         for level in levels:
             result = trio.run(partial(_serving_run, url, prompts[:level], args.output_len, prompts[-1]))
             print(f"[bench] trillm c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
