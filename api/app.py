@@ -23,7 +23,7 @@ from api.errors import ApiError
 from api.metrics import metrics_registry, render
 from api.openapi import openapi_document
 from api.settings import config_from_env, request_timeout_from_env
-from api.submission import check_capacity
+from api.submission import check_capacity, check_prompt
 from engine.config import EngineConfig
 from engine.engine import Engine
 
@@ -137,7 +137,7 @@ def create_app(
         check_model(req.common.model)
         check_serving()
         ids = chat.prompt_ids(engine, req)
-        chat.check_prompt(engine, ids, "messages" if req.messages is not None else "prompt", req.common)
+        check_prompt(engine, ids, "messages" if req.messages is not None else "prompt", req.common)
         params, deadline = req.common.params, trio.current_time() + request_timeout
         if not req.common.stream:
             return _json(await chat.complete(engine, model_name, ids, params, req.common.n, deadline))
@@ -153,7 +153,7 @@ def create_app(
         check_serving()
         prompts = completions.prompt_ids(engine, req)
         for ids in prompts:
-            chat.check_prompt(engine, ids, "prompt", req.common)
+            check_prompt(engine, ids, "prompt", req.common)
         deadline = trio.current_time() + request_timeout
         if not req.common.stream:
             return _json(await completions.complete(engine, model_name, req, prompts, deadline))

@@ -12,12 +12,11 @@ import time
 from typing import Any, AsyncIterator
 
 from api.chat_schema import ChatRequest
-from api.fields import CommonFields
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, stream_end, stream_failure, usage
 from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
-from engine.engine import Engine, RequestRejected
+from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
 def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
@@ -34,26 +33,6 @@ def _logprobs(engine: Engine, params: SamplingParams, items: Any) -> dict[str, A
     if params.logprobs is None:
         return None
     return {"content": logprobs.chat_content(engine.tokenizer, items)}
-
-
-def check_prompt(engine: Engine, ids: list[int], param: str, common: CommonFields) -> None:
-    """Reject up front what the engine would reject, so the client gets a 400, not a broken stream.
-
-    A ``max_tokens`` the client set that cannot fit next to the prompt is a
-    400 naming both numbers; the default is clamped to the context instead.
-    """
-    try:
-        engine.check_prompt(ids)
-    except RequestRejected as exc:
-        raise ApiError(str(exc), param=param, code=exc.code) from None
-    wanted = common.params.max_tokens
-    if common.max_tokens_given and wanted is not None and len(ids) + wanted > engine.max_model_len:
-        raise ApiError(
-            f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(ids)} tokens "
-            f"and max_tokens asks for {wanted} more ({len(ids) + wanted} in all)",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
 
 
 async def complete(

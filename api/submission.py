@@ -8,6 +8,7 @@ import trio
 from engine.sampler import TokenLogprobs
 
 from api.errors import ApiError
+from api.fields import CommonFields
 from engine.engine import Engine, EngineNotRunning, EngineOverloaded, RequestOutput, RequestRejected
 from engine.sampling_params import SamplingParams
 
@@ -17,6 +18,26 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     if params.seed is None:
         return [params] * n
     return [attrs.evolve(params, seed=params.seed + j) for j in range(n)]
+
+
+def check_prompt(engine: Engine, ids: list[int], param: str, common: CommonFields) -> None:
+    """Reject up front what the engine would reject, so the client gets a 400, not a broken stream.
+
+    A ``max_tokens`` the client set that cannot fit next to the prompt is a
+    400 naming both numbers; the default is clamped to the context instead.
+    """
+    try:
+        engine.check_prompt(ids)
+    except RequestRejected as exc:
+        raise ApiError(str(exc), param=param, code=exc.code) from None
+    wanted = common.params.max_tokens
+    if common.max_tokens_given and wanted is not None and len(ids) + wanted > engine.max_model_len:
+        raise ApiError(
+            f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(ids)} tokens "
+            f"and max_tokens asks for {wanted} more ({len(ids) + wanted} in all)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
 
 def _overloaded(exc: EngineOverloaded) -> ApiError:
