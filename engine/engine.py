@@ -93,8 +93,8 @@ class _Live:
     channel: trio.MemorySendChannel[RequestOutput]
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
-    index: int = 0
-    timer: RequestTimer = attrs.field(factory=RequestTimer)
+    index: int
+    timer: RequestTimer
 
 
 @attrs.frozen
@@ -238,7 +238,7 @@ class Engine:
                 if seq.leader is seq:
                     seq.leader = None
                 live = _Live(seq, send.clone(), IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
-                             StopStringMatcher(params.stop), index)
+                             StopStringMatcher(params.stop), index, RequestTimer(seq.arrival_time))
                 self._live[request_id] = live
                 self._inbox_tx.send_nowait(_Submit(live))
                 ids.append(request_id)

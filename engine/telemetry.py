@@ -6,7 +6,6 @@ and the default one does nothing.
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 import attrs
@@ -35,9 +34,10 @@ class NullObserver:
 
 @attrs.define
 class RequestTimer:
-    """When a request arrived, was first scheduled, and produced its last token."""
+    """When a request arrived (its sequence's ``arrival_time``), was first scheduled,
+    and produced its last token."""
 
-    arrival: float = attrs.field(factory=time.monotonic)
+    arrival: float
     scheduled: float | None = None
     last_token: float | None = None
 
