@@ -15,7 +15,7 @@ from api.chat_schema import ChatRequest
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, stream_end, stream_failure, usage
-from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
+from api.submission import ChoiceProgress, RequestTimedOut, abort_all, collect, receive_until, submit_choices
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 
@@ -97,21 +97,18 @@ async def stream(
         with outputs:
             for index in range(n):
                 yield chunk(index, {"role": "assistant", "content": ""}, None)
-            generated, cached = [0] * n, [0] * n
-            finished: set[int] = set()
+            progress = ChoiceProgress(n)
             try:
                 while (out := await receive_until(outputs, deadline)) is not None:
-                    generated[out.index] = out.num_output_tokens
-                    cached[out.index] = out.num_cached_tokens
+                    progress.record(out)
                     if out.text or out.logprobs:
                         yield chunk(out.index, {"content": out.text}, None, out.logprobs)
                     if out.finish_reason:
-                        finished.add(out.index)
                         yield chunk(out.index, {}, out.finish_reason)
             except RequestTimedOut:
-                for index in sorted(set(range(n)) - finished):
+                for index in progress.unfinished():
                     yield chunk(index, {}, "length")
-            totals = usage(len(ids), sum(generated), cached[0]) if include_usage else None
+            totals = usage(len(ids), sum(progress.generated), progress.cached[0]) if include_usage else None
             for event in stream_end("chat.completion.chunk", completion_id, created, model, totals):
                 yield event
     except Exception as exc:

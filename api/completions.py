@@ -13,7 +13,7 @@ from api.completion_schema import CompletionRequest
 from api import logprobs
 from api.errors import ApiError
 from api.responses import new_completion_id, sse, stream_end, stream_failure, usage
-from api.submission import RequestTimedOut, abort_all, collect, receive_until, submit_choices
+from api.submission import ChoiceProgress, RequestTimedOut, abort_all, collect, receive_until, submit_choices
 from engine.engine import Engine
 from engine.sampler import TokenLogprobs
 
@@ -95,20 +95,17 @@ async def stream(
                 for j in range(n):
                     if text:
                         yield chunk(index * n + j, text, None)
-            generated, cached = [0] * (len(prompts) * n), [0] * (len(prompts) * n)
-            finished: set[int] = set()
+            progress = ChoiceProgress(len(prompts) * n)
             try:
                 while (out := await receive_until(outputs, deadline)) is not None:
-                    generated[out.index] = out.num_output_tokens
-                    cached[out.index] = out.num_cached_tokens
-                    if out.finish_reason:
-                        finished.add(out.index)
+                    progress.record(out)
                     if out.text or out.finish_reason or out.logprobs:
                         yield chunk(out.index, out.text, out.finish_reason, out.logprobs)
             except RequestTimedOut:
-                for index in sorted(set(range(len(generated))) - finished):
+                for index in progress.unfinished():
                     yield chunk(index, "", "length")
-            totals = usage(sum(len(p) for p in prompts), sum(generated), sum(cached[::n])) if include_usage else None
+            prompt_tokens = sum(len(p) for p in prompts)
+            totals = usage(prompt_tokens, sum(progress.generated), sum(progress.cached[::n])) if include_usage else None
             for event in stream_end("text_completion", completion_id, created, model, totals):
                 yield event
     except Exception as exc:

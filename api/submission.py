@@ -68,6 +68,29 @@ def submit_choices(
         raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
 
 
+@attrs.define
+class ChoiceProgress:
+    """What a stream has seen of each of its ``total`` choices."""
+
+    total: int
+    generated: list[int] = attrs.field(init=False)
+    cached: list[int] = attrs.field(init=False)
+    finished: set[int] = attrs.field(init=False, factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        self.generated = [0] * self.total
+        self.cached = [0] * self.total
+
+    def record(self, out: RequestOutput) -> None:
+        self.generated[out.index] = out.num_output_tokens
+        self.cached[out.index] = out.num_cached_tokens
+        if out.finish_reason:
+            self.finished.add(out.index)
+
+    def unfinished(self) -> list[int]:
+        return sorted(set(range(self.total)) - self.finished)
+
+
 class RequestTimedOut(Exception):
     """The server-side deadline (``TRILLM_REQUEST_TIMEOUT``) passed."""
 
