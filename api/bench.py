@@ -138,7 +138,8 @@ async def _serving_run(url: str, prompts: list[str], output_len: int, probe_prom
     )
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
+    """Poll ``/health`` until 200; ``SystemExit`` if the server process dies or never gets there."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -218,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> None:
                                 env={**os.environ})
     rows: list[RunResult] = []
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc)
         if args.cancel_heavy:
             from api.bench_cancel import cancel_heavy
 

@@ -8,9 +8,10 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
+
+from api.bench import wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 
@@ -21,19 +22,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("server never became healthy")
-
-
 def test_hypercorn_cli_with_environment_settings():
     port = _free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
@@ -42,7 +30,7 @@ def test_hypercorn_cli_with_environment_settings():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=180)
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "smol"
         metrics = httpx.get(url + "/metrics").text
         assert 'trillm:kv_cache_total_pages{model_name="smol"} 64.0' in metrics
@@ -62,7 +50,7 @@ def test_trillm_serve_sigterm_ends_open_streams_with_a_final_chunk():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=180)
         events = []
         body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
