@@ -1,0 +1,65 @@
+"""Kernels for the model's hot spots, each as Triton and as a plain-torch reference.
+
+``select_kernels`` is the one registry: Triton where it can run (CUDA, or the CPU
+under ``TRITON_INTERPRET=1`` for tests), the reference elsewhere or when asked.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import attrs
+import torch
+
+KERNEL_CHOICES = ("auto", "triton", "reference")
+
+
+@attrs.frozen
+class Kernels:
+    """One implementation of every kernel; all share the reference signatures."""
+
+    name: str
+    store_kv: Callable[..., None]
+    decode_attention: Callable[..., torch.Tensor]
+    extend_attention: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    sample_top_k_top_p: Callable[..., torch.Tensor]
+
+
+def reference_kernels() -> Kernels:
+    from kernels import reference as r
+
+    return Kernels("reference", r.store_kv, r.decode_attention, r.extend_attention, r.add_rms_norm, r.rotary,
+                   r.sample_top_k_top_p)
+
+
+def triton_kernels() -> Kernels:
+    from kernels.attention import decode_attention, extend_attention
+    from kernels.cache import store_kv
+    from kernels.norm import add_rms_norm
+    from kernels.rotary import rotary
+    from kernels.sampling import sample_top_k_top_p
+
+    return Kernels("triton", store_kv, decode_attention, extend_attention, add_rms_norm, rotary, sample_top_k_top_p)
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton compiles for CUDA; on the CPU it only interprets (slowly, for tests)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_kernels(choice: str, device: torch.device) -> Kernels:
+    """``auto``: Triton on CUDA, else the reference; ``triton``/``reference`` force one."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, not {choice!r}")
+    if choice == "reference" or (choice == "auto" and device.type != "cuda"):
+        return reference_kernels()
+    if not triton_available(device):
+        raise ValueError(f"Triton kernels cannot run on {device} here (set TRITON_INTERPRET=1 to interpret them)")
+    return triton_kernels()

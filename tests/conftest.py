@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, AsyncIterator
+
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter; it must be chosen
+# before any kernel module is imported (``triton.jit`` reads it then).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import trio

@@ -1,0 +1,158 @@
+"""Plain-torch references for every kernel in ``kernels/``.
+
+Each function has exactly the signature of its Triton twin, so tests compare
+the two on the same inputs and the engine can swap one for the other. They are
+written for clarity, not speed; the CPU fast path lives in ``engine/attention.py``.
+
+Shapes: the KV cache of one layer is ``[num_pages, page_size, kv_heads, head_dim]``;
+token ``p`` of a sequence lives in slot ``table[p // page_size] * page_size + p % page_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int; -1 skips the row (padding)
+) -> None:
+    """Write each row's K/V into its slot of the paged cache, in place."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def _context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, KVH, D]: the first ``length`` tokens of one sequence, in order."""
+    page_size = cache.shape[1]
+    pages = table[: -(-length // page_size)].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, H, D] at ``q_positions`` over k/v [L, KVH, D]; causal, GQA; float32 math."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
+    future = torch.arange(k.shape[0]).unsqueeze(0) > q_positions.unsqueeze(1)  # [n, L]
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D], one new token per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_pages] int
+    context_lens: torch.Tensor,  # [B] int, tokens in the cache including the new one
+    scale: float,
+) -> torch.Tensor:
+    """Each row attends all ``context_lens[b]`` tokens of its own sequence."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(context_lens[b])
+        k, v = _context(k_cache, block_tables[b], n), _context(v_cache, block_tables[b], n)
+        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale)[0]
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, H, D], the new tokens of all sequences, back to back
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_pages] int
+    query_starts: torch.Tensor,  # [S + 1] int, row offsets of each sequence's new tokens in q
+    context_lens: torch.Tensor,  # [S] int, tokens in the cache including the new ones
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequence's cached prefix plus themselves
+    (their K/V already stored). Row ``i`` of a sequence with ``n`` new tokens sits at
+    position ``context_len - n + i``."""
+    out = torch.empty_like(q)
+    for s in range(block_tables.shape[0]):
+        start, end, length = int(query_starts[s]), int(query_starts[s + 1]), int(context_lens[s])
+        if end == start:
+            continue
+        k, v = _context(k_cache, block_tables[s], length), _context(v_cache, block_tables[s], length)
+        positions = torch.arange(length - (end - start), length)
+        out[start:end] = _attend(q[start:end], k, v, positions, scale)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, hidden]
+    residual: torch.Tensor | None,  # [T, hidden] or None for the first layer
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, new_residual): new_residual = x + residual; normed as Llama's RMSNorm
+    (float32 statistics, cast back, then times the weight)."""
+    summed = x if residual is None else x + residual
+    xf = summed.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, summed
+
+
+def rotary(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D]
+    positions: torch.Tensor,  # [T] int
+    cos: torch.Tensor,  # [max_len, D], rotate-half layout (both halves equal)
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding, rotate-half convention (as Llama in transformers)."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def turn(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x.float() * c.float() + rotated.float() * s.float()).to(x.dtype)
+
+    return turn(q), turn(k)
+
+
+def sample_top_k_top_p(
+    logits: torch.Tensor,  # [B, V] float32
+    temperature: torch.Tensor,  # [B] float32; 0 means greedy
+    top_k: torch.Tensor,  # [B] int; <= 0 means off
+    top_p: torch.Tensor,  # [B] float32 in (0, 1]
+    min_p: torch.Tensor,  # [B] float32 in [0, 1]
+    uniform: torch.Tensor,  # [B] float32 in [0, 1), one draw per row
+) -> torch.Tensor:
+    """One token per row. Tokens are kept by thresholds, so ties are kept together:
+    top-k keeps p >= the k-th largest p; top-p then keeps the largest threshold whose
+    mass within the top-k set reaches ``top_p``; min-p keeps p >= min_p * max p.
+    The draw inverts the CDF of the kept probabilities in vocabulary order:
+    the first token whose running mass exceeds ``uniform * kept mass``."""
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    vocab = logits.shape[1]
+    for b in range(logits.shape[0]):
+        x = logits[b].float()
+        if temperature[b] <= 0:
+            out[b] = int(torch.argmax(x))
+            continue
+        x = x / temperature[b]
+        ordered = x.sort(descending=True).values
+        k = int(top_k[b])
+        threshold = ordered[min(k, vocab) - 1] if k > 0 else ordered[-1]
+        e = torch.exp(x - ordered[0])
+        mass_k = e[x >= threshold].sum()
+        ranked = torch.exp(ordered - ordered[0])
+        ranked_mass = ranked.cumsum(0)  # mass of the top r + 1 tokens
+        reaching = (ranked_mass >= top_p[b] * mass_k) & (ordered >= threshold)
+        if top_p[b] < 1 and bool(reaching.any()):
+            threshold = torch.maximum(threshold, ordered[int(reaching.nonzero()[0])])
+        if min_p[b] > 0:
+            threshold = torch.maximum(threshold, ordered[0] + torch.log(min_p[b]))
+        kept = torch.where(x >= threshold, e, torch.zeros_like(e))
+        cdf = kept.cumsum(0)
+        target = uniform[b] * cdf[-1]
+        above = (cdf > target).nonzero()
+        out[b] = int(above[0]) if above.numel() else int((kept > 0).nonzero()[-1])
+    return out
