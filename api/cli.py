@@ -11,6 +11,7 @@ from functools import partial
 import trio
 
 from api.settings import config_from_env, env_documentation
+from engine.config import DEVICES, KERNELS, LOAD_FORMATS
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +32,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=None,
                    help="do not reuse KV pages between requests")
     p.add_argument("--request-timeout", type=float, help="seconds per generation request (default: none)")
+    p.add_argument("--device", choices=list(DEVICES), help="auto: cuda when present, else cpu")
+    p.add_argument("--kernels", choices=list(KERNELS),
+                   help="auto: Triton on CUDA, the CPU fast path on CPUs; reference: plain torch (debugging)")
+    p.add_argument("--load-format", choices=list(LOAD_FORMATS),
+                   help="dummy: random weights for --model's config.json (a file or folder), for benchmarks")
+    p.add_argument("--tokenizer", help="model alias or folder to read the tokenizer from (dummy models)")
 
 
 async def serve(app, host: str, port: int) -> None:
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             model=args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
             max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
+            device=args.device, kernels=args.kernels, load_format=args.load_format, tokenizer=args.tokenizer,
         )
         app = create_app(config=config, request_timeout=args.request_timeout or None)
         trio.run(partial(serve, app, args.host, args.port))

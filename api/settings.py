@@ -21,6 +21,10 @@ _ENV = {
     "TRILLM_MAX_MODEL_LEN": ("max_model_len", int),
     "TRILLM_NUM_THREADS": ("num_threads", int),
     "TRILLM_SERVED_MODEL_NAME": ("served_model_name", str),
+    "TRILLM_DEVICE": ("device", str),
+    "TRILLM_KERNELS": ("kernels", str),
+    "TRILLM_LOAD_FORMAT": ("load_format", str),
+    "TRILLM_TOKENIZER": ("tokenizer", str),
     "TRILLM_PREFIX_CACHE": ("prefix_cache", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
 }
 

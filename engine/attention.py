@@ -44,6 +44,25 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
 
 
+@attrs.frozen
+class KernelMetadata:
+    """The flat form the kernels in ``kernels/`` take: one row of the block table per
+    sequence, its new tokens at ``query_starts[i]:query_starts[i + 1]`` of the batch."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, max_pages] int32, padded with page 0
+    query_starts: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32, cached plus new tokens
+    decode_only: bool  # every sequence adds one token: the split-K decode kernel applies
+
+    def to(self, device: torch.device) -> "KernelMetadata":
+        if device.type == "cpu":
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return KernelMetadata(move(self.slot_mapping), move(self.block_tables), move(self.query_starts),
+                              move(self.context_lens), self.decode_only)
+
+
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """[B, P] or [P] pages -> [B, P * page_size, KVH, D] or [P * page_size, KVH, D].
 

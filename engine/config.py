@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import attrs
 
+DEVICES = ("auto", "cpu", "cuda")
+KERNELS = ("auto", "cpu", "triton", "reference")
+LOAD_FORMATS = ("auto", "dummy")
+
 
 @attrs.frozen
 class EngineConfig:
@@ -25,6 +29,10 @@ class EngineConfig:
     prefix_cache: bool = True  # reuse KV pages of earlier requests that share a prefix
     num_threads: int | None = None  # torch intra-op threads; None: all cores
     served_model_name: str | None = None
+    device: str = "auto"  # "auto" (cuda when present) | "cpu" | "cuda"
+    kernels: str = "auto"  # "auto": Triton on CUDA, the CPU fast path on CPUs | "triton" | "reference" | "cpu"
+    load_format: str = "auto"  # "auto": the model's weights | "dummy": random weights for its config.json
+    tokenizer: str | None = None  # where to read the tokenizer when the model folder has none
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -37,6 +45,9 @@ class EngineConfig:
             )
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
+        for name, allowed in (("device", DEVICES), ("kernels", KERNELS), ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, KernelMetadata, paged_attention
 from engine.rope import apply_rotary, cos_sin_table
+from kernels import Kernels
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -94,13 +95,54 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def dummy_weights(shape: LlamaShape, dtype: torch.dtype, device: torch.device | str = "cpu",
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """Checkpoint-named random weights (std 0.02, unit norms), made on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, d = shape.hidden_size, shape.head_dim
+    q, kv, inter = shape.num_heads * d, shape.num_kv_heads * d, shape.intermediate_size
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(size, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    w = {"model.embed_tokens.weight": rand(shape.vocab_size, h), "model.norm.weight": ones(h)}
+    if not shape.tie_word_embeddings:
+        w["lm_head.weight"] = rand(shape.vocab_size, h)
+    for i in range(shape.num_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        w.update({
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
+            a + "q_proj.weight": rand(q, h), a + "k_proj.weight": rand(kv, h), a + "v_proj.weight": rand(kv, h),
+            a + "o_proj.weight": rand(h, q), p + "mlp.gate_proj.weight": rand(inter, h),
+            p + "mlp.up_proj.weight": rand(inter, h), p + "mlp.down_proj.weight": rand(h, inter),
+        })
+        if shape.attention_bias:
+            w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
+    return w
+
+
 class LlamaModel:
     """Weights plus the forward pass; the KV cache is owned by the caller."""
 
-    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_len: int) -> None:
+    def __init__(
+        self,
+        shape: LlamaShape,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        kernels: Kernels | None = None,
+    ) -> None:
+        """``kernels`` None runs the CPU fast path; otherwise every hot spot goes
+        through those kernels (Triton on CUDA, or the torch references)."""
         self.shape = shape
         self.dtype = dtype
-        w = {k: v.to(dtype) for k, v in weights.items()}
+        self.device = torch.device(device)
+        self.kernels = kernels
+        w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head_t = _t(head)
@@ -124,11 +166,20 @@ class LlamaModel:
                 )
             )
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
-        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         self.scale = shape.head_dim**-0.5
 
     @classmethod
-    def load(cls, folder: Path, config: dict[str, Any], dtype: torch.dtype, max_len: int) -> "LlamaModel":
+    def dummy(cls, config: dict[str, Any], dtype: torch.dtype, max_len: int, device: torch.device | str = "cpu",
+              kernels: Kernels | None = None, seed: int = 0) -> "LlamaModel":
+        """Random weights for ``config``: throughput of any model size can be measured
+        without downloading it."""
+        shape = LlamaShape.from_config(config)
+        return cls(shape, dummy_weights(shape, dtype, device, seed), dtype, max_len, device, kernels)
+
+    @classmethod
+    def load(cls, folder: Path, config: dict[str, Any], dtype: torch.dtype, max_len: int,
+             device: torch.device | str = "cpu", kernels: Kernels | None = None) -> "LlamaModel":
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:
@@ -136,17 +187,21 @@ class LlamaModel:
                     weights[key] = f.get_tensor(key)
         if not weights:
             raise FileNotFoundError(f"no .safetensors files in {folder}")
-        return cls(LlamaShape.from_config(config), weights, dtype, max_len)
+        return cls(LlamaShape.from_config(config), weights, dtype, max_len, device, kernels)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | KernelMetadata,
         logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
     ) -> torch.Tensor:
         """Run the batch through every layer; return float32 logits [S, vocab]."""
+        if self.kernels is not None:
+            assert isinstance(meta, KernelMetadata)
+            return self._forward_kernels(self.kernels, input_ids, positions, kv_cache, meta, logits_rows)
+        assert isinstance(meta, AttentionMetadata)
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
@@ -164,4 +219,41 @@ class LlamaModel:
             gate, up = _project(x, layer.gate_up).chunk(2, dim=-1)
             h = h + _project(F.silu(gate) * up, layer.down)
         h = rms_norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
+        return _project(h, self.lm_head_t).float()
+
+    def _forward_kernels(
+        self,
+        ops: Kernels,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: KernelMetadata,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same layers through ``ops``: residual add fused into each RMSNorm,
+        K/V stored by slot, attention read straight from the pages."""
+        s = self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        delta, residual = self.embed[input_ids], None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
+            x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, s.rms_norm_eps)
+            qkv = _project(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
+            q, k = ops.rotary(q, k, positions, self.cos, self.sin)
+            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if meta.decode_only:
+                attn = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            else:
+                attn = ops.extend_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens, self.scale
+                )
+            delta = _project(attn.reshape(-1, q_size), layer.o_proj)
+            x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
+            gate, up = _project(x, layer.gate_up).chunk(2, dim=-1)
+            delta = _project(F.silu(gate) * up, layer.down)
+        rows = logits_rows.to(delta.device)
+        h, _ = ops.add_rms_norm(delta.index_select(0, rows), residual.index_select(0, rows), self.final_norm,
+                                s.rms_norm_eps)
         return _project(h, self.lm_head_t).float()

@@ -12,7 +12,8 @@ import torch
 from engine.config import EngineConfig
 from engine.llama import LlamaModel
 from engine.model_runner import choose_dtype
-from engine.model_source import resolve_model
+from engine.model_source import DEFAULT_ALIAS, resolve_model
+from kernels import Kernels, select_kernels
 
 log = logging.getLogger("trillm.engine")
 
@@ -31,6 +32,45 @@ def _eos_ids(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[
     return frozenset(ids)
 
 
+def choose_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(config.device)
+
+
+def choose_kernels(config: EngineConfig, device: torch.device) -> Kernels | None:
+    """None means the CPU fast path (``engine/attention.py``), the default off CUDA."""
+    if config.kernels == "cpu" or (config.kernels == "auto" and device.type != "cuda"):
+        if device.type != "cpu":
+            raise ValueError("the cpu kernels run on the CPU only")
+        return None
+    return select_kernels(config.kernels, device)
+
+
+def _model_folder(config: EngineConfig) -> Path:
+    """A dummy model needs only a config.json (the file itself or its folder)."""
+    path = Path(config.model).expanduser()
+    if config.load_format == "dummy" and path.is_file() and path.name.endswith(".json"):
+        return path.parent
+    return resolve_model(config.model)
+
+
+def _config_file(config: EngineConfig, folder: Path) -> Path:
+    path = Path(config.model).expanduser()
+    return path if config.load_format == "dummy" and path.is_file() else folder / "config.json"
+
+
+def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
+    if config.tokenizer:
+        return resolve_model(config.tokenizer)
+    has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+    if config.load_format == "dummy" and not has_tokenizer:
+        return resolve_model(DEFAULT_ALIAS)  # any tokenizer will do for random weights
+    return folder
+
+
 def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread)."""
     from transformers import AutoTokenizer
@@ -39,15 +79,22 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     # second OpenMP team on the loading thread would halve its speed on small
     # machines, so the caller's thread stays single-threaded.
     torch.set_num_threads(1)
-    folder = resolve_model(config.model)
-    model_config = json.loads((folder / "config.json").read_text())
+    folder = _model_folder(config)
+    model_config = json.loads(_config_file(config, folder).read_text())
+    device = choose_device(config)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.dtype)
     if dtype is None:
         if config.dtype != "auto":
             raise ValueError(f"dtype must be auto, float32 or bfloat16, not {config.dtype!r}")
-        dtype = choose_dtype()
+        dtype = torch.bfloat16 if device.type == "cuda" else choose_dtype()
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
-    model = LlamaModel.load(folder, model_config, dtype, max_len)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    log.info("loaded %s (%s) from %s", config.model, dtype, folder)
-    return model, tokenizer, _eos_ids(folder, model_config, tokenizer)
+    kernels = choose_kernels(config, device)
+    if config.load_format == "dummy":
+        model = LlamaModel.dummy(model_config, dtype, max_len, device, kernels)
+    else:
+        model = LlamaModel.load(folder, model_config, dtype, max_len, device, kernels)
+    tokenizer_folder = _tokenizer_folder(config, folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    log.info("loaded %s (%s, %s, %s kernels) from %s", config.model, dtype, device,
+             kernels.name if kernels else "cpu", folder)
+    return model, tokenizer, _eos_ids(tokenizer_folder, model_config, tokenizer)

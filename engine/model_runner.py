@@ -13,17 +13,18 @@ import time
 import attrs
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeGroup, KernelMetadata, PrefillSpan
 from engine.llama import LlamaModel
 from engine.sampler import SampleRow, Sampled, sample_with_logprobs
 from engine.scheduler import Batch
+from engine.sequence import Sequence
 
 
 @attrs.frozen
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | KernelMetadata
     logits_rows: torch.Tensor
     rows: tuple[SampleRow, ...]
 
@@ -52,6 +53,18 @@ def choose_dtype() -> torch.dtype:
     return torch.bfloat16 if best(torch.bfloat16) < best(torch.float32) else torch.float32
 
 
+def _sample_row(seq: Sequence) -> SampleRow:
+    """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step."""
+    p = seq.params
+    return SampleRow(
+        p,
+        seq.generator,
+        seq.prompt_ids if p.repetition_penalty != 1.0 else (),
+        tuple(seq.output_ids) if p.needs_history else (),
+        seq.banned_ids,
+    )
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_pages: int, page_size: int, num_threads: int | None = None) -> None:
         self.model = model
@@ -59,12 +72,12 @@ class ModelRunner:
         self.page_size = page_size
         s = model.shape
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
-        self.kv_cache = [
-            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
-            for _ in range(s.num_layers)
-        ]
+        zeros = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+        self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
 
     def prepare(self, batch: Batch) -> StepInputs:
+        if self.model.kernels is not None:
+            return self._prepare_flat(batch)
         ps = self.page_size
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -96,14 +109,7 @@ class ModelRunner:
             row += n
             if chunk.samples:
                 logits_rows.append(row - 1)
-                p = seq.params
-                rows.append(SampleRow(
-                    p,
-                    seq.generator,
-                    seq.prompt_ids if p.repetition_penalty != 1.0 else (),
-                    tuple(seq.output_ids) if p.needs_history else (),
-                    seq.banned_ids,
-                ))
+                rows.append(_sample_row(seq))
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_mapping),
             decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
@@ -112,6 +118,45 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),
+            meta=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            rows=tuple(rows),
+        )
+
+    def _prepare_flat(self, batch: Batch) -> StepInputs:
+        """The kernels' form: a padded block table, query offsets and context lengths."""
+        ps = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        starts = [0]
+        lens: list[int] = []
+        logits_rows: list[int] = []
+        rows: list[SampleRow] = []
+        for chunk in batch.chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
+            table = seq.pages[: -(-end // ps)]
+            ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            slots += (table[p // ps] * ps + p % ps for p in range(start, end))
+            tables.append(table)
+            starts.append(starts[-1] + chunk.length)
+            lens.append(end)
+            if chunk.samples:
+                logits_rows.append(starts[-1] - 1)
+                rows.append(_sample_row(seq))
+        width = max(len(t) for t in tables)
+        meta = KernelMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            query_starts=torch.tensor(starts, dtype=torch.int32),
+            context_lens=torch.tensor(lens, dtype=torch.int32),
+            decode_only=all(chunk.length == 1 for chunk in batch.chunks),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             rows=tuple(rows),
@@ -142,10 +187,13 @@ class ModelRunner:
         """Forward + sample; one token per sampling chunk, in batch order."""
         if torch.get_num_threads() != self.num_threads:  # OpenMP settings are per calling thread
             torch.set_num_threads(self.num_threads)
+        device = self.model.device
+        meta = inputs.meta.to(device) if isinstance(inputs.meta, KernelMetadata) else inputs.meta
         with torch.inference_mode():
             logits = self.model.forward(
-                inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, inputs.logits_rows
+                inputs.input_ids.to(device, non_blocking=True), inputs.positions.to(device, non_blocking=True),
+                self.kv_cache, meta, inputs.logits_rows,
             )
             if not inputs.rows:
                 return Sampled([], [])
-            return sample_with_logprobs(logits, list(inputs.rows))
+            return sample_with_logprobs(logits, list(inputs.rows), self.model.kernels)

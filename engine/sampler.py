@@ -12,6 +12,7 @@ import attrs
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels import Kernels
 
 
 @attrs.frozen
@@ -45,16 +46,19 @@ def sample(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -
     return sample_with_logprobs(logits, rows).tokens
 
 
-def sample_with_logprobs(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -> Sampled:
+def sample_with_logprobs(
+    logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams], kernels: Kernels | None = None
+) -> Sampled:
     """Sample, and report log-probabilities where a row asks for them.
 
     The reported distribution is the one sampled from before truncation:
     after logit_bias, bans and penalties, divided by the temperature (1 for
-    greedy rows), and before min_p/top_k/top_p.
+    greedy rows), and before min_p/top_k/top_p. With ``kernels`` the truncation
+    and the draw run in its ``sample_top_k_top_p`` (on the logits' device).
     """
     rows = [r if isinstance(r, SampleRow) else SampleRow(r) for r in rows]
     logits = _adjust(logits, rows)
-    tokens = _choose(logits, rows)
+    tokens = _choose(logits, rows, kernels)
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     for i, row in enumerate(rows):
         k = row.params.logprobs
@@ -71,10 +75,25 @@ def sample_with_logprobs(logits: torch.Tensor, rows: list[SampleRow] | list[Samp
     return Sampled(tokens, logprobs)
 
 
-def _choose(logits: torch.Tensor, rows: list[SampleRow]) -> list[int]:
+def _choose(logits: torch.Tensor, rows: list[SampleRow], kernels: Kernels | None) -> list[int]:
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if random_rows:
+    if random_rows and kernels is not None:
+        index = torch.tensor(random_rows, device=logits.device)
+        params = [rows[i].params for i in random_rows]
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
+
+        tokens[index] = kernels.sample_top_k_top_p(
+            logits.index_select(0, index).contiguous(),
+            column([p.temperature for p in params], torch.float32),
+            column([p.top_k for p in params], torch.int32),
+            column([p.top_p for p in params], torch.float32),
+            column([p.min_p for p in params], torch.float32),
+            torch.cat([_uniform(rows[i].generator) for i in random_rows]).float().to(logits.device),
+        )
+    elif random_rows:
         index = torch.tensor(random_rows)
         sub = logits.index_select(0, index)
         params = [rows[i].params for i in random_rows]
@@ -100,12 +119,12 @@ def _adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         if row.banned_ids:
             logits[i, [t for t in row.banned_ids if 0 <= t < vocab]] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
             if seen.numel():
                 values = logits[i, seen]
                 logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long, device=logits.device), minlength=vocab)[:vocab]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
 
