@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -40,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the stop-and-retry workload for this long instead (uses the first --concurrency)")
     p.add_argument("--probe-len", type=int, default=None,
                    help="prompt tokens of the newcomer sent once every client streams (default: --prompt-len)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights for --model's config.json (server and baseline alike)")
+    p.add_argument("--kernels", default=None, help="passed to trillm serve --kernels")
+    p.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
+    p.add_argument("--llama-cpp", metavar="PYTHON",
+                   help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF")
 
 
 @attrs.frozen
@@ -155,12 +162,20 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) 
     raise SystemExit("the server did not become healthy")
 
 
-def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int) -> RunResult:
+def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int,
+              config: dict[str, Any] | None = None) -> RunResult:
+    """transformers ``generate``; with ``config`` (dummy weights) a randomly initialised model of that shape."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    batch = torch.tensor(prompts_ids)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with device:
+        if config is not None:
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype).eval()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = model.to(device)
+    batch = torch.tensor(prompts_ids, device=device)
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=True, temperature=0.8,
                   pad_token_id=0, attention_mask=torch.ones_like(batch))
     with torch.inference_mode():
@@ -173,10 +188,12 @@ def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_l
     return RunResult(label, len(prompts_ids), produced, seconds)
 
 
-def _table(rows: list[RunResult], baselines: dict[int, RunResult]) -> str:
+def _table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: int, bandwidth: float) -> str:
+    """``step_bytes / ITL p50`` over ``bandwidth``: how close decode runs to the memory-bandwidth limit."""
     lines = [
-        "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 / max (ms) | TTFT of a newcomer (s) |",
-        "|---|---|---|---|---|---|---|",
+        "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 / max (ms) "
+        "| TTFT of a newcomer (s) | decode: share of memory bandwidth |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = baselines.get(r.concurrency)
@@ -184,7 +201,8 @@ def _table(rows: list[RunResult], baselines: dict[int, RunResult]) -> str:
         ttft = f"{_pct(r.ttft, 0.5):.3f} / {_pct(r.ttft, 0.99):.3f}" if r.ttft else ""
         itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f} / {max(r.itl) * 1e3:.0f}" if r.itl else ""
         probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
-        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} |")
+        share = f"{step_bytes / _pct(r.itl, 0.5) / bandwidth:.0%}" if r.itl else ""
+        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} |")
     return "\n".join(lines)
 
 
@@ -195,11 +213,19 @@ def run_bench(args: argparse.Namespace) -> None:
     from engine.model_runner import choose_dtype
     from engine.model_source import resolve_model
 
+    from api.bench_extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
+    from engine.model_source import DEFAULT_ALIAS, cache_dir
+
     _MODEL[0] = args.model
-    model_dir = resolve_model(args.model)
+    dummy = args.load_format == "dummy"
+    config_path = Path(args.model) / "config.json" if Path(args.model).is_dir() else Path(args.model)
+    model_dir = resolve_model(DEFAULT_ALIAS if dummy else args.model)
+    model_config = json.loads((config_path if dummy else model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or choose_dtype()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto_dtype = torch.bfloat16 if device.type == "cuda" else None
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or auto_dtype or choose_dtype()
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
@@ -215,6 +241,8 @@ def run_bench(args: argparse.Namespace) -> None:
         url = f"http://127.0.0.1:{args.port}"
         proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
                                  str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
+                                 "--load-format", args.load_format,
+                                 *(["--kernels", args.kernels] if args.kernels else []),
                                  *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
                                 env={**os.environ})
     rows: list[RunResult] = []
@@ -240,8 +268,22 @@ def run_bench(args: argparse.Namespace) -> None:
         for level in levels:
             ids = [tokenizer(p)["input_ids"][: args.prompt_len - 8] for p in prompts[:level]]
             width = min(len(i) for i in ids)
-            result = _baseline(model_dir, dtype, [i[:width] for i in ids], args.output_len)
+            result = _baseline(model_dir, dtype, [i[:width] for i in ids], args.output_len,
+                               model_config if dummy else None)
             print(f"[bench] {result.label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
             baselines[level] = result
             rows.append(result)
-    print(_table(rows, baselines))
+    if args.llama_cpp:
+        gguf = cache_dir() / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        tokens, seconds = llama_cpp_single_stream(args.llama_cpp, gguf, prompts[0], args.output_len,
+                                                  torch.get_num_threads())
+        rows.append(RunResult("llama.cpp (llama-cpp-python, Q4_1 GGUF)", 1, tokens, seconds))
+        print(f"[bench] llama.cpp c=1: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
+    bandwidth = memory_bandwidth(device)
+    step_bytes = weight_bytes(model_config, dtype)
+    print(f"[bench] device={device} copy bandwidth {bandwidth / 1e9:.1f} GB/s; one decode step reads "
+          f">= {step_bytes / 1e6:.0f} MB of weights", file=sys.stderr, flush=True)
+    print(_table(rows, baselines, step_bytes, bandwidth))
+    if args.plot:
+        plot(rows, args.plot, f"{args.model if not dummy else config_path.name} ({dtype_name}, {device.type}, "
+                              f"{args.prompt_len} in / {args.output_len} out)")

@@ -90,6 +90,8 @@ def _project(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = Non
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in float32 like the reference implementation, then cast back."""
+    if x.dtype == torch.float32:  # one fused op, the same arithmetic
+        return F.rms_norm(x, weight.shape, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -209,15 +211,15 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = _project(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), cos, sin)
-            k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-            v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+            # Q and K sit side by side in the fused projection: one rotary pass for both.
+            qk = apply_rotary(qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + _project(attn.reshape(-1, q_size), layer.o_proj)
+            h = torch.addmm(h, attn.reshape(-1, q_size), layer.o_proj)  # the residual add rides on the GEMM
             x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
             gate, up = _project(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + _project(F.silu(gate) * up, layer.down)
+            h = torch.addmm(h, F.silu(gate) * up, layer.down)
         h = rms_norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
         return _project(h, self.lm_head_t).float()
 
