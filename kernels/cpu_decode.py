@@ -1,0 +1,131 @@
+"""CPU paged decode attention: ``cpu_decode.c`` built on first use and loaded with ctypes.
+
+Plain C with OpenMP compiles in about a second with the system compiler, so no torch
+extension toolchain is needed. ``ctypes.CDLL`` releases the GIL for the call, so the
+event loop keeps running while a worker thread computes. Same contract as
+``kernels.reference.decode_attention``, float32 CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("trillm.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)  # expf; not -ffast-math: GCC 12 then links crtfastmath, which flushes denormals process-wide
+
+_lock = threading.Lock()
+_loaded = False
+_lib: ctypes.CDLL | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TRILLM_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "trillm") / "kernels"
+
+
+def _cpu_id() -> str:
+    """Model name and flags: ``-march=native`` code must not run on another CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(keep[:2])
+
+
+def _build() -> Path:
+    """Compile into the cache (keyed by source, compiler, flags and CPU) unless there already."""
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *FLAGS, *LIBS]).encode(), _cpu_id().encode()]))
+    target = _cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [*compiler, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
+        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good as ours
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernel, built once per process; None (reason logged once) if that failed."""
+    global _loaded, _lib
+    with _lock:
+        if not _loaded:
+            _loaded = True
+            try:
+                lib = ctypes.CDLL(str(_build()))
+                fn = lib.trillm_decode_attention
+                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _lib = lib
+            except (OSError, RuntimeError) as error:
+                log.warning("CPU decode kernel unavailable: %s", error)
+        return _lib
+
+
+def available() -> bool:
+    """Whether the C kernel could be built and loaded here (e.g. False without a compiler)."""
+    return _library() is not None
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D], one new token per sequence
+    k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D], contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_pages] int
+    context_lens: torch.Tensor,  # [B] int, tokens in the cache including the new one
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """Each row attends all ``context_lens[b]`` tokens of its own sequence (float32, CPU)."""
+    tensors = (q, k_cache, v_cache)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        raise ValueError("cpu_decode.decode_attention takes float32 CPU tensors only")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous (a copy would cost more than the attention)")
+    B, H, D = q.shape
+    num_pages, page_size, kv_heads, d_cache = k_cache.shape
+    if v_cache.shape != k_cache.shape or d_cache != D or H % kv_heads != 0:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU decode kernel could not be built; see the trillm.kernels log")
+    q = q.contiguous()
+    tables = block_tables.to(device="cpu", dtype=torch.int32).contiguous()
+    lens = context_lens.to(device="cpu", dtype=torch.int32).contiguous()
+    if tables.dim() != 2 or tables.shape[0] != B or lens.shape != (B,):
+        raise ValueError(f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} do not match batch {B}")
+    out = torch.empty((B, H, D), dtype=torch.float32)
+    threads = num_threads if num_threads is not None else torch.get_num_threads()
+    rc = lib.trillm_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        B, H, kv_heads, D, num_pages, page_size, tables.shape[1], float(scale), max(1, threads),
+    )
+    if rc == 1:
+        raise ValueError("a context length or page index is out of range for the cache/block table")
+    if rc != 0:
+        raise MemoryError("the CPU decode kernel could not allocate its score buffers")
+    return out
