@@ -13,11 +13,12 @@ import time
 import attrs
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, KernelMetadata, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeGroup, DecodeRows, KernelMetadata, PrefillSpan
 from engine.llama import LlamaModel
 from engine.sampler import SampleRow, Sampled, sample_with_logprobs
 from engine.scheduler import Batch
 from engine.sequence import Sequence
+from kernels import cpu_decode
 
 
 @attrs.frozen
@@ -66,7 +67,8 @@ def _sample_row(seq: Sequence) -> SampleRow:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_pages: int, page_size: int, num_threads: int | None = None) -> None:
+    def __init__(self, model: LlamaModel, num_pages: int, page_size: int, num_threads: int | None = None,
+                 use_c_decode: bool = True) -> None:
         self.model = model
         self.num_threads = num_threads or torch.get_num_threads()
         self.page_size = page_size
@@ -74,6 +76,10 @@ class ModelRunner:
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
         zeros = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
+        # The C decode kernel (float32, CPU); without a compiler, gather + SDPA.
+        self.c_decode = (
+            model.kernels is None and model.dtype == torch.float32 and use_c_decode and cpu_decode.available()
+        )
 
     def prepare(self, batch: Batch) -> StepInputs:
         if self.model.kernels is not None:
@@ -110,11 +116,24 @@ class ModelRunner:
             if chunk.samples:
                 logits_rows.append(row - 1)
                 rows.append(_sample_row(seq))
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping),
-            decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
-            prefills=tuple(prefills),
-        )
+        if self.c_decode and decode_rows:
+            width = max(len(t) for t in decode_tables)
+            meta = AttentionMetadata(
+                slot_mapping=torch.cat(slot_mapping),
+                decodes=(),
+                prefills=tuple(prefills),
+                decode_rows=DecodeRows(
+                    torch.tensor(decode_rows, dtype=torch.long),
+                    torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32),
+                    torch.tensor(decode_lens, dtype=torch.int32),
+                ),
+            )
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=torch.cat(slot_mapping),
+                decodes=self._decode_groups(decode_rows, decode_tables, decode_lens),
+                prefills=tuple(prefills),
+            )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),
