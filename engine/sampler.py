@@ -77,8 +77,10 @@ def sample_with_logprobs(
 
 
 def _choose(logits: torch.Tensor, rows: list[SampleRow], kernels: Kernels | None) -> list[int]:
-    tokens = logits.argmax(dim=-1)
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(random_rows) == len(rows) and kernels is None:  # no greedy row: skip the argmax and the row copy
+        return _sample_random(logits, rows).tolist()
+    tokens = logits.argmax(dim=-1)
     if random_rows and kernels is not None:
         index = torch.tensor(random_rows, device=logits.device)
         params = [rows[i].params for i in random_rows]
@@ -96,15 +98,17 @@ def _choose(logits: torch.Tensor, rows: list[SampleRow], kernels: Kernels | None
         )
     elif random_rows:
         index = torch.tensor(random_rows)
-        sub = logits.index_select(0, index)
-        params = [rows[i].params for i in random_rows]
-        temps = torch.tensor([p.temperature for p in params], dtype=sub.dtype).unsqueeze(1)
-        sub = sub / temps
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-            sub = _mask_top_k_top_p_min_p(sub, params)
-        uniforms = torch.cat([_uniform(rows[i].generator) for i in random_rows])
-        tokens[index] = _draw(torch.softmax(sub, dim=-1), uniforms)
+        tokens[index] = _sample_random(logits.index_select(0, index), [rows[i] for i in random_rows])
     return tokens.tolist()
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, then min_p/top_k/top_p where asked, then one draw per row."""
+    params = [r.params for r in rows]
+    scaled = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        scaled = _mask_top_k_top_p_min_p(scaled, params)
+    return _draw(torch.softmax(scaled, dim=-1), torch.cat([_uniform(r.generator) for r in rows]))
 
 
 def _adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
