@@ -6,7 +6,7 @@ MODEL  ?= smollm2-135m-instruct
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench gpu-check clean
 
 install: $(STAMP)
 
@@ -31,6 +31,12 @@ test: install
 
 bench: install
 	$(VENV)/bin/trillm bench --model $(MODEL)
+
+# On a CUDA machine: the Triton kernels compiled (not interpreted) against their
+# references, then a Llama-3-8B-shaped model with random weights through the server.
+gpu-check: install
+	$(PY) -m pytest -q tests/test_kernels.py tests/test_kernel_engine.py
+	$(VENV)/bin/trillm bench --load-format dummy --model engine/configs/llama-3-8b.json --concurrency 1,16,64
 
 clean:
 	rm -rf $(VENV) build *.egg-info

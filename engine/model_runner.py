@@ -202,17 +202,22 @@ class ModelRunner:
             out.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), pages, mask))
         return tuple(out)
 
+    def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass alone: float32 logits of the sampling rows, on the model's device."""
+        device = self.model.device
+        meta = inputs.meta.to(device) if isinstance(inputs.meta, KernelMetadata) else inputs.meta
+        with torch.inference_mode():
+            return self.model.forward(
+                inputs.input_ids.to(device, non_blocking=True), inputs.positions.to(device, non_blocking=True),
+                self.kv_cache, meta, inputs.logits_rows,
+            )
+
     def execute(self, inputs: StepInputs) -> Sampled:
         """Forward + sample; one token per sampling chunk, in batch order."""
         if torch.get_num_threads() != self.num_threads:  # OpenMP settings are per calling thread
             torch.set_num_threads(self.num_threads)
-        device = self.model.device
-        meta = inputs.meta.to(device) if isinstance(inputs.meta, KernelMetadata) else inputs.meta
+        logits = self.execute_logits(inputs)
         with torch.inference_mode():
-            logits = self.model.forward(
-                inputs.input_ids.to(device, non_blocking=True), inputs.positions.to(device, non_blocking=True),
-                self.kv_cache, meta, inputs.logits_rows,
-            )
             if not inputs.rows:
                 return Sampled([], [])
             return sample_with_logprobs(logits, list(inputs.rows), self.model.kernels)

@@ -39,12 +39,17 @@ VARIANTS = ["cpu", "reference", "triton"]
 PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 119)), list(range(5, 37))]  # the last shares 32 tokens
 
 
+def _device(variant: str) -> torch.device:
+    """The kernel variants run on the GPU when there is one (Triton compiled, not interpreted)."""
+    return torch.device("cuda" if torch.cuda.is_available() and variant != "cpu" else "cpu")
+
+
 def _models() -> dict[str, LlamaModel]:
     shape = LlamaShape.from_config(TINY)
     weights = dummy_weights(shape, torch.float32, seed=7)
-    device = torch.device("cpu")
     return {
-        name: LlamaModel(shape, weights, torch.float32, 256, device, None if name == "cpu" else select_kernels(name, device))
+        name: LlamaModel(shape, weights, torch.float32, 256, _device(name),
+                         None if name == "cpu" else select_kernels(name, _device(name)))
         for name in VARIANTS
     }
 
@@ -78,8 +83,7 @@ def test_every_step_matches_across_kernels_and_transformers():
         for name, runner in runners.items():
             inputs = runner.prepare(batch)
             with torch.inference_mode():
-                logits[name] = models[name].forward(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta,
-                                                    inputs.logits_rows)
+                logits[name] = runner.execute_logits(inputs).cpu()
         for name in ("reference", "triton", "cpu-sdpa"):
             torch.testing.assert_close(logits[name], logits["cpu"], atol=2e-5, rtol=1e-4)
         sampled = [chunk.seq for chunk in batch.chunks if chunk.samples]
@@ -125,6 +129,7 @@ async def test_engines_give_the_same_tokens_with_every_kernel_choice(tiny_config
     names = VARIANTS if params.greedy else ["reference", "triton"]
     for name in names:
         config = EngineConfig(model=str(tiny_config), load_format="dummy", kernels=name, dtype="float32",
+                              device=_device(name).type,
                               num_pages=64, page_size=4, max_num_seqs=8, max_batch_tokens=32)
         engine = Engine(config, *load_model(config))
         assert (engine.runner.model.kernels.name if engine.runner.model.kernels else "cpu") == name
