@@ -1,89 +1,28 @@
 """CPU paged decode attention: ``cpu_decode.c`` built on first use and loaded with ctypes.
 
-Plain C with OpenMP compiles in about a second with the system compiler, so no torch
-extension toolchain is needed. ``ctypes.CDLL`` releases the GIL for the call, so the
-event loop keeps running while a worker thread computes. Same contract as
+Built and cached by ``kernels.cpu_build``; ``ctypes.CDLL`` releases the GIL for the
+call, so the event loop keeps running while a worker thread computes. Same contract as
 ``kernels.reference.decode_attention``, float32 CPU tensors only.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shlex
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("trillm.kernels")
-
-SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-LIBS = ("-lm",)  # expf; not -ffast-math: GCC 12 then links crtfastmath, which flushes denormals process-wide
-
-_lock = threading.Lock()
-_loaded = False
-_lib: ctypes.CDLL | None = None
+from kernels import cpu_build
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TRILLM_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "trillm") / "kernels"
-
-
-def _cpu_id() -> str:
-    """Model name and flags: ``-march=native`` code must not run on another CPU."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    keep = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(keep[:2])
-
-
-def _build() -> Path:
-    """Compile into the cache (keyed by source, compiler, flags and CPU) unless there already."""
-    compiler = shlex.split(os.environ.get("CC") or "cc")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *FLAGS, *LIBS]).encode(), _cpu_id().encode()]))
-    target = _cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [*compiler, *FLAGS, "-o", tmp, str(SOURCE), *LIBS]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
-        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good as ours
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def _declare(lib: ctypes.CDLL) -> None:
+    fn = lib.trillm_decode_attention
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
 
 
 def _library() -> ctypes.CDLL | None:
     """The loaded kernel, built once per process; None (reason logged once) if that failed."""
-    global _loaded, _lib
-    with _lock:
-        if not _loaded:
-            _loaded = True
-            try:
-                lib = ctypes.CDLL(str(_build()))
-                fn = lib.trillm_decode_attention
-                fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
-                fn.restype = ctypes.c_int
-                _lib = lib
-            except (OSError, RuntimeError) as error:
-                log.warning("CPU decode kernel unavailable: %s", error)
-        return _lib
+    return cpu_build.load("cpu_decode", _declare)
 
 
 def available() -> bool:

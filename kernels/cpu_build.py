@@ -1,0 +1,93 @@
+"""Build a plain-C kernel from ``kernels/`` on first use and load it with ctypes.
+
+Plain C with OpenMP compiles in about a second with the system compiler, so no torch
+extension toolchain is needed. ``ctypes.CDLL`` releases the GIL for each call, so the
+event loop keeps running while a worker thread computes.
+
+The shared object goes to ``$TRILLM_CACHE_DIR/kernels`` (default ``~/.cache/trillm``),
+named after the source and keyed by the source text, compiler, flags and CPU; it is
+compiled into a temporary file and renamed into place, so concurrent builders never
+see half a library. A library that cannot be built or loaded is logged once and
+reported as None, so callers fall back to torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("trillm.kernels")
+
+KERNELS_DIR = Path(__file__).parent
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)  # expf; not -ffast-math: GCC 12 then links crtfastmath, which flushes denormals process-wide
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TRILLM_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "trillm") / "kernels"
+
+
+def _cpu_id() -> str:
+    """Model name and flags: ``-march=native`` code must not run on another CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    keep = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(keep[:2])
+
+
+def _build(name: str, extra_flags: tuple[str, ...]) -> Path:
+    """Compile ``kernels/<name>.c`` into the cache unless an identical build is there already."""
+    source_path = KERNELS_DIR / f"{name}.c"
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    flags = (*FLAGS, *extra_flags)
+    source = source_path.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *flags, *LIBS]).encode(), _cpu_id().encode()]))
+    target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [*compiler, *flags, "-o", tmp, str(source_path), *LIBS]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(compiler)} failed: {done.stderr.strip()}")
+        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good as ours
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load(name: str, declare: Callable[[ctypes.CDLL], None], extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """``kernels/<name>.c`` built and loaded once per process, or None (reason logged once).
+
+    ``declare`` sets the ``argtypes``/``restype`` of the library's functions; it runs once,
+    before the library is handed out. ``extra_flags`` go after ``FLAGS`` (and into the key).
+    """
+    with _lock:
+        if name not in _loaded:
+            lib = None
+            try:
+                lib = ctypes.CDLL(str(_build(name, extra_flags)))
+                declare(lib)
+            except (OSError, RuntimeError) as error:
+                lib = None
+                log.warning("CPU kernel %s unavailable: %s", name, error)
+            _loaded[name] = lib
+        return _loaded[name]

@@ -1,0 +1,124 @@
+"""Elementwise ops of the CPU forward in C (``cpu_ops.c``), loaded with ctypes.
+
+RMSNorm, rotary embedding (in place) and SiLU-and-multiply, each one C call in place
+of several small torch ops whose per-op overhead dominates at decode batch sizes.
+Float32 CPU tensors only (ValueError otherwise); results match the torch versions
+(``F.rms_norm``, ``engine.rope.apply_rotary``, ``F.silu(g) * u``) up to rounding.
+Built and cached by ``kernels.cpu_build``; the GIL is released during each call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cpu_build
+
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "trillm_rms_norm": [_P, _I64, _P, _P, _I64, _I64, _F, _INT],
+    "trillm_rotary": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT],
+    "trillm_silu_mul": [_P, _I64, _P, _I64, _I64, _INT],
+}
+# Lets GCC call glibc's vector expf in silu_mul (errno is never read); not -ffast-math.
+_EXTRA_FLAGS = ("-fno-math-errno",)
+_F32, _CPU = torch.float32, torch.device("cpu")
+
+_fns: tuple | None = None  # the three C functions once loaded
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+
+
+def _load() -> ctypes.CDLL | None:
+    return cpu_build.load("cpu_ops", _declare, _EXTRA_FLAGS)
+
+
+def _functions() -> tuple:
+    """(rms_norm, rotary, silu_mul) C functions; looked up once, since these calls take microseconds."""
+    global _fns
+    if _fns is None:
+        lib = _load()
+        if lib is None:
+            raise RuntimeError("the CPU ops kernel could not be built; see the trillm.kernels log")
+        _fns = tuple(getattr(lib, name) for name in _SIGNATURES)
+    return _fns
+
+
+def available() -> bool:
+    """Whether the C ops could be built and loaded here (e.g. False without a compiler)."""
+    return _load() is not None
+
+
+def _threads(num_threads: int | None) -> int:
+    return max(1, num_threads if num_threads is not None else torch.get_num_threads())
+
+
+# The wrappers below avoid the slower torch calls (``x.device``, ``Tensor.view``,
+# ``torch.empty`` with a tuple): at decode sizes they would cost as much as the work.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int | None = None) -> torch.Tensor:
+    """``F.rms_norm(x, (N,), weight, eps)`` for x [..., N] (usually [T, N]), weight [N]."""
+    if x.dtype is not _F32 or weight.dtype is not _F32 or not (x.is_cpu and weight.is_cpu):
+        raise ValueError("cpu_ops.rms_norm takes float32 CPU tensors only")
+    N = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != N:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match rows of {N}")
+    rows = x if x.dim() == 2 else x.reshape(-1, N)
+    if not rows.is_contiguous():  # rows of a wider matrix need no copy, only unit column stride
+        rows = rows if rows.stride()[1] == 1 else rows.contiguous()
+    weight = weight.contiguous()
+    T = rows.shape[0]
+    out = torch.empty(T, N, dtype=_F32, device=_CPU)  # not the defaults, which a caller may have changed
+    if T and N:
+        _functions()[0](rows.data_ptr(), rows.stride()[0], weight.data_ptr(), out.data_ptr(), T, N, eps,
+                        _threads(num_threads))
+    return out if x.dim() == 2 else out.view(x.shape)
+
+
+def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int | None = None) -> None:
+    """``qk[:] = apply_rotary(qk, cos, sin)`` in place: qk [T, heads, D], cos/sin [T, D].
+
+    qk may be a view with any row and head strides (e.g. the Q and K columns of a
+    fused QKV matrix), but each head's D values must be contiguous; columns outside
+    the view are not touched. Rotate-half layout, D even; each half of a row is
+    rotated with its own half of cos/sin, exactly as ``apply_rotary`` does.
+    """
+    if any(t.dtype is not _F32 or not t.is_cpu for t in (qk, cos, sin)):
+        raise ValueError("cpu_ops.rotary_ takes float32 CPU tensors only")
+    if qk.dim() != 3:
+        raise ValueError(f"qk must be [T, heads, D], got {tuple(qk.shape)}")
+    T, H, D = qk.shape
+    if D % 2 or cos.shape != (T, D) or sin.shape != (T, D):
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not match qk {tuple(qk.shape)}")
+    row_stride, head_stride, column_stride = qk.stride()
+    if column_stride != 1 and D > 1:
+        raise ValueError("each head of qk must be contiguous (rotated in place, so it cannot be copied)")
+    if (H > 1 and head_stride < D) or (T > 1 and row_stride < (H - 1) * head_stride + D):
+        raise ValueError(f"qk's heads or rows overlap (strides {qk.stride()}); it is rotated in place")
+    if T == 0 or H == 0:
+        return
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _functions()[1](qk.data_ptr(), row_stride, head_stride, cos.data_ptr(), sin.data_ptr(), T, H, D,
+                    _threads(num_threads))
+
+
+def silu_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """``F.silu(gate_up[:, :I]) * gate_up[:, I:]`` for gate_up [T, 2 * I]."""
+    if gate_up.dtype is not _F32 or not gate_up.is_cpu:
+        raise ValueError("cpu_ops.silu_mul takes float32 CPU tensors only")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    if not gate_up.is_contiguous() and gate_up.stride()[1] != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty(T, I, dtype=_F32, device=_CPU)
+    if T and I:
+        _functions()[2](gate_up.data_ptr(), gate_up.stride()[0], out.data_ptr(), T, I, _threads(num_threads))
+    return out
