@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from engine.attention import AttentionMetadata, KernelMetadata, paged_attention
 from engine.rope import apply_rotary, cos_sin_table
-from kernels import Kernels
+from kernels import Kernels, cpu_ops
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -170,6 +170,9 @@ class LlamaModel:
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         self.scale = shape.head_dim**-0.5
+        # Small C kernels for RMSNorm, rotary and SiLU-mul on the CPU path (float32):
+        # at decode sizes each torch op there is mostly dispatch overhead.
+        self.c_ops = kernels is None and dtype == torch.float32 and self.device.type == "cpu" and cpu_ops.available()
 
     @classmethod
     def dummy(cls, config: dict[str, Any], dtype: torch.dtype, max_len: int, device: torch.device | str = "cpu",
@@ -207,21 +210,35 @@ class LlamaModel:
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
+        norm = self._c_rms_norm if self.c_ops else rms_norm
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
-            x = rms_norm(h, layer.input_norm, s.rms_norm_eps)
+            x = norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = _project(x, layer.qkv, layer.qkv_bias)
             # Q and K sit side by side in the fused projection: one rotary pass for both.
-            qk = apply_rotary(qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim), cos, sin)
+            qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
+            if self.c_ops:
+                cpu_ops.rotary_(qk, cos, sin)
+            else:
+                qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = torch.addmm(h, attn.reshape(-1, q_size), layer.o_proj)  # the residual add rides on the GEMM
-            x = rms_norm(h, layer.post_norm, s.rms_norm_eps)
-            gate, up = _project(x, layer.gate_up).chunk(2, dim=-1)
-            h = torch.addmm(h, F.silu(gate) * up, layer.down)
-        h = rms_norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
+            x = norm(h, layer.post_norm, s.rms_norm_eps)
+            gate_up = _project(x, layer.gate_up)
+            if self.c_ops:
+                act = cpu_ops.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            h = torch.addmm(h, act, layer.down)
+        h = norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
         return _project(h, self.lm_head_t).float()
+
+    @staticmethod
+    def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return cpu_ops.rms_norm(x, weight, eps)
 
     def _forward_kernels(
         self,

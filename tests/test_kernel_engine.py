@@ -1,7 +1,7 @@
 """The model and the engine through the kernel paths, on a tiny random-weight Llama.
 
-The same weights run through the CPU fast path (with the C decode kernel and
-with its gather + SDPA fallback), the torch references and the Triton kernels
+The same weights run through the CPU fast path (with its C kernels and with
+the torch fallbacks used when no C compiler is present), the torch references and the Triton kernels
 (interpreted without a GPU), and through transformers: every
 step of a mixed batch (chunked prefills beside decodes, a cached prefix) must
 give the same logits, and whole engines the same tokens.
@@ -67,9 +67,12 @@ def test_every_step_matches_across_kernels_and_transformers():
     allocator = PageAllocator(40)  # page size 4, a 24-token budget: chunked prefills beside decodes
     sched = Scheduler(allocator, 4, 8, 24, PrefixCache(allocator, 4))
     runners = {name: ModelRunner(model, 40, 4) for name, model in models.items()}
-    models["cpu-sdpa"] = models["cpu"]  # decode by gather + SDPA, the fallback without a C compiler
-    runners["cpu-sdpa"] = ModelRunner(models["cpu"], 40, 4, use_c_decode=False)
-    assert runners["cpu"].c_decode and not runners["cpu-sdpa"].c_decode
+    # The CPU path without its C kernels (no compiler): torch ops, gather + SDPA for decodes.
+    models["cpu-torch"] = LlamaModel(LlamaShape.from_config(TINY), dummy_weights(LlamaShape.from_config(TINY),
+                                     torch.float32, seed=7), torch.float32, 256)
+    models["cpu-torch"].c_ops = False
+    runners["cpu-torch"] = ModelRunner(models["cpu-torch"], 40, 4, use_c_decode=False)
+    assert runners["cpu"].c_decode and models["cpu"].c_ops and not runners["cpu-torch"].c_decode
     seqs = [Sequence(f"p{i}", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), 256, frozenset())
             for i, ids in enumerate(PROMPTS)]
     for seq in seqs[:3]:
@@ -84,7 +87,7 @@ def test_every_step_matches_across_kernels_and_transformers():
             inputs = runner.prepare(batch)
             with torch.inference_mode():
                 logits[name] = runner.execute_logits(inputs).cpu()
-        for name in ("reference", "triton", "cpu-sdpa"):
+        for name in ("reference", "triton", "cpu-torch"):
             torch.testing.assert_close(logits[name], logits["cpu"], atol=2e-5, rtol=1e-4)
         sampled = [chunk.seq for chunk in batch.chunks if chunk.samples]
         with torch.inference_mode():
