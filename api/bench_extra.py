@@ -69,13 +69,16 @@ def plot(rows: list[Any], path: Path, title: str) -> None:
 
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        label = r.label.split(" (")[0] if not r.label.startswith("transformers") else "transformers generate"
+        label = {"trillm": "trillm (HTTP, streaming)", "transformers": "transformers generate (static batch)",
+                 "llama.cpp": "llama.cpp (Q4_1 4-bit weights)"}.get(r.label.split(" ")[0], r.label)
         lines.setdefault(label, []).append((r.concurrency, r.tokens_per_s))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in lines.items():
         points.sort()
         ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=label)
     ax.set_xscale("log", base=2)
+    levels = sorted({r.concurrency for r in rows})
+    ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s")
     ax.set_title(title)
