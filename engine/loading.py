@@ -49,17 +49,19 @@ def choose_kernels(config: EngineConfig, device: torch.device) -> Kernels | None
     return select_kernels(config.kernels, device)
 
 
-def _model_folder(config: EngineConfig) -> Path:
-    """A dummy model needs only a config.json (the file itself or its folder)."""
+def _dummy_config_file(config: EngineConfig) -> Path | None:
+    """A dummy model needs only a config.json, which ``--model`` may name directly."""
     path = Path(config.model).expanduser()
-    if config.load_format == "dummy" and path.is_file() and path.name.endswith(".json"):
-        return path.parent
-    return resolve_model(config.model)
+    return path if config.load_format == "dummy" and path.is_file() and path.suffix == ".json" else None
+
+
+def _model_folder(config: EngineConfig) -> Path:
+    file = _dummy_config_file(config)
+    return file.parent if file else resolve_model(config.model)
 
 
 def _config_file(config: EngineConfig, folder: Path) -> Path:
-    path = Path(config.model).expanduser()
-    return path if config.load_format == "dummy" and path.is_file() else folder / "config.json"
+    return _dummy_config_file(config) or folder / "config.json"
 
 
 def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
