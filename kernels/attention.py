@@ -17,6 +17,29 @@ NUM_SPLITS = 8
 
 
 @triton.jit
+def _attend_block(
+    q, m, total, acc, k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, allowed, kvh, d, d_mask, scale,
+    stride_cp, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr,
+):
+    """Fold one block of keys, read from the pages, into an online softmax's running
+    (max, sum, weighted V); ``allowed`` masks scores. Rows that see no key yet keep 0."""
+    page = tl.load(table_ptr + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    rows = page * stride_cp + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    total = total * alpha + tl.sum(p, axis=1)
+    return m_new, total, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
     scale,
@@ -50,19 +73,10 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
-        page = tl.load(tables_ptr + b * stride_tb + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = page * stride_cp + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        total = total * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, total, acc = _attend_block(
+            q, m, total, acc, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, n_mask, n_mask[None, :],
+            kvh, d, d_mask, scale, stride_cp, stride_cs, stride_ch, PAGE_SIZE,
+        )
     has = total > 0
     out = acc / tl.where(has, total, 1.0)[:, None]
     lse = tl.where(has, m + tl.log(tl.where(has, total, 1.0)), float("-inf"))
@@ -159,20 +173,11 @@ def _extend_kernel(
     for n0 in range(0, last, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < length
-        page = tl.load(tables_ptr + seq * stride_tb + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        krows = page * stride_cp + (pos % PAGE_SIZE) * stride_cs + kvh * stride_ch
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + krows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale  # [M, N]
-        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past the end see no key
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        v = tl.load(v_cache_ptr + krows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        total = total * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, total, acc = _attend_block(
+            q, m, total, acc, k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_tb, pos, n_mask,
+            n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), kvh, d, d_mask, scale,
+            stride_cp, stride_cs, stride_ch, PAGE_SIZE,
+        )
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
