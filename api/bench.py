@@ -214,6 +214,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from engine.model_source import resolve_model
 
     from api.bench_extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
+    from engine.llama import LlamaShape
     from engine.model_source import DEFAULT_ALIAS, cache_dir
 
     _MODEL[0] = args.model
@@ -236,9 +237,8 @@ def run_bench(args: argparse.Namespace) -> None:
           f"threads={torch.get_num_threads()} levels={levels}", file=sys.stderr, flush=True)
 
     # A KV pool that holds every client's whole sequence: measure batching, not preemption.
-    kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
-    per_token = 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    shape = LlamaShape.from_config(model_config)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
     tokens = (max(levels) + 1) * (args.shared_prefix_len + args.prompt_len + args.output_len + 32)
     kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))
     proc = None

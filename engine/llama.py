@@ -210,7 +210,7 @@ class LlamaModel:
         s = self.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
-        norm = self._c_rms_norm if self.c_ops else rms_norm
+        norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
@@ -235,10 +235,6 @@ class LlamaModel:
             h = torch.addmm(h, act, layer.down)
         h = norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
         return _project(h, self.lm_head_t).float()
-
-    @staticmethod
-    def _c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return cpu_ops.rms_norm(x, weight, eps)
 
     def _forward_kernels(
         self,

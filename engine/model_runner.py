@@ -54,6 +54,13 @@ def choose_dtype() -> torch.dtype:
     return torch.bfloat16 if best(torch.bfloat16) < best(torch.float32) else torch.float32
 
 
+def padded_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Page tables as one [rows, longest] tensor, short rows padded with page 0
+    (never read: every reader stops at the row's context length)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)
+
+
 def _sample_row(seq: Sequence) -> SampleRow:
     """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step."""
     p = seq.params
@@ -117,14 +124,13 @@ class ModelRunner:
                 logits_rows.append(row - 1)
                 rows.append(_sample_row(seq))
         if self.c_decode and decode_rows:
-            width = max(len(t) for t in decode_tables)
             meta = AttentionMetadata(
                 slot_mapping=torch.cat(slot_mapping),
                 decodes=(),
                 prefills=tuple(prefills),
                 decode_rows=DecodeRows(
                     torch.tensor(decode_rows, dtype=torch.long),
-                    torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32),
+                    padded_tables(decode_tables, torch.int32),
                     torch.tensor(decode_lens, dtype=torch.int32),
                 ),
             )
@@ -165,10 +171,9 @@ class ModelRunner:
             if chunk.samples:
                 logits_rows.append(starts[-1] - 1)
                 rows.append(_sample_row(seq))
-        width = max(len(t) for t in tables)
         meta = KernelMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            block_tables=padded_tables(tables, torch.int32),
             query_starts=torch.tensor(starts, dtype=torch.int32),
             context_lens=torch.tensor(lens, dtype=torch.int32),
             decode_only=all(chunk.length == 1 for chunk in batch.chunks),
@@ -195,8 +200,8 @@ class ModelRunner:
                 groups.append([i])
         out = []
         for members in groups:
-            width = max(len(tables[i]) for i in members)
-            pages = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in members], dtype=torch.long)
+            pages = padded_tables([tables[i] for i in members], torch.long)
+            width = pages.shape[1]
             group_lens = torch.tensor([lens[i] for i in members], dtype=torch.long)
             mask = (torch.arange(width * ps).unsqueeze(0) < group_lens.unsqueeze(1)).view(len(members), 1, 1, -1)
             out.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), pages, mask))

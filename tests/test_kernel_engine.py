@@ -44,9 +44,13 @@ def _device(variant: str) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and variant != "cpu" else "cpu")
 
 
+def _weights() -> dict[str, torch.Tensor]:
+    """The tiny model's random weights, the same on every call."""
+    return dummy_weights(LlamaShape.from_config(TINY), torch.float32, seed=7)
+
+
 def _models() -> dict[str, LlamaModel]:
-    shape = LlamaShape.from_config(TINY)
-    weights = dummy_weights(shape, torch.float32, seed=7)
+    shape, weights = LlamaShape.from_config(TINY), _weights()
     return {
         name: LlamaModel(shape, weights, torch.float32, 256, _device(name),
                          None if name == "cpu" else select_kernels(name, _device(name)))
@@ -56,8 +60,7 @@ def _models() -> dict[str, LlamaModel]:
 
 def _hf_model() -> LlamaForCausalLM:
     model = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
-    missing, unexpected = model.load_state_dict(dummy_weights(LlamaShape.from_config(TINY), torch.float32, seed=7),
-                                                strict=False)
+    missing, unexpected = model.load_state_dict(_weights(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return model
 
@@ -68,8 +71,7 @@ def test_every_step_matches_across_kernels_and_transformers():
     sched = Scheduler(allocator, 4, 8, 24, PrefixCache(allocator, 4))
     runners = {name: ModelRunner(model, 40, 4) for name, model in models.items()}
     # The CPU path without its C kernels (no compiler): torch ops, gather + SDPA for decodes.
-    models["cpu-torch"] = LlamaModel(LlamaShape.from_config(TINY), dummy_weights(LlamaShape.from_config(TINY),
-                                     torch.float32, seed=7), torch.float32, 256)
+    models["cpu-torch"] = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256)
     models["cpu-torch"].c_ops = False
     runners["cpu-torch"] = ModelRunner(models["cpu-torch"], 40, 4, use_c_decode=False)
     assert runners["cpu"].c_decode and models["cpu"].c_ops and not runners["cpu-torch"].c_decode
