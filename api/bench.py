@@ -44,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights for --model's config.json (server and baseline alike)")
     p.add_argument("--kernels", default=None, help="passed to trillm serve --kernels")
+    p.add_argument("--weight-format", default="auto",
+                   help="comma-separated trillm serve --weight-format values, one server run each (e.g. auto,dense)")
     p.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
     p.add_argument("--llama-cpp", metavar="PYTHON",
                    help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF")
@@ -58,6 +60,7 @@ class RunResult:
     ttft: tuple[float, ...] = ()
     itl: tuple[float, ...] = ()
     probe_ttft: float | None = None
+    step_bytes: int | None = None  # weight bytes per decode step, as the server reports them
 
     @property
     def tokens_per_s(self) -> float:
@@ -188,8 +191,19 @@ def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_l
     return RunResult(label, len(prompts_ids), produced, seconds)
 
 
+def _server_step_bytes(url: str) -> int | None:
+    """The server's ``trillm:model_weight_bytes_per_step`` gauge (None from servers without it)."""
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("trillm:model_weight_bytes_per_step{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return None
+
+
 def _table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: int, bandwidth: float) -> str:
-    """``step_bytes / ITL p50`` over ``bandwidth``: how close decode runs to the memory-bandwidth limit."""
+    """``step_bytes / ITL p50`` over ``bandwidth``: how close decode runs to the memory-bandwidth limit
+    (each run's own bytes where the server reported them, else float32 weights of ``step_bytes``)."""
     lines = [
         "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 / max (ms) "
         "| TTFT of a newcomer (s) | decode: share of memory bandwidth |",
@@ -201,7 +215,7 @@ def _table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: i
         ttft = f"{_pct(r.ttft, 0.5):.3f} / {_pct(r.ttft, 0.99):.3f}" if r.ttft else ""
         itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f} / {max(r.itl) * 1e3:.0f}" if r.itl else ""
         probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
-        share = f"{step_bytes / _pct(r.itl, 0.5) / bandwidth:.0%}" if r.itl else ""
+        share = f"{(r.step_bytes or step_bytes) / _pct(r.itl, 0.5) / bandwidth:.0%}" if r.itl else ""
         lines.append(f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} |")
     return "\n".join(lines)
 
@@ -241,33 +255,39 @@ def run_bench(args: argparse.Namespace) -> None:
     per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
     tokens = (max(levels) + 1) * (args.shared_prefix_len + args.prompt_len + args.output_len + 32)
     kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))
-    proc = None
-    url = args.url
-    if url is None:
-        url = f"http://127.0.0.1:{args.port}"
-        proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
-                                 str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
-                                 "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
-                                 *(["--kernels", args.kernels] if args.kernels else []),
-                                 *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
-                                env={**os.environ})
     rows: list[RunResult] = []
-    try:
-        wait_healthy(url, proc)
-        if args.cancel_heavy:
-            from api.bench_cancel import cancel_heavy
+    formats = args.weight_format.split(",")
+    for weight_format in formats if args.url is None else [None]:
+        proc = None
+        url = args.url
+        if url is None:
+            url = f"http://127.0.0.1:{args.port}"
+            proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
+                                     str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
+                                     "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
+                                     "--weight-format", weight_format,
+                                     *(["--kernels", args.kernels] if args.kernels else []),
+                                     *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
+                                    env={**os.environ})
+        try:
+            wait_healthy(url, proc)
+            if args.cancel_heavy:
+                from api.bench_cancel import cancel_heavy
 
-            report = trio.run(partial(cancel_heavy, url, args.model, prompts[: levels[0]], args.cancel_heavy))
-            print(json.dumps(report, indent=1))
-            return
-        for level in levels:
-            result = trio.run(partial(_serving_run, url, prompts[:level], args.output_len, prompts[-1]))
-            print(f"[bench] trillm c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
-            rows.append(result)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
+                report = trio.run(partial(cancel_heavy, url, args.model, prompts[: levels[0]], args.cancel_heavy))
+                print(json.dumps(report, indent=1))
+                return
+            server_bytes = _server_step_bytes(url)
+            label = "trillm (HTTP, streaming)" + (f", {weight_format} weights" if len(formats) > 1 else "")
+            for level in levels:
+                result = trio.run(partial(_serving_run, url, prompts[:level], args.output_len, prompts[-1]))
+                result = attrs.evolve(result, label=label, step_bytes=server_bytes)
+                print(f"[bench] {label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+                rows.append(result)
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=60)
 
     baselines: dict[int, RunResult] = {}
     if not args.no_baseline:

@@ -27,6 +27,9 @@ class EngineCollector:
             "kv_cache_total_pages": ("All KV cache pages.", s.total_pages),
             "kv_cache_usage_perc": ("Fraction of KV cache pages held by requests.",
                                     1 - (s.free_pages + s.evictable_pages) / s.total_pages),
+            "model_weight_bytes_per_step": ("Bytes of projection weights each decode step reads "
+                                            "(float32, or fewer where they stay in GGUF blocks).",
+                                            self.engine.model.projection_bytes),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"trillm:{name}", doc, labels=["model_name"])

@@ -24,8 +24,10 @@ _ENV = {
     "TRILLM_DEVICE": ("device", str),
     "TRILLM_KERNELS": ("kernels", str),
     "TRILLM_LOAD_FORMAT": ("load_format", str),
+    "TRILLM_WEIGHT_FORMAT": ("weight_format", str),
     "TRILLM_TOKENIZER": ("tokenizer", str),
     "TRILLM_PREFIX_CACHE": ("prefix_cache", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
+    "TRILLM_ENFORCE_EAGER": ("enforce_eager", lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
 }
 
 

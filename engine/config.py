@@ -7,6 +7,7 @@ import attrs
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "cpu", "triton", "reference")
 LOAD_FORMATS = ("auto", "dummy")
+WEIGHT_FORMATS = ("auto", "dense", "blocks")
 
 
 @attrs.frozen
@@ -33,6 +34,10 @@ class EngineConfig:
     kernels: str = "auto"  # "auto": Triton on CUDA, the CPU fast path on CPUs | "triton" | "reference" | "cpu"
     load_format: str = "auto"  # "auto": the model's weights | "dummy": random weights for its config.json
     tokenizer: str | None = None  # where to read the tokenizer when the model folder has none
+    # "auto": projections that are exact GGUF blocks stay blocks on the CPU fast path |
+    # "dense": float32 matrices always | "blocks": every projection in blocks, or an error
+    weight_format: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps on GPUs
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -45,7 +50,8 @@ class EngineConfig:
             )
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
-        for name, allowed in (("device", DEVICES), ("kernels", KERNELS), ("load_format", LOAD_FORMATS)):
+        for name, allowed in (("device", DEVICES), ("kernels", KERNELS), ("load_format", LOAD_FORMATS),
+                              ("weight_format", WEIGHT_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         if self.num_pages is not None and self.num_pages < 1:

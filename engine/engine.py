@@ -129,12 +129,14 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens, cache
         )
-        self.runner = ModelRunner(model, num_pages, config.page_size, config.num_threads or os.cpu_count() or 1)
         self.max_model_len = min(
             config.max_model_len or model.shape.max_position_embeddings,
             model.shape.max_position_embeddings,
             num_pages * config.page_size,
         )
+        graphs = model.device.type == "cuda" and model.kernels is not None and not config.enforce_eager
+        self.runner = ModelRunner(model, num_pages, config.page_size, config.num_threads or os.cpu_count() or 1,
+                                  graph_batch=config.max_num_seqs if graphs else 0, max_model_len=self.max_model_len)
         self._live: dict[str, _Live] = {}
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[_Submit | _Abort](math.inf)
         self._running = False

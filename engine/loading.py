@@ -73,6 +73,15 @@ def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
     return folder
 
 
+def _use_block_weights(config: EngineConfig, kernels: Kernels | None, dtype: torch.dtype,
+                       device: torch.device) -> bool:
+    """Whether to look for exact GGUF blocks in the weights (random dummy weights never are)."""
+    possible = LlamaModel.block_weights_possible(kernels, dtype, device)
+    if config.weight_format == "blocks" and not possible:
+        raise ValueError("weight_format blocks runs on the CPU fast path in float32 with a C compiler only")
+    return possible and config.weight_format != "dense" and config.load_format != "dummy"
+
+
 def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread)."""
     from transformers import AutoTokenizer
@@ -91,12 +100,16 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
         dtype = torch.bfloat16 if device.type == "cuda" else choose_dtype()
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     kernels = choose_kernels(config, device)
+    blocks = _use_block_weights(config, kernels, dtype, device)
     if config.load_format == "dummy":
         model = LlamaModel.dummy(model_config, dtype, max_len, device, kernels)
     else:
-        model = LlamaModel.load(folder, model_config, dtype, max_len, device, kernels)
+        model = LlamaModel.load(folder, model_config, dtype, max_len, device, kernels, blocks)
+    if config.weight_format == "blocks" and model.num_block_weights < len(model.projections()):
+        raise ValueError(f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
+                         f"projections of {config.model} are exact Q4_1/Q8_0 blocks")
     tokenizer_folder = _tokenizer_folder(config, folder)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    log.info("loaded %s (%s, %s, %s kernels) from %s", config.model, dtype, device,
-             kernels.name if kernels else "cpu", folder)
+    log.info("loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s", config.model, dtype,
+             device, kernels.name if kernels else "cpu", model.num_block_weights, len(model.projections()), folder)
     return model, tokenizer, _eos_ids(tokenizer_folder, model_config, tokenizer)

@@ -8,17 +8,21 @@ thread. Grad mode is per thread, so ``execute`` enters inference mode itself.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import attrs
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, DecodeRows, KernelMetadata, PrefillSpan
+from engine.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from engine.llama import LlamaModel
 from engine.sampler import SampleRow, Sampled, sample_with_logprobs
 from engine.scheduler import Batch
 from engine.sequence import Sequence
 from kernels import cpu_decode
+
+log = logging.getLogger("trillm.engine")
 
 
 @attrs.frozen
@@ -75,7 +79,10 @@ def _sample_row(seq: Sequence) -> SampleRow:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_pages: int, page_size: int, num_threads: int | None = None,
-                 use_c_decode: bool = True) -> None:
+                 use_c_decode: bool = True, graph_batch: int = 0, max_model_len: int = 0) -> None:
+        """``graph_batch`` > 0 replays decode steps of up to that many rows from
+        captured graphs (kernel forward only; CUDA graphs on a GPU, eager replay of the
+        same static buffers elsewhere, for tests)."""
         self.model = model
         self.num_threads = num_threads or torch.get_num_threads()
         self.page_size = page_size
@@ -87,6 +94,25 @@ class ModelRunner:
         self.c_decode = (
             model.kernels is None and model.dtype == torch.float32 and use_c_decode and cpu_decode.available()
         )
+        self.graphs: DecodeGraphs | None = None
+        if graph_batch > 0:
+            self.graphs = self._capture(graph_batch, -(-(max_model_len or s.max_position_embeddings) // page_size))
+
+    def _capture(self, max_batch: int, max_pages: int) -> DecodeGraphs | None:
+        """Decode graphs, or None (logged) where capture fails: eager steps still work."""
+        capture: Capture = eager_capture
+        if self.model.device.type == "cuda":
+            capture = cuda_capture(torch.cuda.graph_pool_handle())
+        started = time.perf_counter()
+        try:
+            graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_pages, capture)
+        except Exception:
+            if self.model.device.type != "cuda":
+                raise
+            log.exception("capturing decode graphs failed; decode steps run eagerly")
+            return None
+        log.info("decode graphs for batch sizes %s captured in %.1f s", graphs.buckets, time.perf_counter() - started)
+        return graphs
 
     def prepare(self, batch: Batch) -> StepInputs:
         if self.model.kernels is not None:
@@ -210,6 +236,9 @@ class ModelRunner:
     def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass alone: float32 logits of the sampling rows, on the model's device."""
         device = self.model.device
+        if self.graphs is not None and isinstance(inputs.meta, KernelMetadata) and self.graphs.fits(
+                inputs.input_ids, inputs.meta, inputs.logits_rows):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         meta = inputs.meta.to(device) if isinstance(inputs.meta, KernelMetadata) else inputs.meta
         with torch.inference_mode():
             return self.model.forward(

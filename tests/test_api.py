@@ -220,6 +220,15 @@ async def test_disconnect_storm_frees_everything_and_server_still_serves(server)
     assert reply.choices[0].message.content
 
 
+async def test_metrics_report_the_weight_bytes_a_decode_step_reads(server):
+    """The default model serves from GGUF blocks: under a quarter of its float32 bytes."""
+    model = server.engine.model
+    reported = await _metric(server, "model_weight_bytes_per_step")
+    float32_bytes = sum(4 * p.shape[0] * p.shape[1] for p in model.projections())
+    assert reported == model.projection_bytes
+    assert model.num_block_weights == len(model.projections()) and reported < float32_bytes / 4
+
+
 async def test_non_streaming_client_that_gives_up_frees_its_request(server):
     async with httpx.AsyncClient(base_url=server.url) as http:
         with pytest.raises(httpx.ReadTimeout):
