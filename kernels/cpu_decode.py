@@ -22,7 +22,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _library() -> ctypes.CDLL | None:
     """The loaded kernel, built once per process; None (reason logged once) if that failed."""
-    return cpu_build.load("cpu_decode", _declare)
+    return cpu_build.load("cpu_decode", _declare, ("-fno-math-errno",))
 
 
 def available() -> bool:
