@@ -69,7 +69,8 @@ def plot(rows: list[Any], path: Path, title: str) -> None:
 
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        label = {"trillm": "trillm (HTTP, streaming)", "transformers": "transformers generate (static batch)",
+        # One line for generate (single and static batch); each trillm run keeps its own.
+        label = {"transformers": "transformers generate (static batch)",
                  "llama.cpp": "llama.cpp (Q4_1 4-bit weights)"}.get(r.label.split(" ")[0], r.label)
         lines.setdefault(label, []).append((r.concurrency, r.tokens_per_s))
     fig, ax = plt.subplots(figsize=(7, 4.5))
