@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.llama import LlamaModel
 from engine.model_runner import choose_dtype
 from engine.model_source import DEFAULT_ALIAS, resolve_model
-from kernels import Kernels, select_kernels
+from kernels import Kernels, cpu_matmul, select_kernels
 
 log = logging.getLogger("trillm.engine")
 
@@ -75,10 +75,17 @@ def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
 
 def _use_block_weights(config: EngineConfig, kernels: Kernels | None, dtype: torch.dtype,
                        device: torch.device) -> bool:
-    """Whether to look for exact GGUF blocks in the weights (random dummy weights never are)."""
+    """Whether to look for exact GGUF blocks in the weights (random dummy weights never are).
+
+    ``auto`` takes them only where the block matmul has its AVX-512 paths: its plain-C
+    fallback is correct but slower than MKL on dense float32.
+    """
     possible = LlamaModel.block_weights_possible(kernels, dtype, device)
     if config.weight_format == "blocks" and not possible:
         raise ValueError("weight_format blocks runs on the CPU fast path in float32 with a C compiler only")
+    if config.weight_format == "auto" and possible and not cpu_matmul.has_avx512():
+        log.info("no AVX-512: the projections stay dense float32 (--weight-format blocks forces blocks)")
+        return False
     return possible and config.weight_format != "dense" and config.load_format != "dummy"
 
 
