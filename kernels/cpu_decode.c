@@ -147,6 +147,152 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t kvh
             ob[g * D + d] = acc[g * D + d] * inv[g];
 }
 
+#if defined(__AVX512F__) && !defined(TRILLM_PORTABLE)
+/* AVX-512 path for D a multiple of 16 up to 128 and up to 8 heads per kv head:
+ * 16 tokens at a time, one pass with an online softmax (no score buffer). */
+#include <immintrin.h>
+#define AVX512_PATH 1
+#define MAX_G 8
+#define MAX_DV 8 /* vectors of 16 floats per row */
+
+#ifdef __GLIBC__
+__m512 _ZGVeN16v_expf(__m512); /* libmvec's 16-lane expf, the one the loop above uses */
+#define exp16 _ZGVeN16v_expf
+#else
+INLINE __m512 exp16(__m512 x)
+{
+    float f[16];
+    _mm512_storeu_ps(f, x);
+    for (int i = 0; i < 16; i++)
+        f[i] = expf(f[i]);
+    return _mm512_loadu_ps(f);
+}
+#endif
+
+/* Lane t of sum16(v) is the sum of the 16 lanes of v[T16[t]] (T16 is its own
+ * inverse): a transposing tree of 15 adds and 30 shuffles rather than 16
+ * horizontal sums of 8 operations each. */
+static const int T16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+INLINE __m512 sum16(const __m512 v[16])
+{
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* 8 lanes each of v[i] and v[i + 8] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++) /* 4 lanes each of four vectors */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+typedef struct {
+    __m512 acc[MAX_G][MAX_DV]; /* sum of weight * V row, per head */
+    __m512 sum[MAX_G];         /* sum of the weights, in 16 lanes */
+    float max[MAX_G];          /* largest score so far: weights are exp(score - max) */
+} Online;
+
+/* Rows of tokens p0..p0+15 of kv head `off` / D (the last real row repeated
+ * past n). Incremental page/slot: a division per token would cost more than
+ * the rest of the bookkeeping. */
+INLINE int chunk_rows(const Layout *L, const int32_t *table, int64_t p0, int64_t n, int64_t off,
+                      const float **k, const float **v)
+{
+    const int m = n - p0 < 16 ? (int)(n - p0) : 16;
+    int64_t pi = p0 / L->page_size, slot = p0 % L->page_size;
+    for (int t = 0; t < 16; t++) {
+        const int64_t at = (int64_t)table[pi] * L->page + slot * L->row + off;
+        k[t] = L->k_cache + at;
+        v[t] = L->v_cache + at;
+        if (t + 1 < m && ++slot == L->page_size)
+            slot = 0, pi++;
+    }
+    return m;
+}
+
+/* Adds m (1..16) tokens of one kv head to the G heads' online softmax. */
+INLINE void chunk(const float *const *k, const float *const *v, int m, const __m512 *q, float scale,
+                  Online *st, int G, int DV)
+{
+    const __mmask16 valid = (__mmask16)((1u << m) - 1);
+    float w[MAX_G][16] __attribute__((aligned(64)));
+    for (int g = 0; g < G; g++) {
+        __m512 part[16];
+        for (int i = 0; i < 16; i++) {
+            const float *r = k[T16[i]];
+            __m512 a = _mm512_mul_ps(q[g * DV], _mm512_loadu_ps(r));
+            for (int j = 1; j < DV; j++)
+                a = _mm512_fmadd_ps(q[g * DV + j], _mm512_loadu_ps(r + 16 * j), a);
+            part[i] = a;
+        }
+        const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, sum16(part), _mm512_set1_ps(scale));
+        const float mx = _mm512_reduce_max_ps(s);
+        if (mx > st->max[g]) { /* rescale what was summed so far to the new maximum */
+            const float d = st->max[g] - mx; /* -inf at first: alpha 0 */
+            const __m512 alpha = _mm512_set1_ps(d < -80.0f ? 0.0f : expf(d));
+            for (int j = 0; j < DV; j++)
+                st->acc[g][j] = _mm512_mul_ps(st->acc[g][j], alpha);
+            st->sum[g] = _mm512_mul_ps(st->sum[g], alpha);
+            st->max[g] = mx;
+        }
+        /* As in attend: weights under e^-80 are 0 (no denormals); NaN stays NaN. */
+        const __m512 x = _mm512_sub_ps(s, _mm512_set1_ps(st->max[g]));
+        const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.0f), _CMP_LT_OQ);
+        const __m512 e = _mm512_mask_mov_ps(exp16(x), tiny, _mm512_setzero_ps());
+        st->sum[g] = _mm512_add_ps(st->sum[g], e);
+        _mm512_store_ps(w[g], e);
+    }
+    for (int t = 0; t < m; t++)
+        for (int j = 0; j < DV; j++) {
+            const __m512 r = _mm512_loadu_ps(v[t] + 16 * j);
+            for (int g = 0; g < G; g++)
+                st->acc[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(w[g][t]), r, st->acc[g][j]);
+        }
+}
+
+/* Pages are scattered, so the hardware prefetcher cannot guess the next rows. */
+INLINE void prefetch_rows(const float *const *k, const float *const *v, int m, int DV)
+{
+    for (int t = 0; t < m; t++)
+        for (int j = 0; j < DV; j++) {
+            __builtin_prefetch(k[t] + 16 * j);
+            __builtin_prefetch(v[t] + 16 * j);
+        }
+}
+
+/* As attend, for D = 16 * DV. */
+INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t kvh, int G, int DV,
+                     const float *restrict qb, float *restrict ob)
+{
+    const int64_t D = 16 * DV;
+    __m512 q[MAX_G * MAX_DV];
+    Online st;
+    for (int g = 0; g < G; g++) {
+        for (int j = 0; j < DV; j++) {
+            q[g * DV + j] = _mm512_loadu_ps(qb + g * D + 16 * j);
+            st.acc[g][j] = _mm512_setzero_ps();
+        }
+        st.sum[g] = _mm512_setzero_ps();
+        st.max[g] = -INFINITY;
+    }
+    const float *rows[2][2][16]; /* [this chunk, next chunk][k, v] */
+    int m = chunk_rows(L, table, 0, n, kvh * D, rows[0][0], rows[0][1]);
+    for (int64_t p0 = 0, c = 0; p0 < n; p0 += 16, c ^= 1) {
+        int next = 0;
+        if (p0 + 16 < n) {
+            next = chunk_rows(L, table, p0 + 16, n, kvh * D, rows[c ^ 1][0], rows[c ^ 1][1]);
+            prefetch_rows(rows[c ^ 1][0], rows[c ^ 1][1], next, DV);
+        }
+        chunk(rows[c][0], rows[c][1], m, q, L->scale, &st, G, DV);
+        m = next;
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(st.sum[g]));
+        for (int j = 0; j < DV; j++)
+            _mm512_storeu_ps(ob + g * D + 16 * j, _mm512_mul_ps(st.acc[g][j], inv));
+    }
+}
+#endif
+
 /* Returns 0 on success; 1 if a size, a context length or a used page index is
  * out of range (nothing is computed then); 2 if a buffer could not be allocated.
  * A context length of 0 gives zeros, as the reference does. */
@@ -195,6 +341,12 @@ int trillm_decode_attention(
                 continue;
             if (n == 0)
                 memset(ob, 0, sizeof(float) * (size_t)(G * D));
+#ifdef AVX512_PATH
+            else if (G == 3 && D == 64) /* SmolLM2 */
+                attend16(&L, table, n, kvh, 3, 4, qb, ob);
+            else if (G <= MAX_G && D % 16 == 0 && D <= 16 * MAX_DV)
+                attend16(&L, table, n, kvh, (int)G, (int)(D / 16), qb, ob);
+#endif
             else if (D == 64)
                 attend(&L, table, n, kvh, G, 64, qb, ob, scores, acc);
             else if (D == 128)

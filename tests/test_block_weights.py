@@ -7,8 +7,12 @@ import json
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.llama import LlamaModel
+from engine.loading import load_model
+from kernels import cpu_matmul
 from kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize, pack_exact, pack_q4_1, pack_q8_0
+from tests.test_kernel_engine import TINY
 
 
 def _half(shape: tuple[int, ...], scale: float, gen: torch.Generator) -> torch.Tensor:
@@ -80,3 +84,21 @@ def test_default_model_packs_every_projection_exactly(model_parts, model_dir):
     assert isinstance(blocks.lm_head, Q8_0Weight) and isinstance(blocks.layers[0].gate_up, Q4_1Weight)
     for packed, dense_t in zip(blocks.projections(), dense.projections(), strict=True):
         assert torch.equal(dequantize(packed), dense_t.t())
+
+
+def test_auto_stays_dense_without_the_avx512_paths(monkeypatch, model_dir):
+    """The plain-C block matmul is slower than MKL, so ``auto`` does not pick it."""
+    monkeypatch.setattr(cpu_matmul, "has_avx512", lambda: False)
+    model, _, _ = load_model(EngineConfig(dtype="float32"))
+    assert model.num_block_weights == 0
+
+
+def test_weight_format_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="weight_format"):
+        EngineConfig(weight_format="int4")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    with pytest.raises(ValueError, match="exact Q4_1/Q8_0 blocks"):  # random weights never are
+        load_model(EngineConfig(model=str(config), load_format="dummy", dtype="float32", weight_format="blocks"))
+    with pytest.raises(ValueError, match="float32"):
+        load_model(EngineConfig(model=str(config), load_format="dummy", dtype="bfloat16", weight_format="blocks"))
