@@ -41,7 +41,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="model alias or folder to read the tokenizer from (dummy models)")
     p.add_argument("--weight-format", choices=list(WEIGHT_FORMATS),
                    help="auto: weights that are exact GGUF Q4_1/Q8_0 blocks stay blocks on the CPU (same values, "
-                        "4-6x fewer bytes per step); dense: float32 matrices")
+                        "about 5x fewer bytes per step); dense: float32 matrices")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="on GPUs, run decode steps without CUDA graphs (debugging)")
 
