@@ -1,10 +1,11 @@
 /* Paged decode attention on the CPU, float32, for kernels/cpu_decode.py (ctypes).
  *
  * out[b, h, :] = softmax(scale * q[b, h, :] . K[tokens of seq b, h / G, :]) @ V[...]
- * with G = H / KVH query heads per kv head. One task is one (sequence, kv head)
- * pair and handles its G query heads together, so each K/V row is read once.
- * Two passes per task: scores into a per-thread buffer (max, exp, sum), then the
- * weighted sum of V rows. Plain C so that it builds in about a second.
+ * with G = H / KVH query heads per kv head. A task handles the G query heads of
+ * a kv head together, so each K/V row is read once. Two passes per task: scores
+ * into a per-thread buffer (max, exp, sum), then the weighted sum of V rows.
+ * Plain C (AVX-512 intrinsics where the compiler targets it, with a portable
+ * fallback) so that it builds in about a second.
  *
  * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache
  * [num_pages, page_size, KVH, D]; block_tables [B, max_pages] int32;
@@ -31,6 +32,8 @@ typedef struct {
     int64_t stride;               /* floats between the score rows of two heads */
     float scale;
 } Layout;
+
+/* ---- Portable version: one task per (sequence, kv head) ---- */
 
 /* a . b with 8 partial sums added as a tree at the end. An `omp simd reduction`
  * is summed lane after lane without -ffast-math: a long dependency chain that
@@ -147,6 +150,196 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t kvh
             ob[g * D + d] = acc[g * D + d] * inv[g];
 }
 
+#define MAX_HEADS 4 /* kv heads per attend16 task */
+
+#if defined(__AVX512F__) && !defined(TRILLM_PORTABLE)
+/* ---- AVX-512 version (D a multiple of 16 up to 128, G <= 8) ----
+ * 2-core Ice Lake VM, SmolLM2, 32 sequences of 200 tokens, 30 layers of cold
+ * cache (295 MB), called from C: about 17.5 ms for the portable version, 12.5 ms
+ * here, 11.2 ms to only read the same rows. The gains: 16 scores per transposing sum instead
+ * of a horizontal sum each; whole sequences per task, so that pages are read
+ * whole rather than one kv head's 256 of every 768 bytes; and prefetches spread
+ * through the arithmetic, into L2: issued in a burst (or to L1) they filled the
+ * load queue and fill buffers, and the arithmetic waited for memory. */
+#include <immintrin.h>
+#define AVX512_PATH 1
+#define MAX_G 8
+#define MAX_DV 8 /* vectors of 16 floats per row */
+
+/* e^x for x <= 0 (NaN stays NaN) within 1.3 ulp: 2^n * e^r, |r| <= ln2 / 2, with
+ * Cephes expf's polynomial. Inline: no call, and no libmvec ABI name to declare. */
+INLINE __m512 exp16(__m512 x)
+{
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x); /* ln 2 in two parts (Cody-Waite) */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane t of sum16(v) is the sum of the lanes of v[T16[t]] (T16 is its own
+ * inverse): a transposing tree of 15 adds and 30 shuffles. */
+static const int T16[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+INLINE __m512 sum16(const __m512 v[16])
+{
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* 8 lanes each of v[i] and v[i + 8] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++) /* 4 lanes each of four vectors */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[i], a[i + 4], 0x88), _mm512_shuffle_f32x4(a[i], a[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[i], b[i + 2], 0x44), _mm512_shuffle_ps(b[i], b[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
+}
+
+/* 16 token rows from p0, m of them real (the last one repeated after), as
+ * offsets from base in the cache; base NULL: none. */
+typedef struct {
+    const float *base;
+    int64_t at[16];
+    int m;
+} Rows;
+
+/* Page and slot step along: a division per token costs more than the rest. */
+INLINE void chunk_rows(Rows *r, const Layout *L, const float *base, const int32_t *table, int64_t p0, int64_t n)
+{
+    int64_t pi = p0 / L->page_size, slot = p0 % L->page_size;
+    r->base = base;
+    r->m = n - p0 < 16 ? (int)(n - p0) : 16;
+    for (int t = 0; t < 16; t++) {
+        r->at[t] = (int64_t)table[pi] * L->page + slot * L->row;
+        if (t + 1 < r->m && ++slot == L->page_size)
+            slot = 0, pi++;
+    }
+}
+
+/* Rows [t0, t1) of pf into L2, 16 * DV floats each from offset off. */
+INLINE void prefetch(const Rows *pf, int64_t off, int t0, int t1, int DV)
+{
+    if (pf->base)
+        for (int t = t0; t < (t1 < pf->m ? t1 : pf->m); t++)
+            for (int j = 0; j < DV; j++)
+                __builtin_prefetch(pf->base + off + pf->at[t] + 16 * j, 0, 2);
+}
+
+/* sc[g * stride + t] = scale * q_g . K row t of r (from offset off) for the 16
+ * rows and the G heads whose q rows start at qh; before each head, prefetches
+ * 1/G of pf's rows. */
+INLINE void scores16(const Rows *r, int64_t off, const float *qh, float scale, float *sc, int64_t stride,
+                     const Rows *pf, int G, int DV)
+{
+#pragma GCC unroll 8
+    for (int g = 0; g < G; g++) {
+        prefetch(pf, off, g * 16 / G, (g + 1) * 16 / G, DV);
+        __m512 part[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) { /* slot i holds token T16[i], so lane t is token t */
+            const float *k = r->base + off + r->at[T16[i]], *qg = qh + g * 16 * DV;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+#pragma GCC unroll 8
+            for (int j = 1; j < DV; j++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), _mm512_loadu_ps(k + 16 * j), a);
+            part[i] = a;
+        }
+        _mm512_storeu_ps(sc + g * stride, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+    }
+}
+
+/* out[g] += w[g * stride + t] * V row t of r (from offset off) for the m real
+ * rows and G heads; prefetches pf's rows as it goes. */
+INLINE void values16(const Rows *r, int64_t off, const float *w, int64_t stride, __m512 *out, const Rows *pf, int G,
+                     int DV)
+{
+    __m512 acc[MAX_G * MAX_DV]; /* a local copy stays in registers across rows */
+    for (int i = 0; i < G * DV; i++)
+        acc[i] = out[i];
+    for (int t = 0; t < r->m; t++) {
+        prefetch(pf, off, t, t + 1, DV);
+#pragma GCC unroll 8
+        for (int j = 0; j < DV; j++) {
+            const __m512 v = _mm512_loadu_ps(r->base + off + r->at[t] + 16 * j);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++)
+                acc[g * DV + j] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + t]), v, acc[g * DV + j]);
+        }
+    }
+    prefetch(pf, off, r->m, 16, DV);
+    for (int i = 0; i < G * DV; i++)
+        out[i] = acc[i];
+}
+
+/* x[0..n) = exp(x - max x), with weights under e^-80 set to 0 as in attend (NaN
+ * stays NaN); returns 1 / their sum. x has room for n rounded up to 16. */
+INLINE float softmax_row(float *x, int64_t n)
+{
+    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 16 <= n; p += 16)
+        mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + p));
+    const __mmask16 tail = (__mmask16)((1u << (n - p)) - 1);
+    mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, x + p));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    for (p = 0; p < n; p += 16) {
+        const __m512 y = _mm512_sub_ps(_mm512_loadu_ps(x + p), m);
+        const __mmask16 real = n - p < 16 ? tail : 0xFFFF;
+        const __mmask16 keep = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-80.0f), _CMP_NLT_UQ) & real;
+        const __m512 e = _mm512_maskz_mov_ps(keep, exp16(y));
+        _mm512_storeu_ps(x + p, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* As attend, for D = 16 * DV and the nh kv heads from h0 of one sequence (qb,
+ * ob at the first of their query heads): the scores of all tokens (K pass),
+ * softmax, the weighted sum (V pass), 16 tokens at a time, each chunk
+ * prefetching the next (K's last chunk V's first). Two passes rather than an online
+ * softmax: its max, exp and rescaling per chunk were a latency chain that cost
+ * more than the score buffer sc (nh * G rows of L->stride). */
+INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t h0, int nh, int G, int DV,
+                     const float *restrict qb, float *restrict ob, float *restrict sc)
+{
+    const int64_t D = 16 * DV, stride = L->stride;
+    const float *k = L->k_cache + h0 * D, *v = L->v_cache + h0 * D;
+    Rows r, pf = {0};
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+        chunk_rows(&pf, L, p0 + 16 < n ? k : v, table, p0 + 16 < n ? p0 + 16 : 0, n);
+        chunk_rows(&r, L, k, table, p0, n);
+        for (int h = 0; h < nh; h++)
+            scores16(&r, h * D, qb + h * G * D, L->scale, sc + h * G * stride + p0, stride, &pf, G, DV);
+    }
+    float inv[MAX_HEADS * MAX_G];
+    for (int i = 0; i < nh * G; i++)
+        inv[i] = softmax_row(sc + i * stride, n);
+    __m512 acc[MAX_HEADS][MAX_G * MAX_DV];
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < G * DV; i++)
+            acc[h][i] = _mm512_setzero_ps();
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+        chunk_rows(&pf, L, p0 + 16 < n ? v : NULL, table, p0 + 16 < n ? p0 + 16 : 0, n);
+        chunk_rows(&r, L, v, table, p0, n);
+        for (int h = 0; h < nh; h++)
+            values16(&r, h * D, sc + h * G * stride + p0, stride, acc[h], &pf, G, DV);
+    }
+    for (int i = 0; i < nh * G; i++)
+        for (int j = 0; j < DV; j++)
+            _mm512_storeu_ps(ob + i * D + 16 * j, _mm512_mul_ps(acc[i / G][i % G * DV + j], _mm512_set1_ps(inv[i])));
+}
+#endif
+
+/* Longest sequences first, so that the last tasks to be handed out are short. */
+static int longer_first(const void *a, const void *b)
+{
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
 /* Returns 0 on success; 1 if a size, a context length or a used page index is
  * out of range (nothing is computed then); 2 if a buffer could not be allocated.
  * A context length of 0 gives zeros, as the reference does. */
@@ -174,35 +367,59 @@ int trillm_decode_attention(
         max_ctx = n > max_ctx ? n : max_ctx;
     }
     const int64_t G = H / KVH;
-    const Layout L = {k_cache, v_cache, page_size, KVH * D, page_size * KVH * D, max_ctx, scale};
+    const int64_t stride = (max_ctx + 15) / 16 * 16; /* attend16 writes 16 scores at a time */
+    const Layout L = {k_cache, v_cache, page_size, KVH * D, page_size * KVH * D, stride, scale};
+#ifdef AVX512_PATH
+    const int avx = G <= MAX_G && D % 16 == 0 && D <= 16 * MAX_DV;
+#else
+    const int avx = 0;
+#endif
+    /* A task is a whole sequence (its pages read whole) when there are at least as
+     * many as threads; else one kv head of one, so that more tasks share out. */
+    const int64_t nh = avx && KVH <= MAX_HEADS && B >= num_threads ? KVH : 1, per_seq = KVH / nh;
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)B);
+    if (!order)
+        return 2;
+    for (int64_t b = 0; b < B; b++) /* (length, sequence) */
+        order[b] = (int64_t)context_lens[b] << 32 | b;
+    qsort(order, (size_t)B, sizeof(int64_t), longer_first);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Per thread: G score rows of max_ctx, G accumulators of D, G reciprocal sums. */
-        float *scores = malloc(sizeof(float) * (size_t)(G * max_ctx + G * D + G));
-        float *acc = scores + G * max_ctx;
+        /* Per thread: nh * G score rows; for attend G accumulators of D, G sums. */
+        float *scores = malloc(sizeof(float) * (size_t)(nh * G * stride + G * D + G));
+        float *acc = scores + nh * G * stride;
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < B * KVH; task++) {
-            const int64_t b = task / KVH, kvh = task % KVH, n = context_lens[b];
+        for (int64_t task = 0; task < B * per_seq; task++) {
+            const int64_t b = order[task / per_seq] & 0xFFFFFFFF, h0 = task % per_seq * nh, n = context_lens[b];
             const int32_t *table = block_tables + b * max_pages;
-            const float *qb = q + (b * H + kvh * G) * D;
-            float *ob = out + (b * H + kvh * G) * D;
+            const float *qb = q + (b * H + h0 * G) * D;
+            float *ob = out + (b * H + h0 * G) * D;
             if (!scores)
                 continue;
             if (n == 0)
-                memset(ob, 0, sizeof(float) * (size_t)(G * D));
+                memset(ob, 0, sizeof(float) * (size_t)(nh * G * D));
+#ifdef AVX512_PATH
+            else if (avx && G == 3 && D == 64 && nh == 3) /* SmolLM2, inlined with constants */
+                attend16(&L, table, n, h0, 3, 3, 4, qb, ob, scores);
+            else if (avx && G == 3 && D == 64 && nh == 1)
+                attend16(&L, table, n, h0, 1, 3, 4, qb, ob, scores);
+            else if (avx)
+                attend16(&L, table, n, h0, (int)nh, (int)G, (int)(D / 16), qb, ob, scores);
+#endif
             else if (D == 64)
-                attend(&L, table, n, kvh, G, 64, qb, ob, scores, acc);
+                attend(&L, table, n, h0, G, 64, qb, ob, scores, acc);
             else if (D == 128)
-                attend(&L, table, n, kvh, G, 128, qb, ob, scores, acc);
+                attend(&L, table, n, h0, G, 128, qb, ob, scores, acc);
             else
-                attend(&L, table, n, kvh, G, D, qb, ob, scores, acc);
+                attend(&L, table, n, h0, G, D, qb, ob, scores, acc);
         }
         free(scores);
     }
+    free(order);
     return failed ? 2 : 0;
 }

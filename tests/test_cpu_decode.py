@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from kernels import cpu_decode, reference
+from kernels import cpu_build, cpu_decode, reference
+
+
+@pytest.fixture(params=["native", "portable"])
+def variant(request, monkeypatch):
+    """The library as built for this CPU, or its plain-C fallback (built with -DTRILLM_PORTABLE),
+    which is what machines without AVX-512 run."""
+    if request.param == "portable":
+        lib = ctypes.CDLL(str(cpu_build._build("cpu_decode", ("-fno-math-errno", "-DTRILLM_PORTABLE"))))
+        cpu_decode._declare(lib)
+        monkeypatch.setattr(cpu_decode, "_library", lambda: lib)
+    return request.param
 
 
 def paged_inputs(lens: list[int], heads: int, kv_heads: int, dim: int, page_size: int, seed: int = 0):
@@ -29,9 +42,27 @@ def test_available():
 
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 32), (9, 3, 64), (6, 2, 128), (4, 2, 20)])
-def test_matches_reference(page_size: int, heads: int, kv_heads: int, dim: int):
+def test_matches_reference(variant: str, page_size: int, heads: int, kv_heads: int, dim: int):
     lens = [1, 7, page_size, page_size + 1, 300, 1, 129]
     q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size)
+    scale = dim**-0.5
+    want = reference.decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+    for threads in (1, 2, 3):
+        got = cpu_decode.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, num_threads=threads)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,page_size",
+    [(9, 3, 64, 5), (16, 2, 16, 16), (9, 1, 16, 16), (16, 8, 32, 3), (6, 3, 48, 7)],  # G 8, G 9, 8 kv heads, D 48
+)
+@pytest.mark.parametrize("lens", [[35], [2000], [16, 17], [15, 33, 64, 31, 48, 1000, 2]])
+def test_more_shapes_and_task_splits(
+    variant: str, heads: int, kv_heads: int, dim: int, page_size: int, lens: list[int]
+):
+    """Pages that do not divide 16 tokens, fewer sequences than threads (a task per kv head
+    then), more heads per kv head than the vector version takes, and long contexts."""
+    q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size, seed=len(lens))
     scale = dim**-0.5
     want = reference.decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
     for threads in (1, 2, 3):
@@ -59,9 +90,11 @@ def test_int64_tables_and_strided_q():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_large_scores_are_stable():
-    """Scores far above exp's range still softmax correctly (the max is subtracted)."""
-    q, k_cache, v_cache, tables, context_lens = paged_inputs([50, 3], 4, 2, 8, 16, seed=2)
+@pytest.mark.parametrize("dim", [8, 32])
+def test_large_scores_are_stable(variant: str, dim: int):
+    """Scores far above exp's range still softmax correctly (the max is subtracted), and
+    weights far under the largest one are negligible rather than denormal trouble."""
+    q, k_cache, v_cache, tables, context_lens = paged_inputs([50, 3, 40], 4, 2, dim, 16, seed=2)
     q = q * 100
     want = reference.decode_attention(q, k_cache, v_cache, tables, context_lens, 1.0)
     got = cpu_decode.decode_attention(q, k_cache, v_cache, tables, context_lens, 1.0)
