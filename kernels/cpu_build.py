@@ -91,3 +91,40 @@ def load(name: str, declare: Callable[[ctypes.CDLL], None], extra_flags: tuple[s
                 log.warning("CPU kernel %s unavailable: %s", name, error)
             _loaded[name] = lib
         return _loaded[name]
+
+
+class CKernel:
+    """The entry points of one C source: built and loaded on first use, declared from
+    ``signatures`` (function name -> argtypes, all returning ``restype``), and looked up
+    once, since the calls at decode sizes take microseconds."""
+
+    def __init__(self, name: str, signatures: dict[str, list], restype: object,
+                 extra_flags: tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.signatures = signatures
+        self.restype = restype
+        self.extra_flags = extra_flags
+        self._functions: tuple | None = None
+
+    def declare(self, lib: ctypes.CDLL) -> None:
+        """Set argtypes/restype on ``lib`` (also on a library a test built itself)."""
+        for function, argtypes in self.signatures.items():
+            fn = getattr(lib, function)
+            fn.argtypes = argtypes
+            fn.restype = self.restype
+
+    def library(self) -> ctypes.CDLL | None:
+        return load(self.name, self.declare, self.extra_flags)
+
+    def available(self) -> bool:
+        """Whether the library could be built and loaded here (e.g. False without a compiler)."""
+        return self.library() is not None
+
+    def functions(self) -> tuple:
+        """The functions in ``signatures`` order; RuntimeError if the library could not be built."""
+        if self._functions is None:
+            lib = self.library()
+            if lib is None:
+                raise RuntimeError(f"the CPU kernel {self.name} could not be built; see the trillm.kernels log")
+            self._functions = tuple(getattr(lib, function) for function in self.signatures)
+        return self._functions

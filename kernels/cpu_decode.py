@@ -14,20 +14,15 @@ import torch
 from kernels import cpu_build
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    fn = lib.trillm_decode_attention
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
-    fn.restype = ctypes.c_int
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+_SIGNATURES = {"trillm_decode_attention": _ARGTYPES}
+_KERNEL = cpu_build.CKernel("cpu_decode", _SIGNATURES, ctypes.c_int, ("-fno-math-errno",))
+available = _KERNEL.available
 
 
 def _library() -> ctypes.CDLL | None:
     """The loaded kernel, built once per process; None (reason logged once) if that failed."""
-    return cpu_build.load("cpu_decode", _declare, ("-fno-math-errno",))
-
-
-def available() -> bool:
-    """Whether the C kernel could be built and loaded here (e.g. False without a compiler)."""
-    return _library() is not None
+    return _KERNEL.library()
 
 
 def decode_attention(

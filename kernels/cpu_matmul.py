@@ -45,36 +45,13 @@ class _Layout(ctypes.Structure):
     _fields_ = [("qs", _P), ("d", _P), ("m", _P), ("N", _I64), ("K", _I64)]
 
 
-_fns: tuple | None = None  # the C functions once loaded
 # id(weight) -> (weakref to it, N, K, address of its _Layout, the _Layout, the tensors it points into)
 _layouts: dict[int, tuple] = {}
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
-
-
-def _load() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_matmul", _declare, _EXTRA_FLAGS)
-
-
-def _functions() -> tuple:
-    """(matmul, dequantize, has_avx512) C functions, looked up once."""
-    global _fns
-    if _fns is None:
-        lib = _load()
-        if lib is None:
-            raise RuntimeError("the CPU matmul kernel could not be built; see the trillm.kernels log")
-        _fns = tuple(getattr(lib, name) for name in _SIGNATURES)
-    return _fns
-
-
-def available() -> bool:
-    """Whether the C kernel could be built and loaded here (e.g. False without a compiler)."""
-    return _load() is not None
+_KERNEL = cpu_build.CKernel("cpu_matmul", _SIGNATURES, ctypes.c_int, _EXTRA_FLAGS)
+_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512)
+available = _KERNEL.available
 
 
 def has_avx512() -> bool:

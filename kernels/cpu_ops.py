@@ -25,34 +25,9 @@ _SIGNATURES = {
 _EXTRA_FLAGS = ("-fno-math-errno",)
 _F32, _CPU = torch.float32, torch.device("cpu")
 
-_fns: tuple | None = None  # the three C functions once loaded
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = None
-
-
-def _load() -> ctypes.CDLL | None:
-    return cpu_build.load("cpu_ops", _declare, _EXTRA_FLAGS)
-
-
-def _functions() -> tuple:
-    """(rms_norm, rotary, silu_mul) C functions; looked up once, since these calls take microseconds."""
-    global _fns
-    if _fns is None:
-        lib = _load()
-        if lib is None:
-            raise RuntimeError("the CPU ops kernel could not be built; see the trillm.kernels log")
-        _fns = tuple(getattr(lib, name) for name in _SIGNATURES)
-    return _fns
-
-
-def available() -> bool:
-    """Whether the C ops could be built and loaded here (e.g. False without a compiler)."""
-    return _load() is not None
+_KERNEL = cpu_build.CKernel("cpu_ops", _SIGNATURES, None, _EXTRA_FLAGS)
+_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul)
+available = _KERNEL.available
 
 
 def _threads(num_threads: int | None) -> int:

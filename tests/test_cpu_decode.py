@@ -16,7 +16,7 @@ def variant(request, monkeypatch):
     which is what machines without AVX-512 run."""
     if request.param == "portable":
         lib = ctypes.CDLL(str(cpu_build._build("cpu_decode", ("-fno-math-errno", "-DTRILLM_PORTABLE"))))
-        cpu_decode._declare(lib)
+        cpu_decode._KERNEL.declare(lib)
         monkeypatch.setattr(cpu_decode, "_library", lambda: lib)
     return request.param
 

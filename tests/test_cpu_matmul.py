@@ -166,7 +166,7 @@ def test_builds_and_runs_without_avx512(tmp_path):
     command = [*compiler, *flags, "-o", str(lib_path), str(source), *cpu_build.LIBS]
     subprocess.run(command, check=True, capture_output=True)
     lib = ctypes.CDLL(str(lib_path))
-    cpu_matmul._declare(lib)
+    cpu_matmul._KERNEL.declare(lib)
     assert lib.trillm_has_avx512() == 0
     for kind in KINDS:
         weight = block_weight(kind, 50, 96, seed=4)

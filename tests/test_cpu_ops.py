@@ -131,7 +131,7 @@ def test_unbuildable_gives_none_and_a_warning(monkeypatch, tmp_path, caplog):
     from kernels import cpu_build
 
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(cpu_ops, "_fns", None)
+    monkeypatch.setattr(cpu_ops._KERNEL, "_functions", None)
     monkeypatch.setenv("TRILLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with caplog.at_level("WARNING", logger="trillm.kernels"):
