@@ -207,11 +207,16 @@ class LlamaModel:
         self.scale = shape.head_dim**-0.5
         # Small C kernels for RMSNorm, rotary and SiLU-mul on the CPU path (float32):
         # at decode sizes each torch op there is mostly dispatch overhead.
-        self.c_ops = kernels is None and dtype == torch.float32 and self.device.type == "cpu" and cpu_ops.available()
+        self.c_ops = self.cpu_float32(kernels, dtype, self.device) and cpu_ops.available()
 
     @staticmethod
-    def block_weights_possible(kernels: Kernels | None, dtype: torch.dtype, device: torch.device) -> bool:
-        return kernels is None and dtype == torch.float32 and device.type == "cpu" and cpu_matmul.available()
+    def cpu_float32(kernels: Kernels | None, dtype: torch.dtype, device: torch.device) -> bool:
+        """The CPU fast path in float32: where the C kernels apply."""
+        return kernels is None and dtype == torch.float32 and device.type == "cpu"
+
+    @classmethod
+    def block_weights_possible(cls, kernels: Kernels | None, dtype: torch.dtype, device: torch.device) -> bool:
+        return cls.cpu_float32(kernels, dtype, device) and cpu_matmul.available()
 
     def projections(self) -> list[Weight]:
         return [self.lm_head, *(p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))]

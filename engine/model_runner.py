@@ -92,7 +92,7 @@ class ModelRunner:
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         # The C decode kernel (float32, CPU); without a compiler, gather + SDPA.
         self.c_decode = (
-            model.kernels is None and model.dtype == torch.float32 and use_c_decode and cpu_decode.available()
+            model.cpu_float32(model.kernels, model.dtype, model.device) and use_c_decode and cpu_decode.available()
         )
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
