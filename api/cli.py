@@ -44,6 +44,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "about 5x fewer bytes per step); dense: float32 matrices")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="on GPUs, run decode steps without CUDA graphs (debugging)")
+    p.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_false", default=None,
+                   help="schedule each step only after the one before returns (debugging)")
 
 
 async def serve(app, host: str, port: int) -> None:
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=args.max_model_len, served_model_name=args.served_model_name, prefix_cache=args.prefix_cache,
             device=args.device, kernels=args.kernels, load_format=args.load_format, tokenizer=args.tokenizer,
             weight_format=args.weight_format, enforce_eager=args.enforce_eager,
+            overlap_schedule=args.overlap_schedule,
         )
         app = create_app(config=config, request_timeout=args.request_timeout or None)
         trio.run(partial(serve, app, args.host, args.port))

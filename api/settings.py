@@ -28,6 +28,7 @@ _ENV = {
     "TRILLM_TOKENIZER": ("tokenizer", str),
     "TRILLM_PREFIX_CACHE": ("prefix_cache", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
     "TRILLM_ENFORCE_EAGER": ("enforce_eager", lambda v: v.strip().lower() in ("1", "true", "yes", "on")),
+    "TRILLM_OVERLAP_SCHEDULE": ("overlap_schedule", lambda v: v.strip().lower() not in ("0", "false", "no", "off")),
 }
 
 

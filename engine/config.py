@@ -38,6 +38,9 @@ class EngineConfig:
     # "dense": float32 matrices always | "blocks": every projection in blocks, or an error
     weight_format: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps on GPUs
+    # Schedule step N+1 while step N runs (its sampled tokens filled in by the worker);
+    # False: one step at a time, for debugging
+    overlap_schedule: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -30,7 +31,7 @@ from engine.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
 from engine.prefix_cache import PrefixCache
 from engine.sampler import Sampled, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Batch, Scheduler
 from engine.sequence import Sequence
 from engine.stop_strings import StopStringMatcher
 from engine.telemetry import EngineObserver, NullObserver, RequestTimer
@@ -95,6 +96,15 @@ class _Live:
     stops: StopStringMatcher
     index: int
     timer: RequestTimer
+
+
+@attrs.frozen
+class _Step:
+    """A prepared step on its way to the worker; ``started`` is set once it runs."""
+
+    batch: Batch
+    inputs: StepInputs
+    started: trio.Event = attrs.field(factory=trio.Event)
 
 
 @attrs.frozen
@@ -276,8 +286,10 @@ class Engine:
         worker thread is never abandoned), ends every open request with
         finish_reason "abort", frees all pages, and returns.
         """
-        batch_tx, batch_rx = trio.open_memory_channel[StepInputs](0)
-        result_tx, result_rx = trio.open_memory_channel[Sampled | Exception](0)
+        # One batch may wait while another runs, and one result while the next
+        # batch runs: the worker goes from step to step without waiting for us.
+        batch_tx, batch_rx = trio.open_memory_channel[_Step](1)
+        result_tx, result_rx = trio.open_memory_channel[Sampled | Exception](1)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._runner_actor, batch_rx, result_tx)
@@ -291,15 +303,19 @@ class Engine:
 
     async def _runner_actor(
         self,
-        batch_rx: trio.MemoryReceiveChannel[StepInputs],
+        batch_rx: trio.MemoryReceiveChannel[_Step],
         result_tx: trio.MemorySendChannel[Sampled | Exception],
     ) -> None:
+        token = trio.lowlevel.current_trio_token()
         async with batch_rx, result_tx:
-            async for inputs in batch_rx:
+            async for step in batch_rx:
+
+                def execute(step: _Step = step) -> Sampled:
+                    token.run_sync_soon(step.started.set)
+                    return self.runner.execute(step.inputs)
+
                 try:
-                    result: Sampled | Exception = await trio.to_thread.run_sync(
-                        self.runner.execute, inputs, limiter=self._limiter
-                    )
+                    result: Sampled | Exception = await trio.to_thread.run_sync(execute, limiter=self._limiter)
                 except Exception as exc:  # a failed step fails its batch, not the server
                     log.exception("model step failed")
                     result = exc
@@ -307,36 +323,50 @@ class Engine:
 
     async def _scheduler_actor(
         self,
-        batch_tx: trio.MemorySendChannel[StepInputs],
+        batch_tx: trio.MemorySendChannel[_Step],
         result_rx: trio.MemoryReceiveChannel[Sampled | Exception],
     ) -> None:
+        """Schedule, launch, resolve. With ``overlap_schedule`` the next step is
+        scheduled and sent before the one in flight returns, so the worker never
+        waits for routing and scheduling; without it, one step at a time."""
+        in_flight: deque[_Step] = deque()
+        depth = 2 if self.config.overlap_schedule else 1
         async with batch_tx, result_rx:
             while True:
-                if not self.scheduler.has_work:
+                if not in_flight and not self.scheduler.has_work:
                     self._handle(await self._inbox_rx.receive())
                 self._drain_inbox()
                 batch = self.scheduler.schedule()
-                if not batch.chunks:
-                    if self.scheduler.has_work:  # nothing fits yet; wait for news
-                        self._handle(await self._inbox_rx.receive())
-                    continue
-                now = time.monotonic()
-                for chunk in batch.chunks:
-                    self._live[chunk.seq.request_id].timer.on_scheduled(self.observer, now)
-                await batch_tx.send(self.runner.prepare(batch))
-                result = await result_rx.receive()
-                self.num_steps += 1
-                if isinstance(result, Exception):
+                if batch.chunks:
+                    now = time.monotonic()
                     for chunk in batch.chunks:
-                        self._finish(chunk.seq.request_id, "error")
-                    continue
-                logprobs = {
-                    id(chunk.seq): lp
-                    for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)
-                }
-                for seq in self.scheduler.complete(batch, result.tokens):
-                    self._route(seq, logprobs.get(id(seq)))
-                self._drain_inbox()  # aborts that arrived during the step: freed now
+                        self._live[chunk.seq.request_id].timer.on_scheduled(self.observer, now)
+                    step = _Step(batch, self.runner.prepare(batch))
+                    self.scheduler.launch(batch)
+                    await batch_tx.send(step)
+                    in_flight.append(step)
+                if in_flight and (len(in_flight) >= depth or not batch.chunks):
+                    done = in_flight.popleft()
+                    result = await result_rx.receive()
+                    if in_flight:  # the worker goes first: routing waits, not the model
+                        await in_flight[0].started.wait()
+                    self._resolve(done.batch, result)
+                    self._drain_inbox()  # aborts that arrived during the step: freed now
+                elif not batch.chunks and self.scheduler.has_work:  # nothing fits yet; wait for news
+                    self._handle(await self._inbox_rx.receive())
+
+    def _resolve(self, batch: Batch, result: Sampled | Exception) -> None:
+        """Route a returned step's tokens; a failed step ends its requests with "error"."""
+        self.num_steps += 1
+        if isinstance(result, Exception):
+            for chunk in batch.chunks:
+                self._finish(chunk.seq.request_id, "error")
+            return
+        logprobs = {
+            id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)
+        }
+        for seq, index in self.scheduler.resolve(batch, result.tokens):
+            self._route(seq, index, logprobs.get(id(seq)))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -356,11 +386,12 @@ class Engine:
                 self.num_aborted += 1
                 self._finish(message.request_id, None)
 
-    def _route(self, seq: Sequence, logprobs: TokenLogprobs | None) -> None:
-        """Send a sequence's new token to its consumer; a gone consumer aborts it."""
+    def _route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> None:
+        """Send a sequence's new token (``output_ids[index]``) to its consumer; a gone
+        consumer aborts it."""
         live = self._live[seq.request_id]
         self.generation_tokens_total += 1
-        token = seq.output_ids[-1]
+        token = seq.output_ids[index]
         text = live.detokenizer.push(token)
         if seq.is_finished:
             text += live.detokenizer.flush()
@@ -371,7 +402,7 @@ class Engine:
         elif seq.is_finished:
             text += live.stops.flush()
         output = RequestOutput(
-            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids),
+            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), index + 1,
             (logprobs,) if logprobs is not None else (), seq.num_cached_tokens,
         )
         try:
@@ -396,7 +427,7 @@ class Engine:
         if reason is not None:
             seq = live.seq
             text = live.stops.push(live.detokenizer.flush()) + live.stops.flush()
-            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids), len(seq.output_ids),
+            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids), seq.num_known_outputs,
                                    (), seq.num_cached_tokens)
             try:
                 live.channel.send_nowait(output)

@@ -4,6 +4,10 @@
 so an abort that frees pages mid-step cannot race the worker thread);
 ``execute`` runs the forward pass and the sampler and is meant for a worker
 thread. Grad mode is per thread, so ``execute`` enters inference mode itself.
+
+A batch may be prepared while the step before it runs, before that step's
+tokens are known: those inputs are ``PENDING`` in the snapshot, and ``execute``
+fills them in from the tokens it sampled last (steps run one at a time, in order).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from engine.attention import AttentionMetadata, DecodeGroup, DecodeRows, KernelM
 from engine.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from engine.llama import LlamaModel
 from engine.sampler import SampleRow, Sampled, sample_with_logprobs
-from engine.scheduler import Batch
-from engine.sequence import Sequence
+from engine.scheduler import Batch, ScheduledChunk
+from engine.sequence import PENDING, Sequence
 from kernels import cpu_decode
 
 log = logging.getLogger("trillm.engine")
@@ -32,6 +36,10 @@ class StepInputs:
     meta: AttentionMetadata | KernelMetadata
     logits_rows: torch.Tensor
     rows: tuple[SampleRow, ...]
+    # (input row, sample of the previous step) for each PENDING input token, and
+    # (sample row, sample of the previous step) for each PENDING token in a row's history
+    pending_inputs: tuple[tuple[int, int], ...] = ()
+    pending_history: tuple[tuple[int, int], ...] = ()
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
@@ -65,6 +73,28 @@ def padded_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)
 
 
+def _pending_offset(seq: Sequence, start: int, end: int) -> int | None:
+    """Where in tokens ``start:end`` of ``seq`` the token in flight sits, if there."""
+    position = len(seq.prompt_ids) + seq.num_known_outputs
+    if position < seq.num_tokens and start <= position < end:
+        return position - start
+    return None
+
+
+def _fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[SampleRow, ...]:
+    """Put the previous step's samples in place of the ``PENDING`` inputs; returns the
+    sample rows with their histories filled in too. Without them (that step failed,
+    and so did its sequences) the inputs get token 0: those rows are thrown away."""
+    take = (lambda sample: previous[sample]) if previous is not None else (lambda sample: 0)
+    for row, sample in inputs.pending_inputs:
+        inputs.input_ids[row] = take(sample)
+    rows = list(inputs.rows)
+    for i, sample in inputs.pending_history:
+        history = tuple(take(sample) if t == PENDING else t for t in rows[i].output_ids)
+        rows[i] = attrs.evolve(rows[i], output_ids=history)
+    return tuple(rows)
+
+
 def _sample_row(seq: Sequence) -> SampleRow:
     """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step."""
     p = seq.params
@@ -94,6 +124,7 @@ class ModelRunner:
         self.c_decode = (
             model.cpu_float32(model.kernels, model.dtype, model.device) and use_c_decode and cpu_decode.available()
         )
+        self._last_sampled: list[int] | None = None  # the tokens of the step that ran last
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
             self.graphs = self._capture(graph_batch, -(-(max_model_len or s.max_position_embeddings) // page_size))
@@ -127,11 +158,14 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         rows: list[SampleRow] = []
+        pending_inputs: list[tuple[int, int]] = []
+        pending_history: list[tuple[int, int]] = []
         row = 0
         for chunk in batch.chunks:
             seq, start, n = chunk.seq, chunk.start, chunk.length
             end = start + n
             ids += seq.token_ids(start, end)
+            self._note_pending(seq, chunk, row, len(rows), pending_inputs, pending_history)
             pos = torch.arange(start, end)
             positions.append(pos)
             table = seq.pages[: -(-end // ps)]
@@ -172,7 +206,21 @@ class ModelRunner:
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             rows=tuple(rows),
+            pending_inputs=tuple(pending_inputs),
+            pending_history=tuple(pending_history),
         )
+
+    @staticmethod
+    def _note_pending(seq: Sequence, chunk: ScheduledChunk, row: int, sample_row: int,
+                      inputs: list[tuple[int, int]], history: list[tuple[int, int]]) -> None:
+        """Record where ``chunk`` (at input ``row``) reads the token the step in flight samples."""
+        if seq.num_known_outputs == len(seq.output_ids):
+            return  # nothing in flight: the common case, and every case without overlap
+        offset = _pending_offset(seq, chunk.start, chunk.end)
+        if offset is not None:
+            inputs.append((row + offset, seq.pending_sample))
+        if chunk.samples and seq.params.needs_history:
+            history.append((sample_row, seq.pending_sample))
 
     def _prepare_flat(self, batch: Batch) -> StepInputs:
         """The kernels' form: a padded block table, query offsets and context lengths."""
@@ -185,9 +233,12 @@ class ModelRunner:
         lens: list[int] = []
         logits_rows: list[int] = []
         rows: list[SampleRow] = []
+        pending_inputs: list[tuple[int, int]] = []
+        pending_history: list[tuple[int, int]] = []
         for chunk in batch.chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
             table = seq.pages[: -(-end // ps)]
+            self._note_pending(seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
             ids += seq.token_ids(start, end)
             positions += range(start, end)
             slots += (table[p // ps] * ps + p % ps for p in range(start, end))
@@ -210,6 +261,8 @@ class ModelRunner:
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             rows=tuple(rows),
+            pending_inputs=tuple(pending_inputs),
+            pending_history=tuple(pending_history),
         )
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> tuple[DecodeGroup, ...]:
@@ -247,11 +300,16 @@ class ModelRunner:
             )
 
     def execute(self, inputs: StepInputs) -> Sampled:
-        """Forward + sample; one token per sampling chunk, in batch order."""
+        """Forward + sample; one token per sampling chunk, in batch order.
+
+        Steps must run in the order they were prepared: the ``PENDING`` inputs of
+        one are the samples of the one before."""
         if torch.get_num_threads() != self.num_threads:  # OpenMP settings are per calling thread
             torch.set_num_threads(self.num_threads)
+        previous, self._last_sampled = self._last_sampled, None
+        rows = _fill_pending(inputs, previous)
         logits = self.execute_logits(inputs)
         with torch.inference_mode():
-            if not inputs.rows:
-                return Sampled([], [])
-            return sample_with_logprobs(logits, list(inputs.rows), self.model.kernels)
+            sampled = sample_with_logprobs(logits, list(rows), self.model.kernels) if rows else Sampled([], [])
+        self._last_sampled = sampled.tokens
+        return sampled

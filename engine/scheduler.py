@@ -13,7 +13,7 @@ import attrs
 
 from engine.kv_pages import PageAllocator, pages_needed
 from engine.prefix_cache import PrefixCache
-from engine.sequence import Sequence
+from engine.sequence import PENDING, Sequence
 
 
 @attrs.frozen
@@ -21,17 +21,24 @@ class ScheduledChunk:
     """``length`` tokens of ``seq`` starting at position ``start``.
 
     ``samples`` is fixed when scheduled: the chunk reaches the end of the known
-    tokens, so the step samples a new one after it.
+    tokens, so the step samples a new one after it. ``generation`` is the
+    sequence's preemption count then: a chunk of an older generation wrote
+    pages the sequence no longer holds.
     """
 
     seq: Sequence
     start: int
     length: int
     samples: bool
+    generation: int = 0
 
     @classmethod
     def next_for(cls, seq: Sequence, length: int) -> "ScheduledChunk":
-        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens)
+        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens, seq.num_preemptions)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @attrs.frozen
@@ -50,6 +57,12 @@ class Scheduler:
     token each), then waiting sequences are admitted FCFS while the token
     budget, the sequence limit and the free pages allow. A running sequence
     that cannot grow preempts the newest running one instead of failing.
+
+    A step is ``schedule``d, then ``launch``ed (its sequences advance, with a
+    ``PENDING`` token for each sample), then ``resolve``d with the sampled
+    tokens. Between launch and resolve the next step may be scheduled: that is
+    how the engine prepares step N+1 while step N runs. ``complete`` is launch
+    and resolve at once.
     """
 
     def __init__(
@@ -79,17 +92,17 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a sequence wherever it is and free its pages; idempotent."""
-        for seq in self.waiting:
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._release(seq)
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.running.remove(seq)
-                self._release(seq)
-                return seq
+        """Remove a sequence wherever it is and free its pages; idempotent.
+
+        Its steps in flight are ignored when they resolve (it is finished)."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._release(seq)
+                    seq.drop_pending()
+                    seq.finish_reason = seq.finish_reason or "abort"
+                    return seq
         return None
 
     @property
@@ -109,6 +122,8 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue  # preempted while making room for an older one
+            if seq.awaits_last_token:
+                continue  # it ends when the step in flight returns
             length = min(seq.num_pending, budget)
             if not self._grow(seq, seq.num_computed + length, scheduled):
                 continue  # it preempted itself
@@ -117,6 +132,8 @@ class Scheduler:
             budget -= length
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.awaits_last_token:
+                break  # preempted while its last token is in flight: it ends when that returns
             if seq.leader is not None and not self._follow(seq):
                 break  # its leader is still prefilling the shared prompt
             matched = self._reuse_cached_prefix(seq)
@@ -125,7 +142,7 @@ class Scheduler:
             if not self._make_room(need):
                 if matched:  # give the cached pages back; try again next step
                     self.allocator.free(seq.pages)
-                    seq.pages, seq.num_computed = [], 0
+                    seq.pages, seq.num_computed, seq.num_settled = [], 0, 0
                 break  # admission never over-commits: it waits for pages
             if not seq.admitted:
                 seq.admitted = True
@@ -147,7 +164,7 @@ class Scheduler:
         if not pages:
             return False
         seq.pages = self.allocator.share(pages)
-        seq.num_computed = len(pages) * self.page_size
+        seq.num_computed = seq.num_settled = len(pages) * self.page_size
         return True
 
     def _make_room(self, need: int) -> bool:
@@ -173,10 +190,10 @@ class Scheduler:
         """
         leader = seq.leader
         assert leader is not None
-        if leader in self.running and leader.num_computed >= len(leader.prompt_ids):
+        if leader in self.running and leader.num_settled >= len(leader.prompt_ids):
             shared = (len(seq.prompt_ids) - 1) // self.page_size
             seq.pages = self.allocator.share(leader.pages[:shared])
-            seq.num_computed = shared * self.page_size
+            seq.num_computed = seq.num_settled = shared * self.page_size
             seq.leader = None
             return True
         if leader in self.running or leader in self.waiting:
@@ -203,44 +220,69 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_settled = 0
         seq.leader = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def complete(self, batch: Batch, sampled: list[int]) -> list[Sequence]:
-        """Apply a finished step: advance, append sampled tokens, retire finished.
+    def launch(self, batch: Batch) -> None:
+        """A step goes into flight: its sequences advance past its chunks, and each
+        sampling chunk appends a ``PENDING`` token that ``resolve`` fills in."""
+        sample = 0
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if chunk.samples:
+                sample += 1
+            if seq.is_finished or chunk.generation != seq.num_preemptions:
+                continue  # aborted (or preempted) since it was scheduled
+            seq.num_computed = chunk.end
+            if chunk.samples:
+                seq.output_ids.append(PENDING)
+                seq.pending_sample = sample - 1
+
+    def resolve(self, batch: Batch, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Apply a launched step that returned: settle its KV, put each sampled token
+        in place of its ``PENDING`` and retire sequences that finished.
 
         ``sampled`` holds one token per chunk that samples, in batch order.
-        Sequences aborted while the step ran are no longer running and are
-        skipped (their pages were freed once, by ``abort``). Returns the
-        sequences that got a new token.
+        Sequences aborted or finished while the step ran are skipped (their pages
+        were freed once, then). A sequence preempted while the step ran keeps its
+        token, for it is right, but not the step's KV. Returns each sequence that
+        got a token with that token's index in its ``output_ids``.
         """
         tokens = iter(sampled)
-        updated: list[Sequence] = []
+        updated: list[tuple[Sequence, int]] = []
         for chunk in batch.chunks:
             seq = chunk.seq
             token = next(tokens) if chunk.samples else None
-            if seq not in self.running:
+            if seq.is_finished:
                 continue
-            seq.num_computed = chunk.start + chunk.length
-            if self.prefix_cache is not None and chunk.length > 1:
-                # Full prompt pages are final once computed: share them with
-                # requests arriving now, not only after this one ends.
-                self.prefix_cache.insert(seq.token_ids(0, seq.num_computed), seq.pages, seq.num_computed)
+            if chunk.generation == seq.num_preemptions:
+                seq.num_settled = max(seq.num_settled, chunk.end)
+                if self.prefix_cache is not None and chunk.length > 1:
+                    # Full prompt pages are final once computed: share them with
+                    # requests arriving now, not only after this one ends.
+                    self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
             if token is None:
                 continue
-            seq.append_token(token)
-            updated.append(seq)
+            index = chunk.end - len(seq.prompt_ids)
+            seq.settle_token(index, token)
+            updated.append((seq, index))
             if seq.is_finished:
-                self.running.remove(seq)
+                queue = self.running if seq in self.running else self.waiting
+                queue.remove(seq)
                 self._release(seq)
         return updated
+
+    def complete(self, batch: Batch, sampled: list[int]) -> list[Sequence]:
+        """Launch and resolve a step at once; returns the sequences that got a token."""
+        self.launch(batch)
+        return [seq for seq, _ in self.resolve(batch, sampled)]
 
     def _release(self, seq: Sequence) -> None:
         """Drop the sequence's pages; with a prefix cache its computed full pages stay cached."""
         if self.prefix_cache is not None and seq.pages:
-            self.prefix_cache.insert(seq.token_ids(0, seq.num_computed), seq.pages, seq.num_computed)
+            self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
         self.allocator.free(seq.pages)
         seq.pages = []

@@ -8,14 +8,24 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 
+# An output token that a step in flight samples: scheduling runs one step ahead
+# of the sampled tokens, so the next step is built before this one's arrive.
+PENDING = -1
+
 
 @attrs.define(eq=False)
 class Sequence:
     """Tokens, pages and progress of one request.
 
-    ``num_computed`` counts the tokens whose K/V is in the cache. Whatever lies
-    beyond it is scheduled next: many tokens while prefilling, exactly one
-    (the last sampled token) while decoding. Preemption sets it back to zero.
+    ``num_computed`` counts the tokens whose K/V is in the cache or is being
+    written by a step in flight. Whatever lies beyond it is scheduled next: many
+    tokens while prefilling, exactly one (the last sampled token) while decoding.
+    ``num_settled`` counts those whose step has returned: only they may be shared
+    through the prefix cache. Preemption sets both back to zero.
+
+    ``output_ids`` may end with ``PENDING`` tokens (at most two: one per step in
+    flight); ``pending_sample`` is the row of the newest one among the samples of
+    its step, which the model runner reads to fill it in.
     """
 
     request_id: str
@@ -27,6 +37,8 @@ class Sequence:
     output_ids: list[int] = attrs.field(factory=list)
     pages: list[int] = attrs.field(factory=list)
     num_computed: int = 0
+    num_settled: int = 0
+    pending_sample: int = -1
     finish_reason: str | None = None
     num_preemptions: int = 0
     admitted: bool = False  # has it ever been scheduled (preemption does not reset this)
@@ -66,14 +78,37 @@ class Sequence:
             return self.output_ids[start - n_prompt : end - n_prompt]
         return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
 
-    def append_token(self, token: int) -> None:
-        """Record a sampled token and decide whether the sequence is done."""
-        self.output_ids.append(token)
+    @property
+    def num_known_outputs(self) -> int:
+        """Output tokens sampled by steps that have returned."""
+        n = len(self.output_ids)
+        while n and self.output_ids[n - 1] == PENDING:
+            n -= 1
+        return n
+
+    def reaches_length(self, num_outputs: int) -> bool:
+        """Whether the sequence ends by length once it has ``num_outputs`` output tokens."""
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and num_outputs >= max_tokens) or len(self.prompt_ids) + num_outputs >= self.max_len
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """A step in flight samples its last token: it ends by length then, so it must not run again."""
+        return bool(self.output_ids) and self.output_ids[-1] == PENDING and self.reaches_length(len(self.output_ids))
+
+    def settle_token(self, index: int, token: int) -> None:
+        """Put a sampled token in place of ``output_ids[index]`` and decide whether the
+        sequence is done; a done sequence drops the tokens scheduled after it."""
+        self.output_ids[index] = token
         p = self.params
-        may_stop = len(self.output_ids) > p.min_tokens  # the new token's index is >= min_tokens
+        may_stop = index >= p.min_tokens
         if may_stop and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
             self.finish_reason = "stop"
-        elif p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
+        elif self.reaches_length(index + 1):
             self.finish_reason = "length"
-        elif self.num_tokens >= self.max_len:
-            self.finish_reason = "length"
+        if self.finish_reason is not None:
+            del self.output_ids[index + 1 :]
+
+    def drop_pending(self) -> None:
+        """Forget tokens still in flight: the sequence ends without them."""
+        del self.output_ids[self.num_known_outputs :]

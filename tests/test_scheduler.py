@@ -183,6 +183,9 @@ def test_engine_config_and_environment_settings_are_validated():
     config = config_from_env({"TRILLM_NUM_PAGES": "64", "TRILLM_KV_CACHE_MB": "1.5", "TRILLM_SERVED_MODEL_NAME": "m"},
                              max_num_seqs=8)
     assert (config.num_pages, config.kv_cache_bytes, config.model_name, config.max_num_seqs) == (64, 1572864, "m", 8)
+    assert config.overlap_schedule and not config.enforce_eager  # the defaults
+    switched = config_from_env({"TRILLM_OVERLAP_SCHEDULE": "0", "TRILLM_ENFORCE_EAGER": "1"})
+    assert not switched.overlap_schedule and switched.enforce_eager
     with pytest.raises(SystemExit, match="TRILLM_PAGE_SIZE"):
         config_from_env({"TRILLM_PAGE_SIZE": "big"})
     with pytest.raises(SystemExit, match="max_batch_tokens"):
