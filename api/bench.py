@@ -46,6 +46,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kernels", default=None, help="passed to trillm serve --kernels")
     p.add_argument("--weight-format", default="auto",
                    help="comma-separated trillm serve --weight-format values, one server run each (e.g. auto,dense)")
+    p.add_argument("--overlap", default="on",
+                   help="comma-separated on/off: one server run each, with or without --disable-overlap-schedule")
     p.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
     p.add_argument("--llama-cpp", metavar="PYTHON",
                    help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF")
@@ -257,7 +259,11 @@ def run_bench(args: argparse.Namespace) -> None:
     kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))
     rows: list[RunResult] = []
     formats = args.weight_format.split(",")
-    for weight_format in formats if args.url is None else [None]:
+    overlaps = args.overlap.split(",")
+    if not set(overlaps) <= {"on", "off"}:
+        raise SystemExit(f"--overlap takes on, off or on,off, not {args.overlap!r}")
+    servers = [(f, o) for f in formats for o in overlaps] if args.url is None else [(None, None)]
+    for weight_format, overlap in servers:
         proc = None
         url = args.url
         if url is None:
@@ -266,6 +272,7 @@ def run_bench(args: argparse.Namespace) -> None:
                                      str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
                                      "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
                                      "--weight-format", weight_format,
+                                     *(["--disable-overlap-schedule"] if overlap == "off" else []),
                                      *(["--kernels", args.kernels] if args.kernels else []),
                                      *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
                                     env={**os.environ})
@@ -278,7 +285,8 @@ def run_bench(args: argparse.Namespace) -> None:
                 print(json.dumps(report, indent=1))
                 return
             server_bytes = _server_step_bytes(url)
-            label = "trillm (HTTP, streaming)" + (f", {weight_format} weights" if len(formats) > 1 else "")
+            label = "trillm (HTTP, streaming)" + (f", {weight_format} weights" if len(formats) > 1 else "") + (
+                f", overlap {overlap}" if len(overlaps) > 1 else "")
             for level in levels:
                 result = trio.run(partial(_serving_run, url, prompts[:level], args.output_len, prompts[-1]))
                 result = attrs.evolve(result, label=label, step_bytes=server_bytes)
