@@ -77,14 +77,14 @@ def _use_block_weights(config: EngineConfig, kernels: Kernels | None, dtype: tor
                        device: torch.device) -> bool:
     """Whether to look for exact GGUF blocks in the weights (random dummy weights never are).
 
-    ``auto`` takes them only where the block matmul has its AVX-512 paths: its plain-C
-    fallback is correct but slower than MKL on dense float32.
+    ``auto`` takes them only where the block matmul has its SIMD paths, AVX-512 or AVX2 + FMA
+    (``cpu_matmul.simd()``): its plain-C fallback is correct but slower than MKL on dense float32.
     """
     possible = LlamaModel.block_weights_possible(kernels, dtype, device)
     if config.weight_format == "blocks" and not possible:
         raise ValueError("weight_format blocks runs on the CPU fast path in float32 with a C compiler only")
-    if config.weight_format == "auto" and possible and not cpu_matmul.has_avx512():
-        log.info("no AVX-512: the projections stay dense float32 (--weight-format blocks forces blocks)")
+    if config.weight_format == "auto" and possible and cpu_matmul.simd() == "plain":
+        log.info("neither AVX-512 nor AVX2: the projections stay dense float32 (--weight-format blocks forces blocks)")
         return False
     return possible and config.weight_format != "dense" and config.load_format != "dummy"
 

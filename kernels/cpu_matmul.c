@@ -6,20 +6,31 @@
  * -ffp-contract=off, so GCC cannot fuse d * q + m); only the dot products use FMAs. So the
  * result is torch.mm's on the dequantized matrix up to the order of the additions.
  *
- * Threads split N, each decoding only its own weight rows. Two AVX-512 paths:
+ * Threads split N, each decoding only its own weight rows. Two SIMD paths, written once over
+ * a vector of VL floats: AVX-512 (VL = 16) or, without it, AVX2 + FMA (VL = 8):
  * - few x rows (M <= DIRECT_MAX_M): each block of DIRECT_NR weight rows is decoded in
- *   registers and multiplied with up to 4 x rows from L1, accumulating along K (summed
- *   across lanes at the end). Memory bound at M = 1: 0.75 bytes per Q4_1 weight.
- * - more rows: 48 weight rows x KC of K at a time are decoded into an L1-sized chunk,
- *   which then meets all rows of x (transposed into 16-row vectors beforehand) in a
- *   register tile of 32 rows x 12 weights: per k, 2 x vectors, 12 broadcast weights and
- *   24 FMAs. The next chunk is decoded a few rows at a time between those FMAs.
- * A plain-C path (used without AVX-512, and by the tests) decodes rows and takes dot products.
+ *   registers and multiplied with up to DIRECT_MR x rows from L1, accumulating along K
+ *   (summed across lanes at the end). Memory bound at M = 1: 0.75 bytes per Q4_1 weight.
+ * - more rows: PANEL (48) weight rows x KC of K at a time are decoded into an L1-sized
+ *   chunk, which then meets all rows of x (transposed into VL-row vectors beforehand) in a
+ *   register tile of 2 VL rows x TILE_NR weights: per k, 2 x vectors, TILE_NR broadcast
+ *   weights and 2 TILE_NR FMAs (AVX-512: 32 x 12, AVX2: 16 x 6). The next chunk is decoded
+ *   a few rows at a time between those FMAs.
+ * Only the ISA section below (vector type, block decoder, transpose, partial store, tile
+ * sizes) differs between the two. A plain-C path (used without either, and by the tests)
+ * decodes rows and takes dot products.
  */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
+#define SIMD 2 /* what trillm_simd reports */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SIMD 1
+#else
+#define SIMD 0
+#endif
+#if SIMD
 #include <immintrin.h>
 #endif
 
@@ -28,13 +39,8 @@
 
 enum { ACCUMULATE = 1, PORTABLE = 2 }; /* flags of trillm_matmul */
 
-/* Up to this many x rows, the in-register path: below it the panel path still pays the
- * decode and the FMAs of 16 rows (measured crossover at about 12 rows). */
-#define DIRECT_MAX_M 11
-#define DIRECT_NR 4 /* weight rows per tile of that path */
-#define PF_TILES 4  /* and how far ahead it prefetches weights: 4 tiles, ~7 KB at K = 576 */
-#define PANEL 48    /* weight rows per decoded chunk */
-#define KC 128      /* K per chunk: 48 x 128 floats = 24 KB, two of them (decoding, in use) fit L1 */
+#define PF_ROWS 16 /* how far ahead the in-register path prefetches weights: ~7 KB of Q4_1 at K = 576 */
+#define PANEL 48   /* weight rows per decoded chunk */
 #define X_BLOCK_BYTES (1 << 20) /* transposed x per thread, L2-resident: rows per block */
 #define PLAIN_ROWS 8
 /* Weights x rows below which one thread does everything: a parallel region costs ~1 us
@@ -123,104 +129,48 @@ static void plain_rows(const Weight *W, const float *x, int64_t ldx, float *out,
     }
 }
 
-#ifdef __AVX512F__
-/* ---- AVX-512: few rows, weights decoded in registers ---- */
+#if SIMD == 2
+/* ---- ISA: AVX-512 ---- */
+
+typedef __m512 vec;
+#define VL 16
+#define DIRECT_MAX_M 11 /* below 12 rows the panel path still pays the decode and FMAs of 16 (measured) */
+#define DIRECT_MR 4     /* x rows per in-register tile */
+#define DIRECT_NR 4     /* and weight rows: 16 accumulators */
+#define KC 128          /* K per chunk: 48 x 128 floats = 24 KB, two of them (decoding, in use) fit L1 */
+#define TILE_NR 12      /* weights per panel tile: 2 x 12 accumulators */
+
+INLINE vec vzero(void) { return _mm512_setzero_ps(); }
+INLINE vec vset1(float a) { return _mm512_set1_ps(a); }
+INLINE vec vload(const float *p) { return _mm512_load_ps(p); } /* aligned */
+INLINE vec vloadu(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void vstore(float *p, vec v) { _mm512_store_ps(p, v); } /* aligned */
+INLINE void vstoreu(float *p, vec v) { _mm512_storeu_ps(p, v); }
+INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 
 /* One block of one row into two vectors (k = 0..15, 16..31). Q4_1: the block's 16 possible
  * values d * j + m (the roundings of dequantize) form a table indexed by the nibbles, and
  * vpermps reads only the low 4 bits of each index: 6 vector ops per 32 weights. */
-INLINE void decode_block(const uint8_t *q, float d, float m, const int q8, __m512 *lo, __m512 *hi)
+INLINE void decode_block(const uint8_t *q, float d, float m, const int q8, vec w[2])
 {
     if (!q8) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d), iota), _mm512_set1_ps(m));
-        *lo = _mm512_permutexvar_ps(v, table);
-        *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+        w[0] = _mm512_permutexvar_ps(v, table);
+        w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
     } else {
         const __m512 dv = _mm512_set1_ps(d);
-        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dv);
-        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), dv);
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dv);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
+                             dv);
     }
 }
-
-/* out[0..MR, n0..n0+DIRECT_NR] (+)= x[0..MR] . W[n0..]; rows past N repeat row N-1, unstored.
- * (Array sizes are constants, not MR: GCC keeps only fixed-size arrays in registers.) */
-INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t n0,
-                        int accumulate, const int q8, const int MR)
-{
-    const uint8_t *q[DIRECT_NR];
-    const float *d[DIRECT_NR], *m[DIRECT_NR];
-    for (int j = 0; j < DIRECT_NR; j++) {
-        const int64_t n = MIN(n0 + j, W->N - 1);
-        q[j] = W->qs + n * W->row_bytes;
-        d[j] = W->d + n * W->nb;
-        m[j] = q8 ? d[j] : W->m + n * W->nb;
-    }
-    __m512 acc[4][DIRECT_NR];
-    for (int r = 0; r < MR; r++)
-        for (int j = 0; j < DIRECT_NR; j++)
-            acc[r][j] = _mm512_setzero_ps();
-    /* The tile's rows are contiguous: fetch the same bytes PF_TILES tiles ahead, a line per
-     * block (1.6x faster from DRAM than the hardware prefetcher alone). */
-    const int64_t qb = q8 ? 32 : 16, ahead = PF_TILES * DIRECT_NR;
-    const char *pf_q = (const char *)(q[0] + ahead * W->row_bytes), *pf_d = (const char *)(d[0] + ahead * W->nb);
-    const char *pf_m = (const char *)(m[0] + ahead * W->nb);
-    for (int64_t b = 0; b < W->nb; b++) {
-        for (int l = 0; l < DIRECT_NR * qb; l += 64)
-            _mm_prefetch(pf_q + b * DIRECT_NR * qb + l, _MM_HINT_T0);
-        if ((b & 3) == 0) {
-            _mm_prefetch(pf_d + b * DIRECT_NR * 4, _MM_HINT_T0);
-            if (!q8)
-                _mm_prefetch(pf_m + b * DIRECT_NR * 4, _MM_HINT_T0);
-        }
-        for (int j = 0; j < DIRECT_NR; j++) {
-            __m512 lo, hi;
-            decode_block(q[j] + b * qb, d[j][b], m[j][b], q8, &lo, &hi);
-            for (int r = 0; r < MR; r++) {
-                acc[r][j] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * ldx + 32 * b), acc[r][j]);
-                acc[r][j] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * ldx + 32 * b + 16), acc[r][j]);
-            }
-        }
-    }
-    for (int r = 0; r < MR; r++)
-        for (int j = 0; j < DIRECT_NR && n0 + j < W->N; j++) {
-            float *o = out + r * ldo + n0 + j;
-            const float s = _mm512_reduce_add_ps(acc[r][j]);
-            *o = accumulate ? *o + s : s;
-        }
-}
-
-/* All x rows, 4 at a time, for each group of DIRECT_NR weight rows (still in L1 meanwhile).
- * Each tile prefetches for a later one; the first PF_TILES are fetched here. */
-INLINE void direct_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,
-                        int64_t n0, int64_t n1, int accumulate, const int q8)
-{
-    const int64_t first = MIN(n1 - n0, PF_TILES * DIRECT_NR);
-    for (int64_t off = 0; off < first * W->row_bytes; off += 64)
-        _mm_prefetch((const char *)(W->qs + n0 * W->row_bytes + off), _MM_HINT_T0);
-    for (int64_t off = 0; off < first * W->nb; off += 16) {
-        _mm_prefetch((const char *)(W->d + n0 * W->nb + off), _MM_HINT_T0);
-        if (!q8)
-            _mm_prefetch((const char *)(W->m + n0 * W->nb + off), _MM_HINT_T0);
-    }
-    for (int64_t n = n0; n < n1; n += DIRECT_NR)
-        for (int64_t i = 0; i < M; i += 4) {
-            const float *xi = x + i * ldx;
-            float *oi = out + i * ldo;
-            switch (MIN(M - i, 4)) {
-            case 1: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 1); break;
-            case 2: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 2); break;
-            case 3: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 3); break;
-            default: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 4); break;
-            }
-        }
-}
-
-/* ---- AVX-512: many rows, decoded chunks ---- */
 
 /* r[i] lane j <- r[j] lane i: 64 shuffles for 256 floats. */
-INLINE void transpose16(__m512 r[16])
+INLINE void transpose(vec r[16])
 {
     __m512 t[16], u[16];
     for (int i = 0; i < 16; i += 2) {
@@ -246,22 +196,200 @@ INLINE void transpose16(__m512 r[16])
     }
 }
 
-/* xt[g][k][i] = x[16 g + i][k], zero past `rows`: 16 rows of x per vector. */
+/* o[0..n] (+)= the first n = MIN(valid, VL) lanes of r; nothing if valid <= 0. */
+INLINE void store_part(float *o, vec r, int64_t valid, int accumulate)
+{
+    const __mmask16 mask = valid >= 16 ? 0xFFFF : valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
+    if (accumulate)
+        r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, o));
+    _mm512_mask_storeu_ps(o, mask, r);
+}
+
+#elif SIMD == 1
+/* ---- ISA: AVX2 + FMA (16 vector registers) ---- */
+
+typedef __m256 vec;
+#define VL 8
+#define DIRECT_MAX_M 11 /* measured crossover at 12 rows here too */
+#define DIRECT_MR 4     /* 4 x 2 accumulators and 4 decoded vectors; 2 x 4 was slower from 3 rows on */
+#define DIRECT_NR 2
+#define KC 64 /* K per chunk: 2 x 12 KB fit a 32 KB L1 (Zen 2/3, Intel client); 128 was no faster here */
+#define TILE_NR 6 /* 2 x 6 accumulators, 2 x vectors and a broadcast: 15 of 16 registers */
+
+INLINE vec vzero(void) { return _mm256_setzero_ps(); }
+INLINE vec vset1(float a) { return _mm256_set1_ps(a); }
+INLINE vec vload(const float *p) { return _mm256_load_ps(p); }
+INLINE vec vloadu(const float *p) { return _mm256_loadu_ps(p); }
+INLINE void vstore(float *p, vec v) { _mm256_store_ps(p, v); }
+INLINE void vstoreu(float *p, vec v) { _mm256_storeu_ps(p, v); }
+INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+
+INLINE float vsum(vec v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* One block of one row into four vectors (k = 0..7, ..., 24..31), computed as dequantize
+ * does: float(q), times d (rounded), plus m (rounded). Q4_1: bytes 0..7 hold k = 0..7 in
+ * their low nibbles and 16..23 in their high ones; bytes 8..15 the rest. (A 16-value table
+ * as above takes two vpermps and a blend per 8 weights here: 30% slower, measured.) */
+INLINE void decode_block(const uint8_t *q, float d, float m, const int q8, vec w[4])
+{
+    const __m256 dv = _mm256_set1_ps(d);
+    if (!q8) {
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+        const __m256i low = _mm256_set1_epi32(15);
+        const __m256i nib[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                                _mm256_srli_epi32(b1, 4)};
+        const __m256 mv = _mm256_set1_ps(m);
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_add_ps(_mm256_mul_ps(dv, _mm256_cvtepi32_ps(nib[i])), mv);
+    } else {
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64((const __m128i *)(q + 8 * i)))));
+    }
+}
+
+/* r[i] lane j <- r[j] lane i: 24 shuffles for 64 floats. */
+INLINE void transpose(vec r[8])
+{
+    __m256 t[8], s[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]); /* lanes: r[i][0] r[i+1][0] r[i][1] r[i+1][1] | 4, 5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int g = 0; g < 8; g += 4) { /* s[g + c]: column c | column 4 + c of rows g..g+3 */
+        s[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+        s[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
+        s[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        s[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x20);
+        r[4 + c] = _mm256_permute2f128_ps(s[c], s[4 + c], 0x31);
+    }
+}
+
+INLINE void store_part(float *o, vec r, int64_t valid, int accumulate)
+{
+    if (valid >= 8) {
+        _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(r, _mm256_loadu_ps(o)) : r);
+    } else if (valid > 0) {
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)valid), iota);
+        _mm256_maskstore_ps(o, mask, accumulate ? _mm256_add_ps(r, _mm256_maskload_ps(o, mask)) : r);
+    }
+}
+#endif
+
+#if SIMD
+#define BV (32 / VL)       /* vectors per block of 32 weights */
+#define TILE_M (2 * VL)    /* x rows per panel tile */
+
+/* ---- few rows, weights decoded in registers ---- */
+
+/* out[0..MR, n0..n0+DIRECT_NR] (+)= x[0..MR] . W[n0..]; rows past N repeat row N-1, unstored.
+ * The accumulators of the DIRECT_MR - MR rows a short tile leaves free hold partial sums of
+ * the others: at MR = 1 a chain of FMAs would otherwise limit it. (Array sizes are
+ * constants, not MR: GCC keeps only fixed-size arrays in registers.) */
+INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t n0,
+                        int accumulate, const int q8, const int MR)
+{
+    const uint8_t *q[DIRECT_NR];
+    const float *d[DIRECT_NR], *m[DIRECT_NR];
+    for (int j = 0; j < DIRECT_NR; j++) {
+        const int64_t n = MIN(n0 + j, W->N - 1);
+        q[j] = W->qs + n * W->row_bytes;
+        d[j] = W->d + n * W->nb;
+        m[j] = q8 ? d[j] : W->m + n * W->nb;
+    }
+    const int P = DIRECT_MR / MR; /* partial sums per x row: acc[r + MR p] */
+    vec acc[DIRECT_MR][DIRECT_NR];
+    for (int r = 0; r < MR * P; r++)
+        for (int j = 0; j < DIRECT_NR; j++)
+            acc[r][j] = vzero();
+    /* The tile's rows are contiguous: fetch the same bytes PF_ROWS rows ahead, a line per
+     * block (1.6x faster from DRAM than the hardware prefetcher alone). */
+    const int64_t qb = q8 ? 32 : 16, ahead = PF_ROWS;
+    const char *pf_q = (const char *)(q[0] + ahead * W->row_bytes), *pf_d = (const char *)(d[0] + ahead * W->nb);
+    const char *pf_m = (const char *)(m[0] + ahead * W->nb);
+    for (int64_t b = 0; b < W->nb; b++) {
+        for (int l = 0; l < DIRECT_NR * qb; l += 64)
+            _mm_prefetch(pf_q + b * DIRECT_NR * qb + l, _MM_HINT_T0);
+        if ((b & 3) == 0) {
+            _mm_prefetch(pf_d + b * DIRECT_NR * 4, _MM_HINT_T0);
+            if (!q8)
+                _mm_prefetch(pf_m + b * DIRECT_NR * 4, _MM_HINT_T0);
+        }
+        for (int j = 0; j < DIRECT_NR; j++) {
+            vec w[BV];
+            decode_block(q[j] + b * qb, d[j][b], m[j][b], q8, w);
+            for (int r = 0; r < MR; r++)
+                for (int v = 0; v < BV; v++) {
+                    vec *a = &acc[r + MR * (v % P)][j];
+                    *a = vfma(w[v], vloadu(x + r * ldx + 32 * b + VL * v), *a);
+                }
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < DIRECT_NR && n0 + j < W->N; j++) {
+            for (int p = 1; p < P; p++)
+                acc[r][j] = vadd(acc[r][j], acc[r + MR * p][j]);
+            float *o = out + r * ldo + n0 + j;
+            const float s = vsum(acc[r][j]);
+            *o = accumulate ? *o + s : s;
+        }
+}
+
+/* All x rows, DIRECT_MR at a time, for each group of DIRECT_NR weight rows (still in L1
+ * meanwhile). Each tile prefetches for a later one; the first PF_ROWS rows are fetched here. */
+INLINE void direct_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,
+                        int64_t n0, int64_t n1, int accumulate, const int q8)
+{
+    const int64_t first = MIN(n1 - n0, PF_ROWS);
+    for (int64_t off = 0; off < first * W->row_bytes; off += 64)
+        _mm_prefetch((const char *)(W->qs + n0 * W->row_bytes + off), _MM_HINT_T0);
+    for (int64_t off = 0; off < first * W->nb; off += 16) {
+        _mm_prefetch((const char *)(W->d + n0 * W->nb + off), _MM_HINT_T0);
+        if (!q8)
+            _mm_prefetch((const char *)(W->m + n0 * W->nb + off), _MM_HINT_T0);
+    }
+    for (int64_t n = n0; n < n1; n += DIRECT_NR)
+        for (int64_t i = 0; i < M; i += DIRECT_MR) {
+            const float *xi = x + i * ldx;
+            float *oi = out + i * ldo;
+            switch (MIN(M - i, DIRECT_MR)) {
+            case 1: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 1); break;
+            case 2: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 2); break;
+            case 3: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 3); break;
+            default: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, DIRECT_MR); break;
+            }
+        }
+}
+
+/* ---- many rows, decoded chunks ---- */
+
+/* xt[g][k][i] = x[VL g + i][k], zero past `rows`: VL rows of x per vector. */
 static void pack_x(const float *x, int64_t ldx, int64_t rows, int64_t K, float *restrict xt)
 {
-    for (int64_t g = 0; 16 * g < rows; g++)
-        for (int64_t k = 0; k < K; k += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = 16 * g + i < rows ? _mm512_loadu_ps(x + (16 * g + i) * ldx + k) : _mm512_setzero_ps();
-            transpose16(r);
-            for (int i = 0; i < 16; i++)
-                _mm512_store_ps(xt + (g * K + k + i) * 16, r[i]);
+    for (int64_t g = 0; VL * g < rows; g++)
+        for (int64_t k = 0; k < K; k += VL) {
+            vec r[VL];
+            for (int i = 0; i < VL; i++)
+                r[i] = VL * g + i < rows ? vloadu(x + (VL * g + i) * ldx + k) : vzero();
+            transpose(r);
+            for (int i = 0; i < VL; i++)
+                vstore(xt + (g * K + k + i) * VL, r[i]);
         }
 }
 
 /* Where the next chunk goes: rows n..n+PANEL of W (past N: row N-1 again), blocks b0..b1,
- * as chunk[k / 16][j][k % 16] with k from 32 b0, so that each decoded vector is one aligned
+ * as chunk[k / VL][j][k % VL] with k from 32 b0, so that each decoded vector is one aligned
  * store and the tile finds w[j][k] at a constant offset. Rows j.. are still to decode. */
 typedef struct {
     float *chunk;
@@ -283,68 +411,65 @@ INLINE void decode_rows(const Weight *W, Cursor *c, int64_t rows, const int q8)
         _mm_prefetch((const char *)(d + PANEL * W->nb + b0), _MM_HINT_T1);
         if (!q8)
             _mm_prefetch((const char *)(m + PANEL * W->nb + b0), _MM_HINT_T1);
-        float *dst = c->chunk + c->j * 16;
-        for (int64_t b = b0; b < b1; b++, dst += 2 * PANEL * 16) {
-            __m512 lo, hi;
-            decode_block(q + b * qb, d[b], m[b], q8, &lo, &hi);
-            _mm512_store_ps(dst, lo);
-            _mm512_store_ps(dst + PANEL * 16, hi);
+        float *dst = c->chunk + c->j * VL;
+        for (int64_t b = b0; b < b1; b++, dst += 32 * PANEL) {
+            vec w[BV];
+            decode_block(q + b * qb, d[b], m[b], q8, w);
+            for (int v = 0; v < BV; v++)
+                vstore(dst + v * PANEL * VL, w[v]);
         }
     }
 }
 
-/* outt[j][16 v + i] (+)= sum over the chunk's kc values of k of w[j0 + j][k] x[16 v + i][k],
- * for NR weight rows and MV groups of 16 x rows (xt at the chunk's first k, groups ldx
- * apart): MV * NR = 24 accumulators. Decodes `per_step` rows of the next chunk per 16 k. */
+/* outt[j][VL v + i] (+)= sum over the chunk's kc values of k of w[j0 + j][k] x[VL v + i][k],
+ * for NR weight rows and MV groups of VL x rows (xt at the chunk's first k, groups ldx
+ * apart): up to 2 TILE_NR accumulators. Decodes `per_step` rows of the next chunk per VL k. */
 INLINE void panel_tile(const Weight *W, const float *restrict chunk, int j0, int64_t kc, const float *restrict xt,
                        int64_t ldx, float *outt, int first, Cursor *next, int64_t per_step, const int q8,
                        const int MV, const int NR)
 {
-    __m512 acc[2][12];
+    vec acc[2][TILE_NR];
     for (int v = 0; v < MV; v++)
         for (int j = 0; j < NR; j++)
-            acc[v][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(outt + (j0 + j) * 32 + 16 * v);
-    for (int64_t k0 = 0; k0 < kc; k0 += 16) {
-        const float *p = chunk + (k0 * PANEL + j0 * 16);
-        for (int kk = 0; kk < 16; kk++) {
-            __m512 xv[2];
+            acc[v][j] = first ? vzero() : vload(outt + (j0 + j) * TILE_M + VL * v);
+    for (int64_t k0 = 0; k0 < kc; k0 += VL) {
+        const float *p = chunk + (k0 * PANEL + j0 * VL);
+        for (int kk = 0; kk < VL; kk++) {
+            vec xv[2];
             for (int v = 0; v < MV; v++)
-                xv[v] = _mm512_load_ps(xt + v * ldx + (k0 + kk) * 16);
+                xv[v] = vload(xt + v * ldx + (k0 + kk) * VL);
             for (int j = 0; j < NR; j++) {
-                const __m512 wb = _mm512_set1_ps(p[j * 16 + kk]);
+                const vec wb = vset1(p[j * VL + kk]);
                 for (int v = 0; v < MV; v++)
-                    acc[v][j] = _mm512_fmadd_ps(xv[v], wb, acc[v][j]);
+                    acc[v][j] = vfma(xv[v], wb, acc[v][j]);
             }
         }
         decode_rows(W, next, per_step, q8);
     }
     for (int v = 0; v < MV; v++)
         for (int j = 0; j < NR; j++)
-            _mm512_store_ps(outt + (j0 + j) * 32 + 16 * v, acc[v][j]);
+            vstore(outt + (j0 + j) * TILE_M + VL * v, acc[v][j]);
 }
 
-/* out[0..rows, 0..PANEL] (+)= outt^T (outt [PANEL][32], rows <= 32), columns limited by mask. */
-INLINE void store_tile(const float *restrict outt, int64_t rows, float *out, int64_t ldo, const __mmask16 *mask,
+/* out[0..rows, 0..valid] (+)= outt^T (outt [PANEL][TILE_M], rows <= TILE_M, valid columns). */
+INLINE void store_tile(const float *restrict outt, int64_t rows, float *out, int64_t ldo, int64_t valid,
                        int accumulate)
 {
-    for (int64_t g = 0; 16 * g < rows; g++)
-        for (int c = 0; c < PANEL / 16; c++) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = _mm512_load_ps(outt + (16 * c + i) * 32 + 16 * g);
-            transpose16(r);
-            for (int i = 0; i < 16 && 16 * g + i < rows; i++) {
-                float *o = out + (16 * g + i) * ldo + 16 * c;
-                if (accumulate)
-                    r[i] = _mm512_add_ps(r[i], _mm512_maskz_loadu_ps(mask[c], o));
-                _mm512_mask_storeu_ps(o, mask[c], r[i]);
-            }
+    for (int64_t g = 0; VL * g < rows; g++)
+        for (int c = 0; c < PANEL / VL && VL * c < valid; c++) {
+            vec r[VL];
+            for (int i = 0; i < VL; i++)
+                r[i] = vload(outt + (VL * c + i) * TILE_M + VL * g);
+            transpose(r);
+            for (int i = 0; i < VL && VL * g + i < rows; i++)
+                store_part(out + (VL * g + i) * ldo + VL * c, r[i], valid - VL * c, accumulate);
         }
 }
 
-/* Weight rows n0..n1 against x in blocks of MB rows. Per 48 weight rows and chunk of K: run
- * the chunk over all rows of the block (sums kept in outt, [PANEL][32] per 32 rows) while
- * the next chunk is decoded into the other buffer. Each weight is decoded once per block. */
+/* Weight rows n0..n1 against x in blocks of MB rows. Per PANEL weight rows and chunk of K:
+ * run the chunk over all rows of the block (sums kept in outt, [PANEL][TILE_M] per TILE_M
+ * rows) while the next chunk is decoded into the other buffer. Each weight is decoded once
+ * per block. */
 INLINE void panel_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,
                        int64_t n0, int64_t n1, int accumulate, float *buf, int64_t MB, const int q8)
 {
@@ -357,11 +482,6 @@ INLINE void panel_rows(const Weight *W, const float *x, int64_t ldx, float *out,
         const int64_t rows = MIN(M - m0, MB);
         pack_x(x + m0 * ldx, ldx, rows, K, xt);
         for (int64_t n = n0; n < n1; n += PANEL) {
-            __mmask16 mask[PANEL / 16];
-            for (int c = 0; c < PANEL / 16; c++) {
-                const int64_t valid = MIN(W->N - n - 16 * c, 16);
-                mask[c] = valid <= 0 ? 0 : (__mmask16)((1u << valid) - 1);
-            }
             for (int64_t k = 0; k < K; k += KC, u++) {
                 const int64_t kc = MIN(KC, K - k);
                 /* the chunk after this one, in loop order (none after the last) */
@@ -369,24 +489,24 @@ INLINE void panel_rows(const Weight *W, const float *x, int64_t ldx, float *out,
                 const int64_t nn = last_k ? (wrap ? n0 : n + PANEL) : n, nk = last_k ? 0 : k + kc;
                 const int none = wrap && m0 + MB >= M;
                 cur = (Cursor){chunks[(u + 1) & 1], nn, nk / 32, MIN(nk + KC, K) / 32, none ? PANEL : 0};
-                /* spread its rows over the tiles' steps of 16 k */
-                const int64_t steps = (rows + 31) / 32 * (PANEL / 12) * (kc / 16);
+                /* spread its rows over the tiles' steps of VL k */
+                const int64_t steps = (rows + TILE_M - 1) / TILE_M * (PANEL / TILE_NR) * (kc / VL);
                 const int64_t per_step = (PANEL + steps - 1) / steps;
                 const float *chunk = chunks[u & 1];
-                for (int64_t i = 0; i < rows; i += 32) {
-                    const float *xi = xt + i * K + k * 16;
+                for (int64_t i = 0; i < rows; i += TILE_M) {
+                    const float *xi = xt + i * K + k * VL;
                     float *ot = outt + i * PANEL;
                     if (last_k) /* the stores below miss the cache: fetch their lines meanwhile */
-                        for (int64_t r = i; r < MIN(rows, i + 32); r++)
+                        for (int64_t r = i; r < MIN(rows, i + TILE_M); r++)
                             for (int c = 0; c < PANEL; c += 16)
                                 _mm_prefetch((const char *)(out + (m0 + r) * ldo + n + c), _MM_HINT_ET0);
-                    for (int j0 = 0; j0 < PANEL; j0 += 12)
-                        if (rows - i > 16)
-                            panel_tile(W, chunk, j0, kc, xi, 16 * K, ot, k == 0, &cur, per_step, q8, 2, 12);
+                    for (int j0 = 0; j0 < PANEL; j0 += TILE_NR)
+                        if (rows - i > VL)
+                            panel_tile(W, chunk, j0, kc, xi, VL * K, ot, k == 0, &cur, per_step, q8, 2, TILE_NR);
                         else
-                            panel_tile(W, chunk, j0, kc, xi, 16 * K, ot, k == 0, &cur, per_step, q8, 1, 12);
+                            panel_tile(W, chunk, j0, kc, xi, VL * K, ot, k == 0, &cur, per_step, q8, 1, TILE_NR);
                     if (last_k) /* done: store now, spreading the cache misses over the FMAs */
-                        store_tile(ot, MIN(rows - i, 32), out + (m0 + i) * ldo + n, ldo, mask, accumulate);
+                        store_tile(ot, MIN(rows - i, TILE_M), out + (m0 + i) * ldo + n, ldo, W->N - n, accumulate);
                 }
                 decode_rows(W, &cur, PANEL, q8); /* whatever the tiles left */
             }
@@ -395,17 +515,19 @@ INLINE void panel_rows(const Weight *W, const float *x, int64_t ldx, float *out,
 }
 #endif
 
+/* 0: plain C only, 1: the AVX2 paths, 2: the AVX-512 paths. */
+int trillm_simd(void)
+{
+    return SIMD;
+}
+
 int trillm_has_avx512(void)
 {
-#ifdef __AVX512F__
-    return 1;
-#else
-    return 0;
-#endif
+    return SIMD == 2;
 }
 
 /* out[M, N] (+)= x[M, K] @ W^T. x, out: rows ldx, ldo floats apart, unit column stride, not
- * overlapping. flags: ACCUMULATE, PORTABLE (the plain-C path, for tests).
+ * overlapping. flags: ACCUMULATE, PORTABLE (the plain-C path, for tests; the only one without SIMD).
  * Returns 0, or 2 if a scratch buffer could not be allocated. */
 int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float *out, int64_t ldo, int64_t M,
                   int flags, int num_threads)
@@ -413,10 +535,16 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
     const Weight W = weight(layout);
     const int64_t N = W.N, K = W.K;
     const int accumulate = flags & ACCUMULATE;
-    const int plain = (flags & PORTABLE) || !trillm_has_avx512(), direct = M <= DIRECT_MAX_M;
+#if SIMD
+    const int plain = flags & PORTABLE, direct = M <= DIRECT_MAX_M;
     const int64_t unit = plain ? PLAIN_ROWS : direct ? DIRECT_NR : PANEL, units = (N + unit - 1) / unit;
     const int64_t MB = MIN((M + 31) / 32 * 32, X_BLOCK_BYTES / (4 * K) / 32 * 32 + 32); /* rows per x block */
     const size_t floats = plain ? PLAIN_ROWS * K : direct ? 0 : 2 * PANEL * KC + PANEL * MB + MB * K;
+#else
+    const int plain = 1;
+    const int64_t unit = PLAIN_ROWS, units = (N + unit - 1) / unit;
+    const size_t floats = PLAIN_ROWS * K;
+#endif
     int failed = 0;
     if (M <= 0 || N <= 0 || K <= 0)
         return 0;
@@ -431,7 +559,7 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
         } else if (n0 < n1) {
             if (plain)
                 plain_rows(&W, x, ldx, out, ldo, M, n0, n1, accumulate, buf);
-#ifdef __AVX512F__
+#if SIMD
             else if (direct)
                 !W.m ? direct_rows(&W, x, ldx, out, ldo, M, n0, n1, accumulate, 1)
                    : direct_rows(&W, x, ldx, out, ldo, M, n0, n1, accumulate, 0);
@@ -445,7 +573,7 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
 }
 
 /* out[N, K] = W as decoded by decode_row (path 0) or by decode_block (path 1, used by both
- * AVX-512 paths), for the bit-exactness tests. Returns 1 if that path is not built. */
+ * SIMD paths), for the bit-exactness tests. Returns 1 if that path is not built. */
 int trillm_dequantize(const WeightLayout *layout, float *out, int path)
 {
     const Weight W = weight(layout);
@@ -454,19 +582,19 @@ int trillm_dequantize(const WeightLayout *layout, float *out, int path)
             decode_row(&W, n, out + n * W.K);
         return 0;
     }
-#ifdef __AVX512F__
+#if SIMD
     if (path == 1) {
         for (int64_t n = 0; n < W.N; n++)
             for (int64_t b = 0; b < W.nb; b++) {
                 const uint8_t *q = W.qs + n * W.row_bytes;
                 const float d = W.d[n * W.nb + b];
-                __m512 lo, hi;
+                vec w[BV];
                 if (W.m)
-                    decode_block(q + 16 * b, d, W.m[n * W.nb + b], 0, &lo, &hi);
+                    decode_block(q + 16 * b, d, W.m[n * W.nb + b], 0, w);
                 else
-                    decode_block(q + 32 * b, d, 0.0f, 1, &lo, &hi);
-                _mm512_storeu_ps(out + n * W.K + 32 * b, lo);
-                _mm512_storeu_ps(out + n * W.K + 32 * b + 16, hi);
+                    decode_block(q + 32 * b, d, 0.0f, 1, w);
+                for (int v = 0; v < BV; v++)
+                    vstoreu(out + n * W.K + 32 * b + VL * v, w[v]);
             }
         return 0;
     }

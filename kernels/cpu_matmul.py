@@ -9,8 +9,9 @@ additions. Float32 CPU tensors only (ValueError otherwise). Built and cached by
 Up to 11 rows of x, each block of 4 weight rows is decoded in registers (memory bound
 at one row: all linear layers of SmolLM2-135M in ~6 ms where dense float32 takes 21 ms);
 above that, 48 weight rows at a time are decoded into an L1-sized chunk and multiplied with
-all rows of x (~75% of the FMA peak at 32 rows, ~85% at 512). Both need AVX-512; without
-it a plain-C path runs.
+all rows of x (~75% of the FMA peak at 32 rows, ~85% at 512). Both paths are built for
+AVX-512 or, without it, for AVX2 + FMA (8-float vectors, 2 weight rows per in-register
+tile); with neither, a plain-C path runs (``simd()`` says which).
 
 A weight is checked once and its layout cached (by identity, dropped with the weight):
 block weights are frozen (their tensors must not be resized in place), and a call must
@@ -32,6 +33,7 @@ _SIGNATURES = {
     "trillm_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
     "trillm_dequantize": [_P, _P, _INT],
     "trillm_has_avx512": [],
+    "trillm_simd": [],
 }
 # d * q + m must round twice, as dequantize does: no fused multiply-add for the decode.
 _EXTRA_FLAGS = ("-ffp-contract=off",)
@@ -50,13 +52,20 @@ _layouts: dict[int, tuple] = {}
 
 
 _KERNEL = cpu_build.CKernel("cpu_matmul", _SIGNATURES, ctypes.c_int, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512)
+_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512, simd)
 available = _KERNEL.available
+_SIMD_NAMES = ("plain", "avx2", "avx512")  # by trillm_simd's value
 
 
 def has_avx512() -> bool:
-    """Whether the library was built with the AVX-512 paths (else only the plain-C one)."""
+    """Whether the library was built with the AVX-512 paths."""
     return bool(_functions()[2]())
+
+
+def simd() -> str:
+    """Which fast paths the library was built with: "avx512", "avx2" (AVX2 + FMA), or
+    "plain" (only the plain-C path, slower than MKL on dense float32)."""
+    return _SIMD_NAMES[_functions()[3]()]
 
 
 def _check(weight: BlockWeight) -> tuple[tuple[torch.Tensor, ...], int, int]:
@@ -155,9 +164,10 @@ def _matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None, accu
 
 def dequantize_c(weight: BlockWeight, path: int | None = None) -> torch.Tensor:
     """The float32 [N, K] matrix as a C decoder computes it (a test hook): path 0 the plain-C
-    one, 1 the AVX-512 one that both fast paths use; None the one ``matmul`` uses here."""
+    one, 1 the SIMD one (AVX-512 or AVX2) that both fast paths use; None the one ``matmul``
+    uses here."""
     if path is None:
-        path = 1 if has_avx512() else 0
+        path = 0 if simd() == "plain" else 1
     N, K, layout = _layout(weight)
     out = torch.empty(N, K, dtype=_F32, device=_CPU)
     if N and K and _functions()[1](layout, out.data_ptr(), path) != 0:

@@ -1,5 +1,6 @@
 """The block-weight CPU matmul matches torch.mm on the dequantized weight, decodes it bit for bit,
-and handles strided views, accumulation, thread counts and both AVX-512 paths and the plain-C one."""
+and handles strided views, accumulation, thread counts and both SIMD paths (AVX-512 here, AVX2 in a
+build without AVX-512) and the plain-C one."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import os
 import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,8 +58,13 @@ def test_decoders_bit_exact(kind: str, N: int, K: int):
     want = dequantize(weight)
     assert torch.equal(cpu_matmul.dequantize_c(weight), want)  # the decoder matmul uses
     assert torch.equal(cpu_matmul.dequantize_c(weight, 0), want)
-    if cpu_matmul.has_avx512():
+    if cpu_matmul.simd() != "plain":
         assert torch.equal(cpu_matmul.dequantize_c(weight, 1), want)
+
+
+def test_simd_names_the_build():
+    assert cpu_matmul.simd() in ("avx512", "avx2", "plain")
+    assert cpu_matmul.has_avx512() == (cpu_matmul.simd() == "avx512")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -157,27 +164,82 @@ def test_rejects_bad_inputs():
             call()
 
 
-def test_builds_and_runs_without_avx512(tmp_path):
-    """The same source compiled with -mno-avx512f: only the plain-C path, which decodes exactly."""
-    lib_path = tmp_path / "cpu_matmul_plain.so"
+def cpu_has(*flags: str) -> bool:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return False
+    found = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return all(flag in found for flag in flags)
+
+
+def build_variant(tmp_path: Path, name: str, flags: list[str]) -> ctypes.CDLL:
+    """cpu_matmul.c compiled as cpu_build does, plus ``flags`` (e.g. -mno-avx512f), loaded and declared."""
+    lib_path = tmp_path / f"cpu_matmul_{name}.so"
     compiler = shlex.split(os.environ.get("CC") or "cc")
     source = cpu_build.KERNELS_DIR / "cpu_matmul.c"
-    flags = [*cpu_build.FLAGS, *cpu_matmul._EXTRA_FLAGS, "-mno-avx512f"]
-    command = [*compiler, *flags, "-o", str(lib_path), str(source), *cpu_build.LIBS]
+    command = [*compiler, *cpu_build.FLAGS, *cpu_matmul._EXTRA_FLAGS, *flags, "-o", str(lib_path), str(source),
+               *cpu_build.LIBS]
     subprocess.run(command, check=True, capture_output=True)
     lib = ctypes.CDLL(str(lib_path))
     cpu_matmul._KERNEL.declare(lib)
-    assert lib.trillm_has_avx512() == 0
+    return lib
+
+
+def check_variant(lib: ctypes.CDLL, shapes: list[tuple[int, int]], Ms: list[int]) -> None:
+    """Both decoders of ``lib`` bit for bit (path 1 only where built), and its matmul against the
+    dequantized matrix: x a column slice, added into a column slice of out (the other columns
+    untouched) and written into a fresh out, on 1 and 2 threads."""
+    has_path_1 = lib.trillm_simd() != 0
     for kind in KINDS:
-        weight = block_weight(kind, 50, 96, seed=4)
-        N, K, layout = cpu_matmul._layout(weight)
-        w = dequantize(weight)
-        decoded = torch.empty(N, K)
-        assert lib.trillm_dequantize(layout, decoded.data_ptr(), 0) == 0 and torch.equal(decoded, w)
-        assert lib.trillm_dequantize(layout, decoded.data_ptr(), 1) == 1  # no AVX-512 decoder here
-        x = torch.randn(40, K + 3)[:, :K]
-        out = torch.randn(40, N)
-        before = out.clone()
-        rc = lib.trillm_matmul(x.data_ptr(), x.stride(0), layout, out.data_ptr(), N, 40, cpu_matmul._ACCUMULATE, 2)
-        assert rc == 0
-        assert_matches(out, x, w, before)
+        for N, K in shapes:
+            weight = block_weight(kind, N, K, seed=N + K)
+            _, _, layout = cpu_matmul._layout(weight)
+            w = dequantize(weight)
+            # also with float32 scales (a GGUF file's are float16), for which d * q rounds too
+            gen = torch.Generator().manual_seed(N * K)
+            scaled = [s * (1 + torch.rand(s.shape, generator=gen)) for s in ([weight.d, weight.m] if kind == "q4_1"
+                                                                            else [weight.d])]
+            for decode_me in (weight, type(weight)(weight.qs, *scaled)):
+                _, _, decode_layout = cpu_matmul._layout(decode_me)
+                for path in (0, 1):
+                    decoded = torch.full((N, K), float("nan"))
+                    rc = lib.trillm_dequantize(decode_layout, decoded.data_ptr(), path)
+                    assert rc == (0 if path == 0 or has_path_1 else 1)
+                    assert rc or torch.equal(decoded, dequantize(decode_me)), (kind, N, K, path)
+            for M in Ms:
+                x = torch.randn(M, K + 3, generator=gen)[:, 1 : 1 + K]
+                for threads in (1, 2):
+                    wide = torch.randn(M, N + 5, generator=gen)
+                    before = wide.clone()
+                    out = wide[:, 2 : 2 + N]
+                    rc = lib.trillm_matmul(x.data_ptr(), x.stride(0), layout, out.data_ptr(), out.stride(0), M,
+                                           cpu_matmul._ACCUMULATE, threads)
+                    assert rc == 0
+                    assert_matches(out, x, w, before[:, 2 : 2 + N])
+                    assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 2 + N :], before[:, 2 + N :])
+                    fresh = torch.full((M, N), 7.0)
+                    assert lib.trillm_matmul(x.data_ptr(), x.stride(0), layout, fresh.data_ptr(), N, M, 0, threads) == 0
+                    assert_matches(fresh, x, w)
+
+
+@pytest.mark.skipif(not cpu_has("avx2", "fma"), reason="the CPU has no AVX2 + FMA")
+def test_avx2_build_without_avx512(tmp_path):
+    """The same source compiled with -mno-avx512f: the AVX2 paths, both decoding exactly. Every
+    M from the in-register path (up to 11 rows, 4 at a time) into the panel one (16-row
+    tiles), two blocks of packed x (600 rows at K = 608); N not a multiple of the tiles
+    (2 rows, 6 weights, 8-lane stores, 48-row panels: 49 leaves one column), K a multiple of 32
+    but not of the 64-wide chunks."""
+    lib = build_variant(tmp_path, "avx2", ["-mno-avx512f"])
+    assert lib.trillm_simd() == 1 and lib.trillm_has_avx512() == 0
+    assert cpu_matmul._SIMD_NAMES[lib.trillm_simd()] == "avx2"
+    check_variant(lib, [(49, 96), (7, 32)], list(range(41)) + [100, 130])
+    check_variant(lib, [(100, 608)], [1, 3, 4, 11, 12, 33, 130, 600])
+
+
+def test_plain_build_without_simd(tmp_path):
+    """Compiled with neither AVX-512 nor AVX2/FMA: only the plain-C path, which decodes exactly."""
+    lib = build_variant(tmp_path, "plain", ["-mno-avx512f", "-mno-avx2", "-mno-fma"])
+    assert lib.trillm_simd() == 0 and lib.trillm_has_avx512() == 0
+    assert cpu_matmul._SIMD_NAMES[lib.trillm_simd()] == "plain"
+    check_variant(lib, [(50, 96)], [0, 1, 5, 40])
