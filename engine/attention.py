@@ -44,7 +44,7 @@ class DecodeGroup:
 class DecodeRows:
     """All single-token decode rows, for the C kernel that reads pages in place."""
 
-    rows: torch.Tensor  # [Bd] batch rows
+    rows: torch.Tensor | None  # [Bd] batch rows; None: every row, in order (a decode-only step)
     block_tables: torch.Tensor  # [Bd, Pmax] int32
     context_lens: torch.Tensor  # [Bd] int32
 
@@ -103,10 +103,12 @@ def paged_attention(
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != kv_heads
+    d = meta.decode_rows
+    if d is not None and d.rows is None:  # a decode-only step: no row shuffling (1/3 of it at one row)
+        return cpu_decode.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale)
     out = torch.empty_like(q)
 
-    if meta.decode_rows is not None:
-        d = meta.decode_rows
+    if d is not None and d.rows is not None:
         od = cpu_decode.decode_attention(q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens,
                                          scale)
         out.index_copy_(0, d.rows, od)

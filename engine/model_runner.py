@@ -189,7 +189,7 @@ class ModelRunner:
                 decodes=(),
                 prefills=tuple(prefills),
                 decode_rows=DecodeRows(
-                    torch.tensor(decode_rows, dtype=torch.long),
+                    None if len(decode_rows) == len(ids) else torch.tensor(decode_rows, dtype=torch.long),
                     padded_tables(decode_tables, torch.int32),
                     torch.tensor(decode_lens, dtype=torch.int32),
                 ),
