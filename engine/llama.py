@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from engine.attention import AttentionMetadata, KernelMetadata, paged_attention
 from engine.rope import apply_rotary, cos_sin_table
-from kernels import Kernels, cpu_matmul, cpu_ops
+from kernels import Kernels, cpu_forward, cpu_matmul, cpu_ops
 from kernels.block_weights import BlockWeight, pack_exact
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
@@ -208,6 +208,13 @@ class LlamaModel:
         # Small C kernels for RMSNorm, rotary and SiLU-mul on the CPU path (float32):
         # at decode sizes each torch op there is mostly dispatch overhead.
         self.c_ops = self.cpu_float32(kernels, dtype, self.device) and cpu_ops.available()
+        # Decode-only steps run the whole layer loop in one C call where every piece has
+        # its C kernel: the same calls without ~10 Python wrappers per layer.
+        self.fuse_decode = self.c_ops and cpu_forward.available() and all(
+            layer.qkv_bias is None and all(isinstance(w, BlockWeight) for w in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                                                  layer.down))
+            for layer in self.layers
+        )
 
     @staticmethod
     def cpu_float32(kernels: Kernels | None, dtype: torch.dtype, device: torch.device) -> bool:
@@ -260,17 +267,33 @@ class LlamaModel:
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata | KernelMetadata,
         logits_rows: torch.Tensor,  # [S] rows whose next-token logits are wanted
+        fused: cpu_forward.DecodeLayers | None = None,
     ) -> torch.Tensor:
-        """Run the batch through every layer; return float32 logits [S, vocab]."""
+        """Run the batch through every layer; return float32 logits [S, vocab].
+
+        ``fused``: the C layer loop over this ``kv_cache`` (see ``decode_layers``), which
+        decode-only steps of the CPU path take instead of the Python loop."""
         if self.kernels is not None:
             assert isinstance(meta, KernelMetadata)
             return self._forward_kernels(self.kernels, input_ids, positions, kv_cache, meta, logits_rows)
         assert isinstance(meta, AttentionMetadata)
         s = self.shape
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         h = self.embed[input_ids]
+        d = meta.decode_rows
+        if fused is not None and d is not None and d.rows is None:  # a decode-only step
+            h = fused.run(h, cos, sin, meta.slot_mapping, d.block_tables, d.context_lens, torch.get_num_threads())
+        else:
+            h = self._cpu_layers(h, cos, sin, kv_cache, meta)
+        h = norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
+        return _project(h, self.lm_head).float()
+
+    def _cpu_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    kv_cache: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        s = self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_cache):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = _project(x, layer.qkv, layer.qkv_bias)
@@ -292,8 +315,12 @@ class LlamaModel:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
             h = _project_add(h, act, layer.down)
-        h = norm(h.index_select(0, logits_rows), self.final_norm, s.rms_norm_eps)
-        return _project(h, self.lm_head).float()
+        return h
+
+    def decode_layers(self, kv_cache: list[tuple[torch.Tensor, torch.Tensor]]) -> cpu_forward.DecodeLayers:
+        """The C layer loop over these weights and ``kv_cache`` (``fuse_decode`` must hold)."""
+        layers = [(la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down) for la in self.layers]
+        return cpu_forward.DecodeLayers(layers, kv_cache, self.shape.num_heads, self.shape.rms_norm_eps, self.scale)
 
     def _forward_kernels(
         self,

@@ -24,7 +24,7 @@ from engine.llama import LlamaModel
 from engine.sampler import SampleRow, Sampled, sample_with_logprobs
 from engine.scheduler import Batch, ScheduledChunk
 from engine.sequence import PENDING, Sequence
-from kernels import cpu_decode
+from kernels import cpu_decode, cpu_forward
 
 log = logging.getLogger("trillm.engine")
 
@@ -125,6 +125,7 @@ class ModelRunner:
             model.cpu_float32(model.kernels, model.dtype, model.device) and use_c_decode and cpu_decode.available()
         )
         self._last_sampled: list[int] | None = None  # the tokens of the step that ran last
+        self._decode_layers: cpu_forward.DecodeLayers | None = None  # the C layer loop, made on first use
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
             self.graphs = self._capture(graph_batch, -(-(max_model_len or s.max_position_embeddings) // page_size))
@@ -293,10 +294,15 @@ class ModelRunner:
                 inputs.input_ids, inputs.meta, inputs.logits_rows):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         meta = inputs.meta.to(device) if isinstance(inputs.meta, KernelMetadata) else inputs.meta
+        fused = None
+        if self.model.fuse_decode:  # read each step: tests switch it off to compare
+            if self._decode_layers is None:
+                self._decode_layers = self.model.decode_layers(self.kv_cache)
+            fused = self._decode_layers
         with torch.inference_mode():
             return self.model.forward(
                 inputs.input_ids.to(device, non_blocking=True), inputs.positions.to(device, non_blocking=True),
-                self.kv_cache, meta, inputs.logits_rows,
+                self.kv_cache, meta, inputs.logits_rows, fused,
             )
 
     def execute(self, inputs: StepInputs) -> Sampled:

@@ -1,0 +1,89 @@
+/* The layers of a decode-only step in one call, for kernels/cpu_forward.py (ctypes).
+ *
+ * At one row a decode step is ~300 small kernel calls (RMSNorm, block matmul, rotary,
+ * K/V store, decode attention, SiLU-mul per layer); from Python each costs several
+ * microseconds of wrapping, a third of the step. This loop makes the same calls, in the
+ * same order and on the same buffers, from C: the kernels are the ones the Python path
+ * uses (cpu_ops.c, cpu_matmul.c, cpu_decode.c, each its own library), reached through
+ * function pointers that the Python side looks up once. So the result is bit for bit the
+ * Python path's.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*MatmulFn)(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
+                        int flags, int num_threads);
+typedef void (*RmsNormFn)(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t N,
+                          float eps, int num_threads);
+typedef void (*RotaryFn)(float *qk, int64_t row_stride, int64_t head_stride, const float *cos_, const float *sin_,
+                         int64_t T, int64_t H, int64_t D, int num_threads);
+typedef void (*SiluMulFn)(const float *gu, int64_t gu_stride, float *out, int64_t T, int64_t I, int num_threads);
+typedef int (*DecodeFn)(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                        const int32_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                        int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads);
+
+enum { ACCUMULATE = 1 }; /* trillm_matmul's flag: out += x @ W^T */
+
+typedef struct { /* _Model in cpu_forward.py */
+    MatmulFn matmul;
+    RmsNormFn rms_norm;
+    RotaryFn rotary;
+    SiluMulFn silu_mul;
+    DecodeFn decode;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_pages, page_size;
+    float eps, scale;
+} Model;
+
+typedef struct {                     /* _Layer in cpu_forward.py */
+    const float *input_norm, *post_norm; /* [hidden] */
+    const void *qkv, *o, *gate_up, *down; /* block-weight layouts of cpu_matmul */
+    float *k_cache, *v_cache;            /* [num_pages, page_size, kv_heads, head_dim] */
+} Layer;
+
+/* h [M, hidden] (in place): the residual stream of M sequences decoding one token each,
+ * at cache slots slots[M], rotated by cos/sin [M, head_dim], attending context_lens[M]
+ * tokens through block_tables [M, max_pages]. work: M * (hidden + qkv + q + 2 I + I) floats.
+ * Returns 0, or the first non-zero code of a kernel (1: a bad table, 2: out of memory). */
+int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers, float *h, int64_t M,
+                         const float *cos_, const float *sin_, const int64_t *slots, const int32_t *block_tables,
+                         const int32_t *context_lens, int64_t max_pages, float *work, int num_threads)
+{
+    const int64_t E = m->hidden, D = m->head_dim, KVH = m->kv_heads, I = m->intermediate;
+    const int64_t q_size = m->heads * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
+    float *x = work, *qkv = x + M * E, *q = qkv + M * qkv_size, *attn = q + M * q_size, *gu = attn + M * q_size,
+          *act = gu + M * 2 * I;
+    int rc = 0;
+    for (int64_t r = 0; r < M; r++) { /* refuse before anything is written */
+        const int64_t n = context_lens[r];
+        if (slots[r] < 0 || slots[r] >= m->num_pages * m->page_size || n < 0 || n > max_pages * m->page_size)
+            return 1;
+        for (int64_t i = 0; i < (n + m->page_size - 1) / m->page_size; i++)
+            if (block_tables[r * max_pages + i] < 0 || block_tables[r * max_pages + i] >= m->num_pages)
+                return 1;
+    }
+    for (int64_t l = 0; l < num_layers && !rc; l++) {
+        const Layer *L = &layers[l];
+        m->rms_norm(h, E, L->input_norm, x, M, E, m->eps, num_threads);
+        if ((rc = m->matmul(x, E, L->qkv, qkv, qkv_size, M, 0, num_threads)))
+            break;
+        /* Q and K sit side by side: one rotary pass for both, as the Python path does. */
+        m->rotary(qkv, qkv_size, D, cos_, sin_, M, m->heads + KVH, D, num_threads);
+        for (int64_t r = 0; r < M; r++) {
+            const float *row = qkv + r * qkv_size;
+            memcpy(L->k_cache + slots[r] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
+            memcpy(L->v_cache + slots[r] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+            memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
+        }
+        if ((rc = m->decode(q, L->k_cache, L->v_cache, block_tables, context_lens, attn, M, m->heads, KVH, D,
+                            m->num_pages, m->page_size, max_pages, m->scale, num_threads)))
+            break;
+        if ((rc = m->matmul(attn, q_size, L->o, h, E, M, ACCUMULATE, num_threads)))
+            break;
+        m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
+        if ((rc = m->matmul(x, E, L->gate_up, gu, 2 * I, M, 0, num_threads)))
+            break;
+        m->silu_mul(gu, 2 * I, act, M, I, num_threads);
+        rc = m->matmul(act, I, L->down, h, E, M, ACCUMULATE, num_threads);
+    }
+    return rc;
+}
