@@ -82,7 +82,6 @@ class DecodeLayers:
             for (norm, qkv, o, post, gate_up, down), (k, v) in zip(layers, kv_cache)
         ))
         self._keep = (list(layers), list(kv_cache))
-        self.kv_cache = kv_cache
         self.hidden, self.head_dim = hidden, head_dim
         q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
         self._work_per_row = hidden + qkv_size + 2 * q_size + 3 * intermediate

@@ -44,8 +44,7 @@ class Driver:
     """Runs a ``Scheduler`` as the engine's scheduler actor does, ``depth`` steps in
     flight at most, and checks each step as the worker would run it."""
 
-    def __init__(self, rng: random.Random, depth: int, num_pages: int, page_size: int, max_seqs: int,
-                 budget: int, cache: bool) -> None:
+    def __init__(self, depth: int, num_pages: int, page_size: int, max_seqs: int, budget: int, cache: bool) -> None:
         self.depth = depth
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
@@ -155,7 +154,7 @@ def expected(seq: Sequence) -> tuple[list[int], str]:
 def run(rng: random.Random, requests: list[tuple[int, Sequence]], depth: int, aborts: dict[int, str]) -> None:
     page_size = rng.choice([1, 2, 4])
     longest = max((len(q.prompt_ids) + (q.params.max_tokens or 0) for _, q in requests), default=1)
-    d = Driver(rng, depth, num_pages=-(-longest // page_size) + rng.randint(0, 12), page_size=page_size,
+    d = Driver(depth, num_pages=-(-longest // page_size) + rng.randint(0, 12), page_size=page_size,
                max_seqs=rng.randint(1, 6), budget=rng.randint(8, 40), cache=rng.random() < 0.7)
     arrivals = sorted(requests, key=lambda r: r[0])
     live: set[str] = set()
