@@ -16,16 +16,16 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from api import chat, completions, tokenize
-from api.chat_schema import parse_chat_request
-from api.completion_schema import parse_completion_request
-from api.errors import ApiError
-from api.metrics import metrics_registry, render
-from api.openapi import openapi_document
-from api.settings import config_from_env, request_timeout_from_env
-from api.submission import check_capacity, check_prompt
-from engine.config import EngineConfig
-from engine.engine import Engine
+from trillm.api import chat, completions, tokenize
+from trillm.api.chat_schema import parse_chat_request
+from trillm.api.completion_schema import parse_completion_request
+from trillm.api.errors import ApiError
+from trillm.api.metrics import metrics_registry, render
+from trillm.api.openapi import openapi_document
+from trillm.api.settings import config_from_env, request_timeout_from_env
+from trillm.api.submission import check_capacity, check_prompt
+from trillm.engine.config import EngineConfig
+from trillm.engine.engine import Engine
 
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -69,7 +69,7 @@ def create_app(
         engine = Engine.load(config or config_from_env())
     if request_timeout is None:
         request_timeout = request_timeout_from_env()
-    app = QuartTrio("trillm")
+    app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
     host = EngineHost(engine)

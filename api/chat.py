@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator
 
-from api.chat_schema import ChatRequest
-from api import logprobs
-from api.errors import ApiError
-from api.responses import new_completion_id, sse, stream_end, stream_failure, usage
-from api.submission import ChoiceProgress, RequestTimedOut, abort_all, collect, receive_until, submit_choices
-from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from trillm.api.chat_schema import ChatRequest
+from trillm.api import logprobs
+from trillm.api.errors import ApiError
+from trillm.api.responses import new_completion_id, sse, stream_end, stream_failure, usage
+from trillm.api.submission import ChoiceProgress, RequestTimedOut, abort_all, collect, receive_until, submit_choices
+from trillm.engine.engine import Engine
+from trillm.engine.sampling_params import SamplingParams
 
 def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
     tok = engine.tokenizer

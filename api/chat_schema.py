@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from api.fields import CommonFields, Field, bad, boolean_field, integer_field, parse_common
+from trillm.api.fields import CommonFields, Field, bad, boolean_field, integer_field, parse_common
 
 ROLES = {"system", "user", "assistant", "developer"}
 MAX_TOP_LOGPROBS = 20

@@ -10,8 +10,8 @@ from functools import partial
 
 import trio
 
-from api.settings import config_from_env, env_documentation
-from engine.config import DEVICES, KERNELS, LOAD_FORMATS, WEIGHT_FORMATS
+from trillm.api.settings import config_from_env, env_documentation
+from trillm.engine.config import DEVICES, KERNELS, LOAD_FORMATS, WEIGHT_FORMATS
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trillm")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    from api.bench import add_parser as add_bench_parser
+    from trillm.bench.run import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     if args.command == "serve":
-        from api.app import create_app
+        from trillm.api.app import create_app
 
         config = config_from_env(
             model=args.model, dtype=args.dtype, page_size=args.page_size, num_pages=args.num_pages,
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(config=config, request_timeout=args.request_timeout or None)
         trio.run(partial(serve, app, args.host, args.port))
     elif args.command == "bench":
-        from api.bench import run_bench
+        from trillm.bench.run import run_bench
 
         run_bench(args)
 

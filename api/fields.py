@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 import attrs
 
-from api.errors import ApiError
-from engine.sampling_params import SamplingParams
+from trillm.api.errors import ApiError
+from trillm.engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4
 DEFAULT_MAX_TOKENS = 16

@@ -6,7 +6,7 @@ import functools
 import re
 from typing import Any
 
-from engine.sampler import TokenLogprobs
+from trillm.engine.execution.sampler import TokenLogprobs
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from typing import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.engine import Engine
+from trillm.engine.engine import Engine
 
 
 class EngineCollector:

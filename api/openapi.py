@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.chat_schema import CHAT_FIELDS
-from api.completion_schema import COMPLETION_FIELDS
-from api.fields import COMMON_FIELDS, Field
-from api.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from trillm.api.chat_schema import CHAT_FIELDS
+from trillm.api.completion_schema import COMPLETION_FIELDS
+from trillm.api.fields import COMMON_FIELDS, Field
+from trillm.api.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 
 
 

@@ -7,7 +7,7 @@ import logging
 import uuid
 from typing import Any
 
-from api.errors import ApiError
+from trillm.api.errors import ApiError
 
 log = logging.getLogger("trillm.api")
 

@@ -6,7 +6,7 @@ import math
 import os
 from typing import Mapping
 
-from engine.config import EngineConfig
+from trillm.engine.config import EngineConfig
 
 # environment variable -> (EngineConfig field, parser)
 _ENV = {

@@ -5,12 +5,12 @@ from __future__ import annotations
 import attrs
 import trio
 
-from engine.sampler import TokenLogprobs
+from trillm.engine.execution.sampler import TokenLogprobs
 
-from api.errors import ApiError
-from api.fields import CommonFields
-from engine.engine import Engine, EngineNotRunning, EngineOverloaded, RequestOutput, RequestRejected
-from engine.sampling_params import SamplingParams
+from trillm.api.errors import ApiError
+from trillm.api.fields import CommonFields
+from trillm.engine.engine import Engine, EngineNotRunning, EngineOverloaded, RequestOutput, RequestRejected
+from trillm.engine.sampling_params import SamplingParams
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.chat_schema import parse_messages
-from api.errors import ApiError
-from api.fields import Field, bad, boolean
-from engine.engine import Engine
+from trillm.api.chat_schema import parse_messages
+from trillm.api.errors import ApiError
+from trillm.api.fields import Field, bad, boolean
+from trillm.engine.engine import Engine
 
 
 _OPTIONAL_MODEL = Field("model", {"type": ["string", "null"], "description": "if given, the served model"}, lambda b: None)

@@ -22,19 +22,19 @@ import attrs
 import torch
 import trio
 
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_pages import PageAllocator
-from engine.llama import LlamaModel
-from engine.loading import load_model
-from engine.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
-from engine.prefix_cache import PrefixCache
-from engine.sampler import Sampled, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Batch, Scheduler
-from engine.sequence import Sequence
-from engine.stop_strings import StopStringMatcher
-from engine.telemetry import EngineObserver, NullObserver, RequestTimer
+from trillm.engine.config import EngineConfig
+from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
+from trillm.engine.scheduling.prefix_cache import PrefixCache
+from trillm.engine.execution.sampler import Sampled, TokenLogprobs
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Batch, Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.stop_strings import StopStringMatcher
+from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver, RequestTimer
 
 log = logging.getLogger("trillm.engine")
 _ids = itertools.count()

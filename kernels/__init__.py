@@ -29,18 +29,18 @@ class Kernels:
 
 
 def reference_kernels() -> Kernels:
-    from kernels import reference as r
+    from trillm.kernels import reference as r
 
     return Kernels("reference", r.store_kv, r.decode_attention, r.extend_attention, r.add_rms_norm, r.rotary,
                    r.sample_top_k_top_p)
 
 
 def triton_kernels() -> Kernels:
-    from kernels.attention import decode_attention, extend_attention
-    from kernels.cache import store_kv
-    from kernels.norm import add_rms_norm
-    from kernels.rotary import rotary
-    from kernels.sampling import sample_top_k_top_p
+    from trillm.kernels.attention import decode_attention, extend_attention
+    from trillm.kernels.cache import store_kv
+    from trillm.kernels.norm import add_rms_norm
+    from trillm.kernels.rotary import rotary
+    from trillm.kernels.sampling import sample_top_k_top_p
 
     return Kernels("triton", store_kv, decode_attention, extend_attention, add_rms_norm, rotary, sample_top_k_top_p)
 

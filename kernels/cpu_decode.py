@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
+from trillm.kernels import cpu_build
 
 
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]

@@ -1,6 +1,6 @@
 """The layers of a decode-only step in one C call: ``cpu_forward.c``, built on first use.
 
-The C loop calls the same kernels as the Python layer loop of ``engine.llama`` (the
+The C loop calls the same kernels as the Python layer loop of ``trillm.engine.execution.llama`` (the
 block matmul, RMSNorm, rotary, SiLU-mul and decode attention), in the same order on
 the same buffers, so the logits are bit for bit the same; what goes is ~10 Python
 wrappers per layer, a third of a one-row step. ``ctypes`` releases the GIL for the
@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from kernels import cpu_build, cpu_decode, cpu_matmul, cpu_ops
-from kernels.block_weights import BlockWeight
+from trillm.kernels import cpu_build, cpu_decode, cpu_matmul, cpu_ops
+from trillm.kernels.block_weights import BlockWeight
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {"trillm_decode_layers": [_P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT]}

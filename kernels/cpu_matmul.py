@@ -25,8 +25,8 @@ import weakref
 
 import torch
 
-from kernels import cpu_build
-from kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight
+from trillm.kernels import cpu_build
+from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {

@@ -3,7 +3,7 @@
 RMSNorm, rotary embedding (in place) and SiLU-and-multiply, each one C call in place
 of several small torch ops whose per-op overhead dominates at decode batch sizes.
 Float32 CPU tensors only (ValueError otherwise); results match the torch versions
-(``F.rms_norm``, ``engine.rope.apply_rotary``, ``F.silu(g) * u``) up to rounding.
+(``F.rms_norm``, ``trillm.engine.execution.rope.apply_rotary``, ``F.silu(g) * u``) up to rounding.
 Built and cached by ``kernels.cpu_build``; the GIL is released during each call.
 """
 
@@ -13,7 +13,7 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
+from trillm.kernels import cpu_build
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {

@@ -15,9 +15,9 @@ if not torch.cuda.is_available():
 import pytest
 import trio
 
-from engine.config import EngineConfig
-from engine.engine import Engine, load_model
-from engine.model_source import DEFAULT_ALIAS, resolve_model
+from trillm.engine.config import EngineConfig
+from trillm.engine.engine import Engine, load_model
+from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
 
 
 @pytest.fixture(scope="session")

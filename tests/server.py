@@ -12,8 +12,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from api.app import create_app
-from engine.engine import Engine
+from trillm.api.app import create_app
+from trillm.engine.engine import Engine
 from tests.conftest import make_engine, wait_idle
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from api.logprobs import token_bytes
+from trillm.api.logprobs import token_bytes
 from tests.server import MODEL, QUESTION, client, in_thread
 
 STORY = [{"role": "user", "content": "Tell me about the sea."}]

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.llama import LlamaModel
-from engine.loading import load_model
-from kernels import cpu_matmul
-from kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize, pack_exact, pack_q4_1, pack_q8_0
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.loading import load_model
+from trillm.kernels import cpu_matmul
+from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize, pack_exact, pack_q4_1, pack_q8_0
 from tests.test_kernel_engine import TINY
 
 

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_decode, reference
+from trillm.kernels import cpu_build, cpu_decode, reference
 
 
 @pytest.fixture(params=["native", "portable"])

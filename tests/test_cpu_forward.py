@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_pages import PageAllocator
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from kernels import cpu_forward
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.kernels import cpu_forward
 
 
 @pytest.fixture

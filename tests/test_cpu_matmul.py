@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_build, cpu_matmul
-from kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize
+from trillm.kernels import cpu_build, cpu_matmul
+from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize
 
 KINDS = ("q4_1", "q8_0")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.rope import apply_rotary, cos_sin_table
-from kernels import cpu_ops
+from trillm.engine.execution.rope import apply_rotary, cos_sin_table
+from trillm.kernels import cpu_ops
 
 ROWS = (1, 7, 64)
 
@@ -128,7 +128,7 @@ def test_empty_rows():
 
 def test_unbuildable_gives_none_and_a_warning(monkeypatch, tmp_path, caplog):
     """Without a working compiler the loader reports None (callers fall back to torch)."""
-    from kernels import cpu_build
+    from trillm.kernels import cpu_build
 
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setattr(cpu_ops._KERNEL, "_functions", None)

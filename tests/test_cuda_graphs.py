@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_graphs import batch_buckets
-from engine.kv_pages import PageAllocator
-from engine.llama import LlamaModel, LlamaShape
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from kernels import select_kernels
+from trillm.engine.execution.cuda_graphs import batch_buckets
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.llama import LlamaModel, LlamaShape
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.kernels import select_kernels
 from tests.test_kernel_engine import TINY, _weights
 
 

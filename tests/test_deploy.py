@@ -11,7 +11,7 @@ import sys
 
 import httpx
 
-from api.bench import wait_healthy
+from trillm.bench.run import wait_healthy
 
 MODEL = "smollm2-135m-instruct"
 
@@ -26,7 +26,7 @@ def test_hypercorn_cli_with_environment_settings():
     port = _free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}", "api.app:create_app()"], env=env
+        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}", "trillm.api.app:create_app()"], env=env
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -46,7 +46,7 @@ def test_trillm_serve_sigterm_ends_open_streams_with_a_final_chunk():
     port = _free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--dtype", "float32"], env=env
+        [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(port), "--dtype", "float32"], env=env
     )
     url = f"http://127.0.0.1:{port}"
     try:

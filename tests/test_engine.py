@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from engine.engine import EngineNotRunning, RequestRejected
-from engine.sampling_params import SamplingParams
+from trillm.engine.engine import EngineNotRunning, RequestRejected
+from trillm.engine.sampling_params import SamplingParams
 from tests.conftest import make_engine, wait_idle
 
 

@@ -16,17 +16,17 @@ import torch
 import trio
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.kv_pages import PageAllocator
-from engine.llama import LlamaModel, LlamaShape, dummy_weights
-from engine.loading import load_model
-from engine.model_runner import ModelRunner
-from engine.prefix_cache import PrefixCache
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-from kernels import select_kernels
+from trillm.engine.config import EngineConfig
+from trillm.engine.engine import Engine
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.llama import LlamaModel, LlamaShape, dummy_weights
+from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.scheduling.prefix_cache import PrefixCache
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.kernels import select_kernels
 from tests.conftest import wait_idle
 
 TINY = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.rope import cos_sin_table
-from kernels import reference, select_kernels
+from trillm.engine.execution.rope import cos_sin_table
+from trillm.kernels import reference, select_kernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = select_kernels("triton", DEVICE)

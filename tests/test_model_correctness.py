@@ -7,11 +7,11 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from engine.kv_pages import PageAllocator
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
 
 PROMPTS = [
     "The capital of France is",

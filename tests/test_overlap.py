@@ -18,12 +18,12 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_pages import PageAllocator
-from engine.model_runner import ModelRunner, StepInputs, _fill_pending, _sample_row
-from engine.prefix_cache import PrefixCache
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Batch, Scheduler
-from engine.sequence import PENDING, Sequence
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.model_runner import ModelRunner, StepInputs, _fill_pending, _sample_row
+from trillm.engine.scheduling.prefix_cache import PrefixCache
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Batch, Scheduler
+from trillm.engine.scheduling.sequence import PENDING, Sequence
 from tests.conftest import make_engine, wait_idle
 
 VOCAB, EOS = 6, 0
@@ -263,8 +263,8 @@ async def _collect(engine, prompts, params_list):
 @pytest.fixture(scope="module")
 def reference_parts(model_dir):
     """The default model on the torch references of the kernels: the runner's flat inputs."""
-    from engine.config import EngineConfig
-    from engine.loading import load_model
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.execution.loading import load_model
 
     return load_model(EngineConfig(dtype="float32", kernels="reference"))
 

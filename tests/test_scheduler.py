@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv_pages import OutOfPages, PageAllocator, pages_needed
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from trillm.engine.scheduling.kv_pages import OutOfPages, PageAllocator, pages_needed
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 8, t: float = 0.0) -> Sequence:
@@ -177,8 +177,8 @@ def test_a_follower_whose_leader_is_gone_prefills_alone():
 
 
 def test_engine_config_and_environment_settings_are_validated():
-    from api.settings import config_from_env
-    from engine.config import EngineConfig
+    from trillm.api.settings import config_from_env
+    from trillm.engine.config import EngineConfig
 
     config = config_from_env({"TRILLM_NUM_PAGES": "64", "TRILLM_KV_CACHE_MB": "1.5", "TRILLM_SERVED_MODEL_NAME": "m"},
                              max_num_seqs=8)
@@ -199,7 +199,7 @@ def test_engine_config_and_environment_settings_are_validated():
 def test_prefix_cache_never_leaks_and_never_serves_a_stale_prefix(seed):
     """Random admit/grow/finish/cancel/preempt/evict with a prefix cache; the KV each step
     attends must be exactly what was computed for that sequence's own tokens."""
-    from engine.prefix_cache import PrefixCache
+    from trillm.engine.scheduling.prefix_cache import PrefixCache
 
     rng = random.Random(seed)
     ps = rng.choice([1, 2, 4])
@@ -248,7 +248,7 @@ def test_prefix_cache_never_leaks_and_never_serves_a_stale_prefix(seed):
 
 
 def test_a_finished_or_cancelled_request_leaves_its_prefix_for_the_next():
-    from engine.prefix_cache import PrefixCache
+    from trillm.engine.scheduling.prefix_cache import PrefixCache
 
     allocator = PageAllocator(16)
     s = Scheduler(allocator, 4, 8, 64, PrefixCache(allocator, 4))

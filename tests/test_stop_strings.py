@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.stop_strings import StopStringMatcher, earliest_stop
+from trillm.engine.scheduling.stop_strings import StopStringMatcher, earliest_stop
 
 alphabet = st.sampled_from(list("ab c\n✓"))
 texts = st.text(alphabet, max_size=40)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.rope import inverse_frequencies
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
+from trillm.engine.execution.rope import inverse_frequencies
+from trillm.engine.execution.sampler import sample
+from trillm.engine.sampling_params import SamplingParams
 
 TEXTS = [
     "Hello, world! Ça va? naïve café — 東京タワー 🎉🧑‍💻 emoji",
@@ -80,7 +80,7 @@ def test_llama3_rope_scaling_matches_transformers():
 
 
 def test_penalties_bias_and_bans_follow_their_formulas():
-    from engine.sampler import SampleRow, _adjust
+    from trillm.engine.execution.sampler import SampleRow, _adjust
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
     params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
@@ -97,7 +97,7 @@ def test_penalties_bias_and_bans_follow_their_formulas():
 
 
 def test_seeded_rows_draw_the_same_whatever_the_batch():
-    from engine.sampler import SampleRow
+    from trillm.engine.execution.sampler import SampleRow
 
     torch.manual_seed(3)
     logits = torch.randn(4, 100)
@@ -136,7 +136,7 @@ def test_incremental_detokenizer_property(tokenizer):
 def test_a_failing_stream_ends_with_an_error_event_and_done():
     import json as _json
 
-    from api.responses import stream_end, stream_failure
+    from trillm.api.responses import stream_end, stream_failure
 
     error, done = stream_failure(RuntimeError("boom"))
     body = _json.loads(error.decode().removeprefix("data: "))

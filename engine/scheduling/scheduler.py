@@ -11,9 +11,9 @@ from collections import deque
 
 import attrs
 
-from engine.kv_pages import PageAllocator, pages_needed
-from engine.prefix_cache import PrefixCache
-from engine.sequence import PENDING, Sequence
+from trillm.engine.scheduling.kv_pages import PageAllocator, pages_needed
+from trillm.engine.scheduling.prefix_cache import PrefixCache
+from trillm.engine.scheduling.sequence import PENDING, Sequence
 
 
 @attrs.frozen

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from engine.attention import AttentionMetadata, KernelMetadata, paged_attention
-from engine.rope import apply_rotary, cos_sin_table
-from kernels import Kernels, cpu_forward, cpu_matmul, cpu_ops
-from kernels.block_weights import BlockWeight, pack_exact
+from trillm.engine.execution.attention import AttentionMetadata, KernelMetadata, paged_attention
+from trillm.engine.execution.rope import apply_rotary, cos_sin_table
+from trillm.kernels import Kernels, cpu_forward, cpu_matmul, cpu_ops
+from trillm.kernels.block_weights import BlockWeight, pack_exact
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import KernelMetadata
-from engine.llama import LlamaModel
+from trillm.engine.execution.attention import KernelMetadata
+from trillm.engine.execution.llama import LlamaModel
 
 log = logging.getLogger("trillm.engine")
 

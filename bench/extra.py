@@ -52,7 +52,7 @@ def memory_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
 
 def weight_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
     """Bytes one decode step reads for the weights (embeddings only by row, so left out unless tied)."""
-    from engine.llama import LlamaShape
+    from trillm.engine.execution.llama import LlamaShape
 
     s = LlamaShape.from_config(config)
     d, h = s.head_dim, s.hidden_size

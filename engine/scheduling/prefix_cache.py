@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from engine.kv_pages import PageAllocator
+from trillm.engine.scheduling.kv_pages import PageAllocator
 
 
 class _Node:

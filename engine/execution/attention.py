@@ -17,7 +17,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from trillm.kernels import cpu_decode
 
 
 @attrs.frozen

@@ -226,12 +226,12 @@ def run_bench(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from engine.model_runner import choose_dtype
-    from engine.model_source import resolve_model
+    from trillm.engine.execution.model_runner import choose_dtype
+    from trillm.engine.execution.model_source import resolve_model
 
-    from api.bench_extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
-    from engine.llama import LlamaShape
-    from engine.model_source import DEFAULT_ALIAS, cache_dir
+    from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
+    from trillm.engine.execution.llama import LlamaShape
+    from trillm.engine.execution.model_source import DEFAULT_ALIAS, cache_dir
 
     _MODEL[0] = args.model
     dummy = args.load_format == "dummy"
@@ -268,7 +268,7 @@ def run_bench(args: argparse.Namespace) -> None:
         url = args.url
         if url is None:
             url = f"http://127.0.0.1:{args.port}"
-            proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--model", args.model, "--port",
+            proc = subprocess.Popen([sys.executable, "-m", "trillm.api.cli", "serve", "--model", args.model, "--port",
                                      str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
                                      "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
                                      "--weight-format", weight_format,
@@ -279,7 +279,7 @@ def run_bench(args: argparse.Namespace) -> None:
         try:
             wait_healthy(url, proc)
             if args.cancel_heavy:
-                from api.bench_cancel import cancel_heavy
+                from trillm.bench.cancel import cancel_heavy
 
                 report = trio.run(partial(cancel_heavy, url, args.model, prompts[: levels[0]], args.cancel_heavy))
                 print(json.dumps(report, indent=1))

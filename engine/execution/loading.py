@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
-from engine.llama import LlamaModel
-from engine.model_runner import choose_dtype
-from engine.model_source import DEFAULT_ALIAS, resolve_model
-from kernels import Kernels, cpu_matmul, select_kernels
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model_runner import choose_dtype
+from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
+from trillm.kernels import Kernels, cpu_matmul, select_kernels
 
 log = logging.getLogger("trillm.engine")
 

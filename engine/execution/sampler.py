@@ -12,8 +12,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from engine.sampling_params import SamplingParams
-from kernels import Kernels
+from trillm.engine.sampling_params import SamplingParams
+from trillm.kernels import Kernels
 
 
 @attrs.frozen

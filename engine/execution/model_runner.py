@@ -18,13 +18,13 @@ import time
 import attrs
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, DecodeRows, KernelMetadata, PrefillSpan
-from engine.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
-from engine.llama import LlamaModel
-from engine.sampler import SampleRow, Sampled, sample_with_logprobs
-from engine.scheduler import Batch, ScheduledChunk
-from engine.sequence import PENDING, Sequence
-from kernels import cpu_decode, cpu_forward
+from trillm.engine.execution.attention import AttentionMetadata, DecodeGroup, DecodeRows, KernelMetadata, PrefillSpan
+from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
+from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.sampler import SampleRow, Sampled, sample_with_logprobs
+from trillm.engine.scheduling.scheduler import Batch, ScheduledChunk
+from trillm.engine.scheduling.sequence import PENDING, Sequence
+from trillm.kernels import cpu_decode, cpu_forward
 
 log = logging.getLogger("trillm.engine")
 

@@ -6,7 +6,7 @@ import attrs
 
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from trillm.engine.sampling_params import SamplingParams
 
 # An output token that a step in flight samples: scheduling runs one step ahead
 # of the sampled tokens, so the next step is built before this one's arrive.
