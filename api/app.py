@@ -22,7 +22,7 @@ from trillm.api.completion_schema import parse_completion_request
 from trillm.api.errors import ApiError
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
-from trillm.api.settings import config_from_env, request_timeout_from_env
+from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.api.submission import check_capacity, check_prompt
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
@@ -58,23 +58,22 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def create_app(
-    engine: Engine | None = None, config: EngineConfig | None = None, request_timeout: float | None = None
+    engine: Engine | None = None, config: EngineConfig | None = None, server: ServerConfig | None = None
 ) -> QuartTrio:
-    """The app around ``engine`` (loaded from ``config`` or ``TRILLM_*`` if not given).
-
-    ``request_timeout`` (default ``TRILLM_REQUEST_TIMEOUT``, else none) bounds
-    every generation request from its arrival.
-    """
+    """The app around ``engine`` (loaded from ``config`` or ``TRILLM_*`` if not given), with the
+    HTTP settings ``server`` (``TRILLM_*`` if not given)."""
     if engine is None:
         engine = Engine.load(config or config_from_env())
-    if request_timeout is None:
-        request_timeout = request_timeout_from_env()
+    if server is None:
+        server = server_config_from_env()
+    request_timeout = server.timeout_seconds
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
     host = EngineHost(engine)
     app.extensions["trillm_host"] = host
-    model_name = engine.config.model_name
+    model_name = server.served_model_name or engine.config.model
+    app.extensions["trillm_model_name"] = model_name
     registry = metrics_registry(engine, model_name)
     created = int(time.time())
 

@@ -231,12 +231,15 @@ def run_bench(args: argparse.Namespace) -> None:
 
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
     from trillm.engine.execution.llama import LlamaShape
-    from trillm.engine.execution.model_source import DEFAULT_ALIAS, cache_dir
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf
+    from trillm.engine.settings import from_env
 
     _MODEL[0] = args.model
     dummy = args.load_format == "dummy"
     config_path = Path(args.model) / "config.json" if Path(args.model).is_dir() else Path(args.model)
-    model_dir = resolve_model(DEFAULT_ALIAS if dummy else args.model)
+    cache = from_env(EngineConfig).cache_path  # the server it starts reads the same variables
+    model_dir = resolve_model(DEFAULT_ALIAS if dummy else args.model, cache)
     model_config = json.loads((config_path if dummy else model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -308,7 +311,7 @@ def run_bench(args: argparse.Namespace) -> None:
             baselines[level] = result
             rows.append(result)
     if args.llama_cpp:
-        gguf = cache_dir() / "downloads" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        gguf = default_gguf(cache)
         tokens, seconds = llama_cpp_single_stream(args.llama_cpp, gguf, prompts[0], args.output_len,
                                                   torch.get_num_threads())
         rows.append(RunResult("llama.cpp (llama-cpp-python, Q4_1 GGUF)", 1, tokens, seconds))

@@ -4,7 +4,8 @@ Plain C with OpenMP compiles in about a second with the system compiler, so no t
 extension toolchain is needed. ``ctypes.CDLL`` releases the GIL for each call, so the
 event loop keeps running while a worker thread computes.
 
-The shared object goes to ``$TRILLM_CACHE_DIR/kernels`` (default ``~/.cache/trillm``),
+The shared object goes to ``kernels/`` in the cache folder (``use_cache_dir``; the
+engine passes its ``cache_dir`` setting there, default ``~/.cache/trillm``),
 named after the source and keyed by the source text, compiler, flags and CPU; it is
 compiled into a temporary file and renamed into place, so concurrent builders never
 see half a library. A library that cannot be built or loaded is logged once and
@@ -34,9 +35,17 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "trillm"
+_cache_root = [DEFAULT_CACHE_DIR]
+
+
+def use_cache_dir(root: Path) -> None:
+    """Build into ``root/kernels`` from now on (the engine's ``cache_dir`` setting)."""
+    _cache_root[0] = root
+
+
 def _cache_dir() -> Path:
-    root = os.environ.get("TRILLM_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "trillm") / "kernels"
+    return _cache_root[0] / "kernels"
 
 
 def _cpu_id() -> str:

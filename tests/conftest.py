@@ -22,7 +22,7 @@ from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
 
 @pytest.fixture(scope="session")
 def model_dir():
-    return resolve_model(DEFAULT_ALIAS)
+    return resolve_model(DEFAULT_ALIAS, EngineConfig().cache_path)
 
 
 @pytest.fixture(scope="session")

