@@ -26,6 +26,7 @@ from trillm.api.settings import ServerConfig, config_from_env, server_config_fro
 from trillm.api.submission import check_capacity, check_prompt
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
+from trillm.engine.scheduling.telemetry import EngineObserver
 
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -34,15 +35,16 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 class EngineHost:
     """Runs the engine in its own cancel scope so it can be stopped before the server."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, observer: EngineObserver) -> None:
         self.engine = engine
+        self.observer = observer
         self._scope: trio.CancelScope | None = None
         self._stopped = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             with trio.CancelScope() as self._scope:
-                await self.engine.run(task_status=task_status)
+                await self.engine.run(observer=self.observer, task_status=task_status)
         finally:
             self._stopped.set()
 
@@ -70,11 +72,11 @@ def create_app(
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
-    host = EngineHost(engine)
-    app.extensions["trillm_host"] = host
     model_name = server.served_model_name or engine.config.model
+    registry, observer = metrics_registry(engine, model_name)
+    host = EngineHost(engine, observer)
+    app.extensions["trillm_host"] = host
     app.extensions["trillm_model_name"] = model_name
-    registry = metrics_registry(engine, model_name)
     created = int(time.time())
 
     @app.before_serving

@@ -83,13 +83,13 @@ class PrometheusObserver:
         self._success.labels(self._model_name, reason).inc()
 
 
-def metrics_registry(engine: Engine, model_name: str) -> CollectorRegistry:
+def metrics_registry(engine: Engine, model_name: str) -> tuple[CollectorRegistry, PrometheusObserver]:
     """A registry of this app's own: the engine's gauges and counters read at scrape
-    time, and the request-timing histograms the engine reports into."""
+    time, and the observer whose request-timing histograms the engine reports into
+    (passed to ``Engine.run``)."""
     registry = CollectorRegistry(auto_describe=True)
     registry.register(EngineCollector(engine, model_name))  # type: ignore[arg-type]
-    engine.observer = PrometheusObserver(registry, model_name)
-    return registry
+    return registry, PrometheusObserver(registry, model_name)
 
 
 def render(registry: CollectorRegistry) -> bytes:

@@ -4,7 +4,8 @@ Callers talk to it through three calls: ``submit`` (returns the receive end
 of a per-request output channel), ``abort`` (idempotent) and simply closing
 that receive end. Both ``submit`` and ``abort`` are synchronous, so a handler
 can release its request from a ``finally`` block even while it is being
-cancelled.
+cancelled. The actors only move messages: the loop itself is
+``scheduling.step_loop``, the output path ``scheduling.output_router``.
 """
 
 from __future__ import annotations
@@ -23,93 +24,31 @@ import torch
 import trio
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
-from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
-from trillm.engine.scheduling.prefix_cache import PrefixCache
-from trillm.engine.execution.sampler import Sampled, TokenLogprobs
+from trillm.engine.execution.sampler import Sampled
+from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
+from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Batch, Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.engine.scheduling.stop_strings import StopStringMatcher
-from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver, RequestTimer
+from trillm.engine.scheduling.step_loop import Step, StepLoop
+from trillm.engine.scheduling.telemetry import EngineObserver
+
+__all__ = ["Engine", "EngineNotRunning", "EngineOverloaded", "EngineStats", "RequestOutput", "RequestRejected",
+           "load_model"]
 
 log = logging.getLogger("trillm.engine")
 _ids = itertools.count()
 
 
-class RequestRejected(ValueError):
-    """The request can never be served (e.g. its prompt does not fit the context)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-class EngineNotRunning(RuntimeError):
-    """Raised by ``submit`` when the engine is not (or no longer) taking work."""
-
-
-class EngineOverloaded(RuntimeError):
-    """Raised by ``submit`` when the waiting queue is full; try again shortly."""
-
-
-@attrs.frozen
-class RequestOutput:
-    """One step's news for one request: new tokens, their text, maybe the end."""
-
-    request_id: str
-    index: int  # which of the requests sharing a channel (``submit_many``)
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache  # one per token in ``token_ids`` when asked for
-
-
-@attrs.frozen
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    free_pages: int
-    evictable_pages: int  # cached, referenced by no request: reclaimed when needed
-    total_pages: int
-    num_open_requests: int
-    num_aborted: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-@attrs.define(eq=False)
-class _Live:
-    seq: Sequence
-    channel: trio.MemorySendChannel[RequestOutput]
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
-    index: int
-    timer: RequestTimer
-
-
-@attrs.frozen
-class _Step:
-    """A prepared step on its way to the worker; ``started`` is set once it runs."""
-
-    batch: Batch
-    inputs: StepInputs
-    started: trio.Event = attrs.field(factory=trio.Event)
-
-
 @attrs.frozen
 class _Submit:
-    live: _Live
+    live: LiveRequest
 
 
 @attrs.frozen
@@ -120,16 +59,8 @@ class _Abort:
 class Engine:
     """Continuous-batching engine around one model."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        model: LlamaModel,
-        tokenizer: Any,
-        eos_ids: frozenset[int],
-        observer: EngineObserver | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Any, eos_ids: frozenset[int]) -> None:
         self.config = config
-        self.observer: EngineObserver = observer or NullObserver()
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -147,14 +78,16 @@ class Engine:
         graphs = model.device.type == "cuda" and model.kernels is not None and not config.enforce_eager
         self.runner = ModelRunner(model, num_pages, config.page_size, config.num_threads or os.cpu_count() or 1,
                                   graph_batch=config.max_num_seqs if graphs else 0, max_model_len=self.max_model_len)
-        self._live: dict[str, _Live] = {}
+        self.router = OutputRouter(tokenizer)
+        self.loop: StepLoop[StepInputs] = StepLoop(
+            self.scheduler, self.runner.prepare, 2 if config.overlap_schedule else 1, self._on_scheduled
+        )
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[_Submit | _Abort](math.inf)
         self._running = False
         self._limiter = trio.CapacityLimiter(1)
         self.num_aborted = 0
         self.num_steps = 0
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -174,11 +107,11 @@ class Engine:
             free_pages=self.allocator.free_pages,
             evictable_pages=self.scheduler.evictable_pages,
             total_pages=self.allocator.num_pages,
-            num_open_requests=len(self._live),
+            num_open_requests=len(self.router.live),
             num_aborted=self.num_aborted,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
+            generation_tokens_total=self.router.generation_tokens_total,
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
         )
@@ -205,7 +138,7 @@ class Engine:
 
     def check_capacity(self, count: int) -> None:
         """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the waiting queue."""
-        queued = len(self._live) - len(self.scheduler.running)  # submitted, not yet running
+        queued = len(self.router.live) - len(self.scheduler.running)  # submitted, not yet running
         if queued + count > self.config.max_waiting:
             raise EngineOverloaded(f"{queued} requests are already waiting (the limit is {self.config.max_waiting})")
 
@@ -249,16 +182,13 @@ class Engine:
                 seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
                 if seq.leader is seq:
                     seq.leader = None
-                live = _Live(seq, send.clone(), IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
-                             StopStringMatcher(params.stop), index, RequestTimer(seq.arrival_time))
-                self._live[request_id] = live
-                self._inbox_tx.send_nowait(_Submit(live))
+                self._inbox_tx.send_nowait(_Submit(self.router.open(seq, send.clone(), index)))
                 ids.append(request_id)
         return ids, receive
 
     def abort(self, request_id: str) -> None:
         """Ask the scheduler to drop a request and free its pages; idempotent, never blocks."""
-        if self._running and request_id in self._live:
+        if self._running and request_id in self.router.live:
             self._inbox_tx.send_nowait(_Abort(request_id))
 
     @asynccontextmanager
@@ -279,16 +209,20 @@ class Engine:
 
     # -- the actors ----------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled.
+    async def run(
+        self, *, observer: EngineObserver | None = None, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until cancelled, reporting request timings to ``observer`` (e.g. Prometheus).
 
         On cancellation: stops admitting, waits for the step in flight (the
         worker thread is never abandoned), ends every open request with
         finish_reason "abort", frees all pages, and returns.
         """
+        if observer is not None:
+            self.router.observer = observer
         # One batch may wait while another runs, and one result while the next
         # batch runs: the worker goes from step to step without waiting for us.
-        batch_tx, batch_rx = trio.open_memory_channel[_Step](1)
+        batch_tx, batch_rx = trio.open_memory_channel[tuple[Step[StepInputs], trio.Event]](1)
         result_tx, result_rx = trio.open_memory_channel[Sampled | Exception](1)
         try:
             async with trio.open_nursery() as nursery:
@@ -299,19 +233,22 @@ class Engine:
         finally:
             self._running = False
             self._end_all("abort")
+            self.loop.in_flight.clear()
             self.scheduler.flush_cache()  # nothing outlives the engine: every page is free again
 
     async def _runner_actor(
         self,
-        batch_rx: trio.MemoryReceiveChannel[_Step],
+        batch_rx: trio.MemoryReceiveChannel[tuple[Step[StepInputs], trio.Event]],
         result_tx: trio.MemorySendChannel[Sampled | Exception],
     ) -> None:
+        """Runs each step's forward and sampling in the worker thread, strictly in order;
+        sets the step's event as the thread starts it."""
         token = trio.lowlevel.current_trio_token()
         async with batch_rx, result_tx:
-            async for step in batch_rx:
+            async for step, started in batch_rx:
 
-                def execute(step: _Step = step) -> Sampled:
-                    token.run_sync_soon(step.started.set)
+                def execute(step: Step[StepInputs] = step, started: trio.Event = started) -> Sampled:
+                    token.run_sync_soon(started.set)
                     return self.runner.execute(step.inputs)
 
                 try:
@@ -323,50 +260,53 @@ class Engine:
 
     async def _scheduler_actor(
         self,
-        batch_tx: trio.MemorySendChannel[_Step],
+        batch_tx: trio.MemorySendChannel[tuple[Step[StepInputs], trio.Event]],
         result_rx: trio.MemoryReceiveChannel[Sampled | Exception],
     ) -> None:
-        """Schedule, launch, resolve. With ``overlap_schedule`` the next step is
-        scheduled and sent before the one in flight returns, so the worker never
-        waits for routing and scheduling; without it, one step at a time."""
-        in_flight: deque[_Step] = deque()
-        depth = 2 if self.config.overlap_schedule else 1
+        """Drives ``self.loop``: with ``overlap_schedule`` the next step is scheduled and sent
+        before the one in flight returns, so the worker never waits for routing and
+        scheduling; without it, one step at a time."""
+        loop = self.loop
+        started: deque[trio.Event] = deque()  # one per step in flight: set when the worker takes it
         async with batch_tx, result_rx:
             while True:
-                if not in_flight and not self.scheduler.has_work:
+                if not loop.has_work:
                     self._handle(await self._inbox_rx.receive())
                 self._drain_inbox()
-                batch = self.scheduler.schedule()
-                if batch.chunks:
-                    now = time.monotonic()
-                    for chunk in batch.chunks:
-                        self._live[chunk.seq.request_id].timer.on_scheduled(self.observer, now)
-                    step = _Step(batch, self.runner.prepare(batch))
-                    self.scheduler.launch(batch)
-                    await batch_tx.send(step)
-                    in_flight.append(step)
-                if in_flight and (len(in_flight) >= depth or not batch.chunks):
-                    done = in_flight.popleft()
+                step = loop.schedule()
+                if step is not None:
+                    started.append(trio.Event())
+                    await batch_tx.send((step, started[-1]))
+                if loop.due(step is not None):
                     result = await result_rx.receive()
-                    if in_flight:  # the worker goes first: routing waits, not the model
-                        await in_flight[0].started.wait()
-                    self._resolve(done.batch, result)
+                    started.popleft()
+                    if started:  # the worker goes first: routing waits, not the model
+                        await started[0].wait()
+                    self._resolve(result)
                     self._drain_inbox()  # aborts that arrived during the step: freed now
-                elif not batch.chunks and self.scheduler.has_work:  # nothing fits yet; wait for news
+                elif step is None and self.scheduler.has_work:  # nothing fits yet; wait for news
                     self._handle(await self._inbox_rx.receive())
 
-    def _resolve(self, batch: Batch, result: Sampled | Exception) -> None:
-        """Route a returned step's tokens; a failed step ends its requests with "error"."""
+    def _on_scheduled(self, batch: Batch) -> None:
+        self.router.on_scheduled([chunk.seq for chunk in batch.chunks], time.monotonic())
+
+    def _resolve(self, result: Sampled | Exception) -> None:
+        """Route the oldest step's tokens; a failed step ends its requests with "error"."""
         self.num_steps += 1
         if isinstance(result, Exception):
-            for chunk in batch.chunks:
+            for chunk in self.loop.fail().chunks:
                 self._finish(chunk.seq.request_id, "error")
             return
+        batch, updated = self.loop.resolve(result.tokens)
         logprobs = {
             id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)
         }
-        for seq, index in self.scheduler.resolve(batch, result.tokens):
-            self._route(seq, index, logprobs.get(id(seq)))
+        for seq, index in updated:
+            if not self.router.route(seq, index, logprobs.get(id(seq))):  # its consumer has gone
+                self.num_aborted += 1
+                self._finish(seq.request_id, None)
+            elif seq.is_finished:  # a stop string may have ended it: free its pages now (else a no-op)
+                self.scheduler.abort(seq.request_id)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -377,71 +317,23 @@ class Engine:
 
     def _handle(self, message: _Submit | _Abort) -> None:
         if isinstance(message, _Submit):
-            live = message.live
-            if live.seq.request_id in self._live:
-                self.scheduler.add(live.seq)
-                self.prompt_tokens_total += len(live.seq.prompt_ids)
-        else:
-            if message.request_id in self._live:
-                self.num_aborted += 1
-                self._finish(message.request_id, None)
-
-    def _route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> None:
-        """Send a sequence's new token (``output_ids[index]``) to its consumer; a gone
-        consumer aborts it."""
-        live = self._live[seq.request_id]
-        self.generation_tokens_total += 1
-        token = seq.output_ids[index]
-        text = live.detokenizer.push(token)
-        if seq.is_finished:
-            text += live.detokenizer.flush()
-        text = live.stops.push(text)
-        if live.stops.stopped:  # a stop string ends it, whatever else happened this step
-            seq.finish_reason = "stop"
-            self.scheduler.abort(seq.request_id)  # frees its pages now
-        elif seq.is_finished:
-            text += live.stops.flush()
-        output = RequestOutput(
-            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), index + 1,
-            (logprobs,) if logprobs is not None else (), seq.num_cached_tokens,
-        )
-        try:
-            live.channel.send_nowait(output)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            seq = message.live.seq
+            if seq.request_id in self.router.live:
+                self.scheduler.add(seq)
+                self.prompt_tokens_total += len(seq.prompt_ids)
+        elif message.request_id in self.router.live:
             self.num_aborted += 1
-            self._finish(seq.request_id, None)
-            return
-        now = time.monotonic()
-        live.timer.on_token(self.observer, now)
-        if seq.is_finished:
-            live.timer.on_finished(self.observer, seq.finish_reason or "stop", now)
-            live.channel.close()
-            del self._live[seq.request_id]
+            self._finish(message.request_id, None)
 
     def _finish(self, request_id: str, reason: str | None) -> None:
         """Drop a request now: free its pages and, if given a reason, tell its consumer."""
-        live = self._live.pop(request_id, None)
+        self.router.close(request_id, reason)
         self.scheduler.abort(request_id)
-        if live is None:
-            return
-        if reason is not None:
-            seq = live.seq
-            text = live.stops.push(live.detokenizer.flush()) + live.stops.flush()
-            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids), seq.num_known_outputs,
-                                   (), seq.num_cached_tokens)
-            try:
-                live.channel.send_nowait(output)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-        live.channel.close()
 
     def _end_all(self, reason: str) -> None:
-        for request_id in list(self._live):
+        for request_id in list(self.router.live):
             self._finish(request_id, reason)
-        self._drain_queued_submits()
-
-    def _drain_queued_submits(self) -> None:
-        while True:
+        while True:  # submits still queued were closed just now
             try:
                 self._inbox_rx.receive_nowait()
             except trio.WouldBlock:

@@ -24,6 +24,7 @@ from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.scheduler import Batch, Scheduler
 from trillm.engine.scheduling.sequence import PENDING, Sequence
+from trillm.engine.scheduling.step_loop import Step, StepLoop
 from tests.conftest import make_engine, wait_idle
 
 VOCAB, EOS = 6, 0
@@ -41,28 +42,24 @@ def true_token(seq: Sequence, position: int) -> int:
 
 
 class Driver:
-    """Runs a ``Scheduler`` as the engine's scheduler actor does, ``depth`` steps in
-    flight at most, and checks each step as the worker would run it."""
+    """Runs the engine's own ``StepLoop`` over a ``Scheduler``, ``depth`` steps in flight
+    at most, and checks each step as the worker would run it."""
 
     def __init__(self, depth: int, num_pages: int, page_size: int, max_seqs: int, budget: int, cache: bool) -> None:
-        self.depth = depth
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
         self.cache = PrefixCache(self.allocator, page_size) if cache else None
         self.scheduler = Scheduler(self.allocator, page_size, max_seqs, budget, self.cache)
-        self.in_flight: deque[tuple[Batch, StepInputs, list[list[int]]]] = deque()
+        self.loop: StepLoop[tuple[StepInputs, list[list[int]]]] = StepLoop(self.scheduler, self._prepare, depth)
         self.last_sampled: list[int] | None = None
         self.written: dict[tuple[int, int], tuple[int, ...]] = {}  # (page, offset) -> the prefix its KV encodes
 
+    @property
+    def in_flight(self) -> deque[Step[tuple[StepInputs, list[list[int]]]]]:
+        return self.loop.in_flight
+
     def step(self) -> None:
-        s = self.scheduler
-        batch = s.schedule()
-        if batch.chunks:
-            self.in_flight.append((batch, *self._prepare(batch)))
-            s.launch(batch)
-        if self.in_flight and (len(self.in_flight) >= self.depth or not batch.chunks):
-            done, inputs, pages = self.in_flight.popleft()
-            s.resolve(done, self._execute(done, inputs, pages))
+        self.loop.run_once(lambda step: self._execute(step.batch, *step.inputs))
         self._check_accounting()
 
     def _prepare(self, batch: Batch) -> tuple[StepInputs, list[list[int]]]:

@@ -1,0 +1,38 @@
+"""What the engine tells its callers: per-request outputs and engine-wide counters."""
+
+from __future__ import annotations
+
+import attrs
+
+from trillm.engine.execution.sampler import TokenLogprobs
+
+
+@attrs.frozen
+class RequestOutput:
+    """One step's news for one request: new tokens, their text, maybe the end."""
+
+    request_id: str
+    index: int  # which of the requests sharing a channel (``submit_many``)
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token in ``token_ids`` when asked for
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@attrs.frozen
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    free_pages: int
+    evictable_pages: int  # cached, referenced by no request: reclaimed when needed
+    total_pages: int
+    num_open_requests: int
+    num_aborted: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int

@@ -1,0 +1,108 @@
+"""The output path: sampled tokens become text and reach each request's channel.
+
+Like vLLM's ``OutputProcessor``: incremental detokenization, stop strings, the
+per-request timers, and the send to the consumer. All calls are synchronous
+(``send_nowait`` on unbounded channels), so the scheduler actor routes a whole
+step without yielding. A consumer that has gone away (its channel is closed) is
+reported back, so the caller can free that request's pages in the same step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import trio
+
+from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.outputs import RequestOutput
+from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.stop_strings import StopStringMatcher
+from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver, RequestTimer
+
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+@attrs.define(eq=False)
+class LiveRequest:
+    """A submitted request that has not ended: its sequence and where its outputs go."""
+
+    seq: Sequence
+    channel: trio.MemorySendChannel[RequestOutput]
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    index: int
+    timer: RequestTimer
+
+
+class OutputRouter:
+    """Owns every open request's output state; the scheduler owns its pages."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.observer: EngineObserver = NullObserver()
+        self.live: dict[str, LiveRequest] = {}
+        self.generation_tokens_total = 0
+
+    def open(self, seq: Sequence, channel: trio.MemorySendChannel[RequestOutput], index: int) -> LiveRequest:
+        live = LiveRequest(seq, channel, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
+                           StopStringMatcher(seq.params.stop), index, RequestTimer(seq.arrival_time))
+        self.live[seq.request_id] = live
+        return live
+
+    def on_scheduled(self, seqs: list[Sequence], now: float) -> None:
+        for seq in seqs:
+            self.live[seq.request_id].timer.on_scheduled(self.observer, now)
+
+    def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> bool:
+        """Send ``seq.output_ids[index]`` (and its text) to its consumer.
+
+        Returns False when the consumer has gone: the caller must drop the request.
+        A stop string found in the text finishes the sequence here ("stop").
+        """
+        live = self.live[seq.request_id]
+        self.generation_tokens_total += 1
+        token = seq.output_ids[index]
+        text = live.detokenizer.push(token)
+        if seq.is_finished:
+            text += live.detokenizer.flush()
+        text = live.stops.push(text)
+        if live.stops.stopped:  # a stop string ends it, whatever else happened this step
+            seq.finish_reason = "stop"
+        elif seq.is_finished:
+            text += live.stops.flush()
+        output = RequestOutput(
+            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), index + 1,
+            (logprobs,) if logprobs is not None else (), seq.num_cached_tokens,
+        )
+        try:
+            live.channel.send_nowait(output)
+        except _GONE:
+            return False
+        now = time.monotonic()
+        live.timer.on_token(self.observer, now)
+        if seq.is_finished:
+            live.timer.on_finished(self.observer, seq.finish_reason or "stop", now)
+            live.channel.close()
+            del self.live[seq.request_id]
+        return True
+
+    def close(self, request_id: str, reason: str | None) -> bool:
+        """End a request's output now; with a reason, send a last output saying so.
+
+        Returns whether the request was open."""
+        live = self.live.pop(request_id, None)
+        if live is None:
+            return False
+        if reason is not None:
+            seq = live.seq
+            text = live.stops.push(live.detokenizer.flush()) + live.stops.flush()
+            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids),
+                                   seq.num_known_outputs, (), seq.num_cached_tokens)
+            try:
+                live.channel.send_nowait(output)
+            except _GONE:
+                pass
+        live.channel.close()
+        return True

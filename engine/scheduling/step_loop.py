@@ -1,0 +1,82 @@
+"""The engine's loop, schedule → prepare → launch → resolve, as plain calls with no Trio.
+
+The scheduler actor drives it with a worker thread in between; tests and
+offline callers drive it with ``run_once`` and any synchronous ``execute``. With
+``depth`` 2 the next step is scheduled, prepared and launched before the one
+in flight returns (its tokens are ``PENDING`` until then); with 1, one step at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Generic, TypeVar
+
+import attrs
+
+from trillm.engine.scheduling.scheduler import Batch, Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+
+Inputs = TypeVar("Inputs")
+
+
+@attrs.frozen
+class Step(Generic[Inputs]):
+    """A launched batch and the inputs prepared for it (a snapshot the worker may read)."""
+
+    batch: Batch
+    inputs: Inputs
+
+
+class StepLoop(Generic[Inputs]):
+    """At most ``depth`` steps in flight, resolved in the order they were launched."""
+
+    def __init__(self, scheduler: Scheduler, prepare: Callable[[Batch], Inputs], depth: int,
+                 on_scheduled: Callable[[Batch], None] = lambda batch: None) -> None:
+        if depth not in (1, 2):
+            raise ValueError("depth must be 1 (one step at a time) or 2 (one step ahead)")
+        self.scheduler = scheduler
+        self.prepare = prepare
+        self.depth = depth
+        self.on_scheduled = on_scheduled
+        self.in_flight: deque[Step[Inputs]] = deque()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.in_flight) or self.scheduler.has_work
+
+    def schedule(self) -> Step[Inputs] | None:
+        """Schedule the next batch, prepare its inputs, and launch it; None if nothing fits."""
+        batch = self.scheduler.schedule()
+        if not batch.chunks:
+            return None
+        self.on_scheduled(batch)
+        step = Step(batch, self.prepare(batch))
+        self.scheduler.launch(batch)
+        self.in_flight.append(step)
+        return step
+
+    def due(self, scheduled: bool) -> bool:
+        """Whether the oldest step's result must be taken now: the pipe is full, or nothing new
+        was scheduled (so waiting is all there is to do)."""
+        return bool(self.in_flight) and (len(self.in_flight) >= self.depth or not scheduled)
+
+    def resolve(self, sampled: list[int]) -> tuple[Batch, list[tuple[Sequence, int]]]:
+        """The oldest step returned ``sampled`` (one token per sampling chunk): settle it.
+
+        Returns its batch and each sequence that got a token, with the token's index."""
+        step = self.in_flight.popleft()
+        return step.batch, self.scheduler.resolve(step.batch, sampled)
+
+    def fail(self) -> Batch:
+        """The oldest step failed: drop it; the caller ends its requests."""
+        return self.in_flight.popleft().batch
+
+    def run_once(
+        self, execute: Callable[[Step[Inputs]], list[int]]
+    ) -> tuple[Batch, list[tuple[Sequence, int]]] | None:
+        """One turn of the loop with a synchronous worker: schedule (and launch) a step, then,
+        when one is due, execute the oldest and resolve it. Returns what was resolved, if anything."""
+        scheduled = self.schedule() is not None
+        if not self.due(scheduled):
+            return None
+        return self.resolve(execute(self.in_flight[0]))
