@@ -17,15 +17,16 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from trillm.api import chat, completions, tokenize
-from trillm.api.chat_schema import parse_chat_request
-from trillm.api.completion_schema import parse_completion_request
-from trillm.api.errors import ApiError
+from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.errors import ApiError, from_engine
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
-from trillm.api.submission import check_capacity, check_prompt
+from trillm.api.streaming import stream_choices
+from trillm.api.submission import check_prompt
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
+from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
 from trillm.engine.scheduling.telemetry import EngineObserver
 
 VERSION = "0.1.0"
@@ -91,6 +92,14 @@ def create_app(
     async def api_error(exc: ApiError) -> Response:
         return _json(exc.body(), exc.status, exc.headers)
 
+    @app.errorhandler(RequestRejected)
+    @app.errorhandler(EngineOverloaded)
+    @app.errorhandler(EngineNotRunning)
+    async def engine_error(exc: Exception) -> Response:
+        error = from_engine(exc)
+        assert error is not None
+        return _json(error.body(), error.status, error.headers)
+
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
@@ -132,34 +141,30 @@ def create_app(
         response.timeout = None  # Quart's 60 s response timeout would cut long streams
         return response
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        req = parse_chat_request(await json_body())
+    async def generation(endpoint: GenerationEndpoint) -> Response:
+        """The one path of both generation endpoints: validate, check limits, then reply or stream."""
+        req = endpoint.parse(await json_body())
         check_model(req.common.model)
         check_serving()
-        ids = chat.prompt_ids(engine, req)
-        check_prompt(engine, ids, "messages" if req.messages is not None else "prompt", req.common)
-        params, deadline = req.common.params, trio.current_time() + request_timeout
+        prompts = endpoint.prompt_ids(engine, req)
+        for ids in prompts:
+            check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
+        deadline = trio.current_time() + request_timeout
         if not req.common.stream:
-            return _json(await chat.complete(engine, model_name, ids, params, req.common.n, deadline))
-        check_capacity(engine, req.common.n)
-        return sse_response(
-            chat.stream(engine, model_name, ids, params, req.common.n, req.common.include_usage, deadline)
-        )
+            return _json(await endpoint.complete(engine, model_name, req, prompts, deadline))
+        # Before the stream starts, so a full queue is a real 503 rather than an error event in a 200 stream.
+        engine.check_capacity(len(prompts) * req.common.n)
+        renderer = endpoint.renderer(engine, req, prompts)
+        return sse_response(stream_choices(engine, model_name, prompts, req.common.params, req.common.n,
+                                           req.common.include_usage, deadline, renderer))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await generation(chat.ENDPOINT)
 
     @app.post("/v1/completions")
     async def completions_endpoint() -> Response:
-        req = parse_completion_request(await json_body())
-        check_model(req.common.model)
-        check_serving()
-        prompts = completions.prompt_ids(engine, req)
-        for ids in prompts:
-            check_prompt(engine, ids, "prompt", req.common)
-        deadline = trio.current_time() + request_timeout
-        if not req.common.stream:
-            return _json(await completions.complete(engine, model_name, req, prompts, deadline))
-        check_capacity(engine, len(prompts) * req.common.n)
-        return sse_response(completions.stream(engine, model_name, req, prompts, deadline))
+        return await generation(completions.ENDPOINT)
 
     def check_optional_model(body: Any) -> None:
         if isinstance(body, dict) and body.get("model") is not None:

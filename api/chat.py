@@ -1,49 +1,52 @@
-"""``POST /v1/chat/completions``: prompt building, SSE streaming and the one-shot reply.
+"""``POST /v1/chat/completions``: the prompt from the chat template, the reply's shapes.
 
-Cancellation: a streaming reply is an async generator that Quart-Trio cancels
-(``trio.Cancelled``) or closes (``GeneratorExit``) when the client goes away;
-its ``finally`` closes the output channel and aborts the request with
-synchronous calls only, so the scheduler frees the pages within one step.
+Streaming and cancellation are shared with completions (``api/streaming.py``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, Iterable
 
-from trillm.api.chat_schema import ChatRequest
+import attrs
+
 from trillm.api import logprobs
+from trillm.api.chat_schema import ChatRequest, parse_chat_request
+from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.errors import ApiError
-from trillm.api.responses import new_completion_id, sse, stream_end, stream_failure, usage
-from trillm.api.submission import ChoiceProgress, RequestTimedOut, abort_all, collect, receive_until, submit_choices
-from trillm.engine.engine import Engine
+from trillm.api.gateway import EngineHandle
+from trillm.api.responses import new_completion_id, usage
+from trillm.api.submission import collect, submit_choices
+from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 
-def prompt_ids(engine: Engine, req: ChatRequest) -> list[int]:
+
+def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
     tok = engine.tokenizer
     if req.messages is not None:
         if not getattr(tok, "chat_template", None):
             raise ApiError("this model has no chat template; send 'prompt' instead", param="messages")
         text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False)["input_ids"]
-    return tok(req.prompt)["input_ids"]
+        return [tok(text, add_special_tokens=False)["input_ids"]]
+    return [tok(req.prompt)["input_ids"]]
 
 
-def _logprobs(engine: Engine, params: SamplingParams, items: Any) -> dict[str, Any] | None:
+def _logprobs(engine: EngineHandle, params: SamplingParams, items: Any) -> dict[str, Any] | None:
     if params.logprobs is None:
         return None
     return {"content": logprobs.chat_content(engine.tokenizer, items)}
 
 
 async def complete(
-    engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int, deadline: float
+    engine: EngineHandle, model: str, req: ChatRequest, prompts: list[list[int]], deadline: float
 ) -> dict[str, Any]:
     """Run every choice to its end and return the ``chat.completion`` body.
 
     If the handler is cancelled (client gone, deadline), the requests are
     aborted on the way out and their pages freed.
     """
-    request_ids, outputs = submit_choices(engine, [ids], params, n)
+    params, n = req.common.params, req.common.n
+    request_ids, outputs = submit_choices(engine, prompts, params, n)
     done = await collect(engine, request_ids, outputs, [""] * n, deadline)
     return {
         "id": new_completion_id(),
@@ -59,61 +62,40 @@ async def complete(
             }
             for i in range(n)
         ],
-        "usage": usage(len(ids), sum(o.num_output_tokens for o in done.last), done.last[0].num_cached_tokens),
+        "usage": usage(len(prompts[0]), sum(o.num_output_tokens for o in done.last), done.last[0].num_cached_tokens),
     }
 
 
-async def stream(
-    engine: Engine, model: str, ids: list[int], params: SamplingParams, n: int, include_usage: bool, deadline: float
-) -> AsyncIterator[bytes]:
-    """SSE: a role chunk per choice, content chunks, a finish chunk per choice, [usage], [DONE].
+@attrs.frozen
+class ChatChunks:
+    """A role chunk per choice, content chunks, then a finish chunk per choice."""
 
-    At the deadline every unfinished choice gets a final chunk with
-    ``finish_reason: "length"`` and the stream ends normally.
-    """
-    completion_id, created = new_completion_id(), int(time.time())
+    engine: EngineHandle
+    params: SamplingParams
+    n: int
+    object: str = "chat.completion.chunk"
 
-    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": _logprobs(engine, params, lps) if lps else None,
-                  "finish_reason": finish_reason}
-        body: dict[str, Any] = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+    def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
+        return {"index": index, "delta": delta,
+                "logprobs": _logprobs(self.engine, self.params, lps) if lps else None, "finish_reason": finish_reason}
 
-    try:
-        request_ids, outputs = submit_choices(engine, [ids], params, n)
-    except ApiError as exc:
-        yield sse(exc.body())
-        yield sse("[DONE]")
-        return
-    try:
-        with outputs:
-            for index in range(n):
-                yield chunk(index, {"role": "assistant", "content": ""}, None)
-            progress = ChoiceProgress(n)
-            try:
-                while (out := await receive_until(outputs, deadline)) is not None:
-                    progress.record(out)
-                    if out.text or out.logprobs:
-                        yield chunk(out.index, {"content": out.text}, None, out.logprobs)
-                    if out.finish_reason:
-                        yield chunk(out.index, {}, out.finish_reason)
-            except RequestTimedOut:
-                for index in progress.unfinished():
-                    yield chunk(index, {}, "length")
-            totals = usage(len(ids), sum(progress.generated), progress.cached[0]) if include_usage else None
-            for event in stream_end("chat.completion.chunk", completion_id, created, model, totals):
-                yield event
-    except Exception as exc:
-        for event in stream_failure(exc):
-            yield event
-    finally:
-        # Runs on normal end, on trio.Cancelled and on GeneratorExit alike; no awaits here.
-        abort_all(engine, request_ids)
+    def opening(self) -> Iterable[dict[str, Any]]:
+        return [self._choice(index, {"role": "assistant", "content": ""}, None) for index in range(self.n)]
+
+    def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
+        if out.text or out.logprobs:
+            yield self._choice(out.index, {"content": out.text}, None, out.logprobs)
+        if out.finish_reason:
+            yield self._choice(out.index, {}, out.finish_reason)
+
+    def cut(self, index: int) -> dict[str, Any]:
+        return self._choice(index, {}, "length")
+
+
+ENDPOINT = GenerationEndpoint(
+    parse=parse_chat_request,
+    prompt_ids=prompt_ids,
+    prompt_param=lambda req: "messages" if req.messages is not None else "prompt",
+    complete=complete,
+    renderer=lambda engine, req, prompts: ChatChunks(engine, req.common.params, req.common.n),
+)

@@ -1,41 +1,44 @@
-"""``POST /v1/completions``: one choice per prompt, all sharing one engine channel.
+"""``POST /v1/completions``: one choice per prompt and ``n``, echo, legacy logprobs.
 
-Cancellation works as for chat: leaving the handler or the SSE generator
-closes the shared channel and aborts every choice synchronously.
+Streaming and cancellation are shared with chat (``api/streaming.py``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, Iterable
 
-from trillm.api.completion_schema import CompletionRequest
+import attrs
+
 from trillm.api import logprobs
-from trillm.api.errors import ApiError
-from trillm.api.responses import new_completion_id, sse, stream_end, stream_failure, usage
-from trillm.api.submission import ChoiceProgress, RequestTimedOut, abort_all, collect, receive_until, submit_choices
-from trillm.engine.engine import Engine
+from trillm.api.completion_schema import CompletionRequest, parse_completion_request
+from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.gateway import EngineHandle
+from trillm.api.responses import new_completion_id, usage
+from trillm.api.submission import collect, submit_choices
 from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.outputs import RequestOutput
 
-def prompt_ids(engine: Engine, req: CompletionRequest) -> list[list[int]]:
+
+def prompt_ids(engine: EngineHandle, req: CompletionRequest) -> list[list[int]]:
     tok = engine.tokenizer
     return [list(p) if isinstance(p, tuple) else tok(p)["input_ids"] for p in req.prompts]
 
 
-def _logprobs(engine: Engine, req: CompletionRequest, items: list[TokenLogprobs], offset: int) -> Any:
+def _logprobs(engine: EngineHandle, req: CompletionRequest, items: list[TokenLogprobs], offset: int) -> Any:
     if req.common.params.logprobs is None:
         return None
     return logprobs.legacy(engine.tokenizer, items, offset)
 
 
-def _echo_texts(engine: Engine, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+def _echo_texts(engine: EngineHandle, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
     if not req.echo:
         return [""] * len(prompts)
     return [p if isinstance(p, str) else engine.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
 
 
 async def complete(
-    engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]], deadline: float
+    engine: EngineHandle, model: str, req: CompletionRequest, prompts: list[list[int]], deadline: float
 ) -> dict[str, Any]:
     """Run every choice to its end and return the ``text_completion`` body."""
     request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
@@ -56,60 +59,40 @@ async def complete(
     }
 
 
-async def stream(
-    engine: Engine, model: str, req: CompletionRequest, prompts: list[list[int]], deadline: float
-) -> AsyncIterator[bytes]:
-    """SSE: [echoed prompts], text pieces as they come, a finish chunk per choice, [usage], [DONE].
+@attrs.define
+class CompletionChunks:
+    """[Echoed prompts], text pieces as they come (the finish on the last one)."""
 
-    At the deadline every unfinished choice gets a final chunk with ``finish_reason: "length"``.
-    """
-    completion_id, created = new_completion_id(), int(time.time())
-    include_usage = req.common.include_usage
+    engine: EngineHandle
+    req: CompletionRequest
+    prompts: list[list[int]]
+    object: str = "text_completion"
+    offsets: dict[int, int] = attrs.field(factory=dict)  # characters sent so far per choice, for text_offset
 
-    offsets: dict[int, int] = {}  # characters sent so far per choice, for text_offset
+    def _choice(self, index: int, text: str, finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
+        lp = _logprobs(self.engine, self.req, list(lps), self.offsets.get(index, 0)) if lps else None
+        self.offsets[index] = self.offsets.get(index, 0) + len(text)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
 
-    def chunk(index: int, text: str, finish_reason: str | None, lps: Any = ()) -> bytes:
-        lp = _logprobs(engine, req, list(lps), offsets.get(index, 0)) if lps else None
-        offsets[index] = offsets.get(index, 0) + len(text)
-        body: dict[str, Any] = {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return sse(body)
+    def opening(self) -> Iterable[dict[str, Any]]:
+        n = self.req.common.n
+        for index, text in enumerate(_echo_texts(self.engine, self.req, self.prompts)):
+            for j in range(n):
+                if text:
+                    yield self._choice(index * n + j, text, None)
 
-    try:
-        request_ids, outputs = submit_choices(engine, prompts, req.common.params, req.common.n)
-    except ApiError as exc:
-        yield sse(exc.body())
-        yield sse("[DONE]")
-        return
-    try:
-        with outputs:
-            n = req.common.n
-            for index, text in enumerate(_echo_texts(engine, req, prompts)):
-                for j in range(n):
-                    if text:
-                        yield chunk(index * n + j, text, None)
-            progress = ChoiceProgress(len(prompts) * n)
-            try:
-                while (out := await receive_until(outputs, deadline)) is not None:
-                    progress.record(out)
-                    if out.text or out.finish_reason or out.logprobs:
-                        yield chunk(out.index, out.text, out.finish_reason, out.logprobs)
-            except RequestTimedOut:
-                for index in progress.unfinished():
-                    yield chunk(index, "", "length")
-            prompt_tokens = sum(len(p) for p in prompts)
-            totals = usage(prompt_tokens, sum(progress.generated), sum(progress.cached[::n])) if include_usage else None
-            for event in stream_end("text_completion", completion_id, created, model, totals):
-                yield event
-    except Exception as exc:
-        for event in stream_failure(exc):
-            yield event
-    finally:
-        abort_all(engine, request_ids)
+    def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
+        if out.text or out.finish_reason or out.logprobs:
+            yield self._choice(out.index, out.text, out.finish_reason, out.logprobs)
+
+    def cut(self, index: int) -> dict[str, Any]:
+        return self._choice(index, "", "length")
+
+
+ENDPOINT = GenerationEndpoint(
+    parse=parse_completion_request,
+    prompt_ids=prompt_ids,
+    prompt_param=lambda req: "prompt",
+    complete=complete,
+    renderer=CompletionChunks,
+)

@@ -38,3 +38,19 @@ def _default_type(status: int) -> str:
     if status >= 500:
         return "internal_server_error"
     return "invalid_request_error"
+
+
+def from_engine(exc: Exception) -> ApiError | None:
+    """The one place the engine's refusals become HTTP errors; None for anything else (a bug)."""
+    from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
+
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        return ApiError(str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, EngineOverloaded):
+        return ApiError(f"the server is overloaded: {exc}; retry shortly", 503, code="server_overloaded",
+                        headers={"Retry-After": "1"})
+    if isinstance(exc, EngineNotRunning):
+        return ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable")
+    return None

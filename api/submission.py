@@ -9,7 +9,9 @@ from trillm.engine.execution.sampler import TokenLogprobs
 
 from trillm.api.errors import ApiError
 from trillm.api.fields import CommonFields
-from trillm.engine.engine import Engine, EngineNotRunning, EngineOverloaded, RequestOutput, RequestRejected
+from trillm.api.gateway import EngineHandle
+from trillm.engine.errors import RequestRejected
+from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 
 
@@ -20,7 +22,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [attrs.evolve(params, seed=params.seed + j) for j in range(n)]
 
 
-def check_prompt(engine: Engine, ids: list[int], param: str, common: CommonFields) -> None:
+def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: CommonFields) -> None:
     """Reject up front what the engine would reject, so the client gets a 400, not a broken stream.
 
     A ``max_tokens`` the client set that cannot fit next to the prompt is a
@@ -28,8 +30,8 @@ def check_prompt(engine: Engine, ids: list[int], param: str, common: CommonField
     """
     try:
         engine.check_prompt(ids)
-    except RequestRejected as exc:
-        raise ApiError(str(exc), param=param, code=exc.code) from None
+    except RequestRejected as exc:  # the same refusal, naming the field the client sent
+        raise RequestRejected(str(exc), param, exc.code) from None
     wanted = common.params.max_tokens
     if common.max_tokens_given and wanted is not None and len(ids) + wanted > engine.max_model_len:
         raise ApiError(
@@ -40,32 +42,14 @@ def check_prompt(engine: Engine, ids: list[int], param: str, common: CommonField
         )
 
 
-def _overloaded(exc: EngineOverloaded) -> ApiError:
-    return ApiError(f"the server is overloaded: {exc}; retry shortly", 503, code="server_overloaded",
-                    headers={"Retry-After": "1"})
-
-
-def check_capacity(engine: Engine, count: int) -> None:
-    """Before a stream starts, so a full queue is a real 503 rather than an error event in a 200 stream."""
-    try:
-        engine.check_capacity(count)
-    except EngineOverloaded as exc:
-        raise _overloaded(exc) from None
-
-
 def submit_choices(
-    engine: Engine, prompts: list[list[int]], params: SamplingParams, n: int
+    engine: EngineHandle, prompts: list[list[int]], params: SamplingParams, n: int
 ) -> tuple[list[str], trio.MemoryReceiveChannel[RequestOutput]]:
-    """Every prompt n times; output ``index`` = prompt_index * n + j, as OpenAI orders choices."""
+    """Every prompt n times; output ``index`` = prompt_index * n + j, as OpenAI orders choices.
+
+    Raises the engine's ``RequestRejected``, ``EngineOverloaded`` or ``EngineNotRunning``."""
     requests = [(ids, p) for ids in prompts for p in choice_params(params, n)]
-    try:
-        return engine.submit_many(requests)
-    except RequestRejected as exc:
-        raise ApiError(str(exc), param=exc.param, code=exc.code) from None
-    except EngineOverloaded as exc:
-        raise _overloaded(exc) from None
-    except EngineNotRunning:
-        raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable") from None
+    return engine.submit_many(requests)  # the engine's refusals become HTTP errors in ``errors.from_engine``
 
 
 @attrs.define
@@ -114,7 +98,7 @@ def timeout_error() -> ApiError:
                     code="request_timeout", type="timeout_error")
 
 
-def abort_all(engine: Engine, request_ids: list[str]) -> None:
+def abort_all(engine: EngineHandle, request_ids: list[str]) -> None:
     """Synchronous, so it is safe in ``finally`` under ``trio.Cancelled`` or ``GeneratorExit``."""
     for request_id in request_ids:
         engine.abort(request_id)
@@ -130,7 +114,7 @@ class Collected:
 
 
 async def collect(
-    engine: Engine,
+    engine: EngineHandle,
     request_ids: list[str],
     outputs: trio.MemoryReceiveChannel[RequestOutput],
     prefixes: list[str],
