@@ -15,6 +15,8 @@ from typing import Any
 
 import trio
 
+from trillm.bench.prometheus import scrape
+
 
 async def cancel_heavy(url: str, model: str, prompts: list[str], seconds: float, seed: int = 0) -> dict[str, Any]:
     import httpx
@@ -52,7 +54,7 @@ async def cancel_heavy(url: str, model: str, prompts: list[str], seconds: float,
                 nursery.start_soon(user, http, prompt)
         elapsed = time.perf_counter() - started
         await trio.sleep(2)  # let the last disconnects reach the scheduler
-        metrics = _parse((await http.get("/metrics")).text)
+        metrics = scrape((await http.get("/metrics")).text)
     return {
         "seconds": round(elapsed, 1),
         "tokens_delivered_per_s": round(delivered / elapsed, 1),
@@ -67,12 +69,3 @@ async def cancel_heavy(url: str, model: str, prompts: list[str], seconds: float,
         "accounting_exact": metrics["kv_cache_free_pages"] + metrics["kv_cache_evictable_pages"]
         == metrics["kv_cache_total_pages"] and metrics["num_requests_running"] == 0,
     }
-
-
-def _parse(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("trillm:") and "{" in line:
-            name = line[len("trillm:") : line.index("{")]
-            out[name] = float(line.rsplit(" ", 1)[1])
-    return out

@@ -23,6 +23,8 @@ from typing import Any
 import attrs
 import trio
 
+from trillm.bench.prometheus import scrape
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmark serving against transformers generate")
@@ -87,11 +89,12 @@ def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
         text = candidate
 
 
-async def _stream_one(http: Any, prompt: str, max_tokens: int, started: trio.Event | None) -> tuple[float, list[float], int]:
+async def _stream_one(http: Any, model: str, prompt: str, max_tokens: int,
+                      started: trio.Event | None) -> tuple[float, list[float], int]:
     """One streaming request: (ttft, inter-token gaps, completion tokens)."""
     import json
 
-    body = {"model": _MODEL[0], "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, last, gaps, tokens, seen = float("nan"), 0.0, [], 0, 0
@@ -115,10 +118,7 @@ async def _stream_one(http: Any, prompt: str, max_tokens: int, started: trio.Eve
     return ttft, gaps, tokens
 
 
-_MODEL = ["smollm2-135m-instruct"]
-
-
-async def _serving_run(url: str, prompts: list[str], output_len: int, probe_prompt: str) -> RunResult:
+async def _serving_run(url: str, model: str, prompts: list[str], output_len: int, probe_prompt: str) -> RunResult:
     import httpx
 
     results: list[tuple[float, list[float], int]] = []
@@ -128,12 +128,12 @@ async def _serving_run(url: str, prompts: list[str], output_len: int, probe_prom
         all_started = [trio.Event() for _ in prompts]
 
         async def client(i: int) -> None:
-            results.append(await _stream_one(http, prompts[i], output_len, all_started[i]))
+            results.append(await _stream_one(http, model, prompts[i], output_len, all_started[i]))
 
         async def prober() -> None:
             for event in all_started:
                 await event.wait()
-            ttft, _, _ = await _stream_one(http, probe_prompt, 8, None)
+            ttft, _, _ = await _stream_one(http, model, probe_prompt, 8, None)
             probe.append(ttft)
 
         t0 = time.perf_counter()
@@ -197,10 +197,8 @@ def _server_step_bytes(url: str) -> int | None:
     """The server's ``trillm:model_weight_bytes_per_step`` gauge (None from servers without it)."""
     import httpx
 
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("trillm:model_weight_bytes_per_step{"):
-            return int(float(line.rsplit(" ", 1)[1]))
-    return None
+    value = scrape(httpx.get(url + "/metrics", timeout=10).text).get("model_weight_bytes_per_step")
+    return None if value is None else int(value)
 
 
 def _table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: int, bandwidth: float) -> str:
@@ -235,7 +233,6 @@ def run_bench(args: argparse.Namespace) -> None:
     from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf
     from trillm.engine.settings import from_env
 
-    _MODEL[0] = args.model
     dummy = args.load_format == "dummy"
     config_path = Path(args.model) / "config.json" if Path(args.model).is_dir() else Path(args.model)
     cache = from_env(EngineConfig).cache_path  # the server it starts reads the same variables
@@ -291,7 +288,7 @@ def run_bench(args: argparse.Namespace) -> None:
             label = "trillm (HTTP, streaming)" + (f", {weight_format} weights" if len(formats) > 1 else "") + (
                 f", overlap {overlap}" if len(overlaps) > 1 else "")
             for level in levels:
-                result = trio.run(partial(_serving_run, url, prompts[:level], args.output_len, prompts[-1]))
+                result = trio.run(partial(_serving_run, url, args.model, prompts[:level], args.output_len, prompts[-1]))
                 result = attrs.evolve(result, label=label, step_bytes=server_bytes)
                 print(f"[bench] {label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
                 rows.append(result)

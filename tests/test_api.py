@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from tests.conftest import wait_idle
+from trillm.bench.prometheus import scrape
 from tests.server import MODEL, QUESTION, client, in_thread
 
 
@@ -281,3 +282,6 @@ async def test_metrics_report_request_timings_and_outcomes(server):
         assert f"trillm:{name}_count{{{label}}} 1.0" in text, name
     assert f"trillm:inter_token_latency_seconds_count{{{label}}} 4.0" in text
     assert f'trillm:request_success_total{{finished_reason="length",{label}}} 1.0' in text
+    values = scrape(text)  # the bench's parser reads the same page
+    assert values["kv_cache_total_pages"] == server.engine.stats().total_pages
+    assert values["request_success_total"] == 1.0 and values["num_requests_running"] == 0

@@ -1,0 +1,15 @@
+"""Read the server's ``/metrics`` with prometheus_client's own text parser (one parser for the bench)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(text: str, prefix: str = "trillm:") -> dict[str, float]:
+    """Each sample named ``prefix…`` as ``{name without prefix: value}`` (labels dropped: one model per server)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith(prefix):
+                values[sample.name[len(prefix):]] = sample.value
+    return values
