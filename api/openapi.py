@@ -1,28 +1,37 @@
-"""``GET /openapi.json``: an OpenAPI 3.1 description built from the same ``Field``
-specs the request parsers enforce, plus the response shapes the handlers build."""
+"""``GET /openapi.json``: an OpenAPI 3.1 description whose request schemas pydantic derives from
+the same declarations that validate requests, plus the response shapes the handlers build."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Any
 
-from trillm.api.chat_schema import CHAT_FIELDS
-from trillm.api.completion_schema import COMPLETION_FIELDS
-from trillm.api.fields import COMMON_FIELDS, Field
-from trillm.api.tokenize import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
+from pydantic.json_schema import models_json_schema
 
-
-
-def _request(fields: tuple[Field, ...], required: list[str]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "required": required,
-        "properties": {f.name: f.schema for f in fields},
-        "additionalProperties": True,  # unknown fields are accepted and ignored
-    }
+from trillm.api.schemas import PUBLISHED
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
+
+
+@functools.cache
+def _request_schemas() -> dict[str, Any]:
+    models = [(model, "validation") for model in PUBLISHED.values()]
+    refs, top = models_json_schema(models, ref_template="#/components/schemas/{model}")  # type: ignore[arg-type]
+    schemas = top["$defs"]
+    for name, model in PUBLISHED.items():  # published under their API names; nothing else refers to them
+        schemas[name] = schemas.pop(refs[(model, "validation")]["$ref"].rsplit("/", 1)[1])
+    return schemas
+
+
+def request_schemas(model_name: str) -> dict[str, Any]:
+    """Request bodies and the objects nested in them; ``model`` is declared as the one served id."""
+    schemas = copy.deepcopy(_request_schemas())
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        schemas[name]["properties"]["model"]["enum"] = [model_name]
+    return schemas
 
 
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -46,19 +55,6 @@ def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
         "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"}, "model": {"type": "string"},
         "choices": {"type": "array", "items": choice}, "usage": {"anyOf": [_USAGE, {"type": "null"}]}}}
-
-
-def _model(name: str) -> Field:
-    return Field("model", {"type": "string", "enum": [name], "description": "the served model id"}, lambda b: None)
-
-
-def request_schemas(model_name: str) -> dict[str, Any]:
-    return {
-        "ChatCompletionRequest": _request((_model(model_name),) + CHAT_FIELDS + COMMON_FIELDS, ["model"]),
-        "CompletionRequest": _request((_model(model_name),) + COMPLETION_FIELDS + COMMON_FIELDS, ["model", "prompt"]),
-        "TokenizeRequest": _request(TOKENIZE_FIELDS, []),
-        "DetokenizeRequest": _request(DETOKENIZE_FIELDS, ["tokens"]),
-    }
 
 
 RESPONSE_SCHEMAS: dict[str, Any] = {
@@ -100,8 +96,8 @@ def _json(name: str, description: str) -> dict[str, Any]:
 def _post(request: str, reply: str, summary: str, stream_chunk: str | None = None) -> dict[str, Any]:
     ok = _json(reply, "the reply")
     if stream_chunk:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description":
-                                                         f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"}}
+        events = f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": events}}
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
         "application/json": {"schema": _ref(request)}}}, "responses": {"200": ok, **_ERRORS}}}
 
@@ -112,6 +108,8 @@ def _get(reply: str, summary: str, errors: tuple[str, ...] = ()) -> dict[str, An
 
 
 def openapi_document(version: str, model_name: str) -> dict[str, Any]:
+    requests = request_schemas(model_name)
+    assert not requests.keys() & RESPONSE_SCHEMAS.keys(), "a request object named like a response"
     return {
         "openapi": "3.1.0",
         "info": {"title": "trillm", "version": version, "description": "OpenAI-compatible LLM inference server"},
@@ -131,5 +129,5 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             "/openapi.json": {"get": {"summary": "this document", "responses": {"200": {
                 "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         },
-        "components": {"schemas": {**request_schemas(model_name), **RESPONSE_SCHEMAS}},
+        "components": {"schemas": {**requests, **RESPONSE_SCHEMAS}},
     }

@@ -1,0 +1,58 @@
+"""The body of ``POST /v1/chat/completions``: messages (or a raw prompt) plus the shared fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from pydantic import Field, model_validator
+
+from trillm.api.schemas.base import invalid
+from trillm.api.schemas.describe import parse
+from trillm.api.schemas.generation import CommonFields, GenerationBody
+from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, Message
+
+MAX_TOP_LOGPROBS = 20
+
+
+@attrs.frozen
+class ChatRequest:
+    """A validated chat request in the terms the handler uses."""
+
+    common: CommonFields
+    messages: tuple[dict[str, str], ...] | None
+    prompt: str | None
+
+
+class ChatCompletionBody(GenerationBody):
+    """The body of ``POST /v1/chat/completions`` (published as ``ChatCompletionRequest``)."""
+
+    messages: list[Message] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION)
+    prompt: str | None = Field(None, description="raw text, no chat template; give exactly one of `messages` / "
+                                                 "`prompt`")
+    logprobs: bool = Field(
+        False, description="return log-probabilities: `choices[].logprobs.content[]` = `{token, logprob, bytes, "
+                           "top_logprobs[]}`, one entry per generated token (the EOS token included, although it "
+                           "adds no text); streamed chunks carry the entries of their tokens")
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
+                              description="alternatives per token; only with `logprobs: true`")
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionBody:
+        if (self.messages is None) == (self.prompt is None):
+            raise invalid("give exactly one of 'messages' or 'prompt'", "messages")
+        if "top_logprobs" in self.model_fields_set and not self.logprobs:
+            raise invalid("needs 'logprobs': true", "top_logprobs")
+        return self
+
+    def request(self) -> ChatRequest:
+        common = self.common()
+        if self.logprobs:
+            common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=self.top_logprobs))
+        messages = None if self.messages is None else tuple(m.for_template() for m in self.messages)
+        return ChatRequest(common, messages, self.prompt)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """A decoded JSON body -> ``ChatRequest``, or a 400 ``ApiError`` naming the field."""
+    return parse(ChatCompletionBody, body).request()
