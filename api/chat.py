@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import attrs
 
 from trillm.api import logprobs
-from trillm.api.chat_schema import ChatRequest, parse_chat_request
+from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import attrs
 
 from trillm.api import logprobs
-from trillm.api.completion_schema import CompletionRequest, parse_completion_request
+from trillm.api.schemas.completion import CompletionRequest, parse_completion_request
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses import new_completion_id, usage

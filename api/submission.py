@@ -8,7 +8,7 @@ import trio
 from trillm.engine.execution.sampler import TokenLogprobs
 
 from trillm.api.errors import ApiError
-from trillm.api.fields import CommonFields
+from trillm.api.schemas.generation import CommonFields
 from trillm.api.gateway import EngineHandle
 from trillm.engine.errors import RequestRejected
 from trillm.engine.outputs import RequestOutput

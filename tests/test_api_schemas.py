@@ -6,8 +6,8 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from trillm.api.chat_schema import parse_chat_request
-from trillm.api.completion_schema import parse_completion_request
+from trillm.api.schemas.chat import parse_chat_request
+from trillm.api.schemas.completion import parse_completion_request
 from trillm.api.errors import ApiError
 from trillm.api.openapi import openapi_document
 from trillm.api.schemas import PUBLISHED
