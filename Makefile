@@ -35,8 +35,7 @@ bench: install
 # On a CUDA machine: the Triton kernels compiled (not interpreted) against their
 # references, then a Llama-3-8B-shaped model with random weights through the server.
 gpu-check: install
-	$(PY) -m pytest -q tests/test_kernels.py tests/test_kernel_engine.py tests/test_cuda_graphs.py \
-	  tests/test_overlap.py -k "not one_step and not aborts_while"
+	$(PY) -m pytest -q -m gpu
 	$(VENV)/bin/trillm bench --load-format dummy --model engine/configs/llama-3-8b.json --concurrency 1,16,64
 
 clean:

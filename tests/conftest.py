@@ -18,6 +18,7 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine, load_model
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
+from tests.helpers import all_tasks, make_engine, wait_idle
 
 
 @pytest.fixture(scope="session")
@@ -36,31 +37,10 @@ def tokenizer(model_parts):
     return model_parts[1]
 
 
-async def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
-    """Wait until the engine holds no requests and every page is free or only cached, or fail."""
-    with trio.move_on_after(timeout):
-        while True:
-            s = engine.stats()
-            idle = s.num_open_requests == 0 and s.num_running == 0 and s.num_waiting == 0
-            if idle and s.free_pages + s.evictable_pages == s.total_pages:
-                return
-            await trio.sleep(0.01)
-    s = engine.stats()
-    raise AssertionError(f"engine did not return to idle: {s}")
-
-
-def make_engine(model_parts, **overrides: Any) -> Engine:
-    settings: dict[str, Any] = dict(dtype="float32", num_pages=256, page_size=16, max_num_seqs=32, max_batch_tokens=256)
-    settings.update(overrides)
-    return Engine(EngineConfig(**settings), *model_parts)
-
-
 @pytest.fixture
 async def engine(model_parts) -> AsyncIterator[Engine]:
     """A running engine; after the test it must be idle with every page free,
     and once stopped it must leave no task and no borrowed worker thread behind."""
-    from tests.server import all_tasks
-
     eng = make_engine(model_parts)
     before = all_tasks()
     async with trio.open_nursery() as nursery:
@@ -80,3 +60,17 @@ async def server(model_parts):
 
     async with running_server(model_parts) as srv:
         yield srv
+
+
+_MODEL_FIXTURES = {"model_dir", "model_parts", "tokenizer", "engine", "server"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``model``: the test loads the real default model (through any of its fixtures);
+    ``e2e``: it talks to a real server. ``gpu`` and ``slow`` are written on the tests."""
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & _MODEL_FIXTURES:
+            item.add_marker(pytest.mark.model)
+        if "server" in used:
+            item.add_marker(pytest.mark.e2e)

@@ -15,7 +15,7 @@ from hypercorn.trio import serve
 from trillm.api.app import create_app
 from trillm.api.settings import ServerConfig
 from trillm.engine.engine import Engine
-from tests.conftest import make_engine, wait_idle
+from tests.helpers import all_tasks, make_engine, wait_idle
 
 
 @attrs.frozen
@@ -27,17 +27,6 @@ class Server:
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
-
-
-def all_tasks() -> set[trio.lowlevel.Task]:
-    """Every living task, found by walking the task tree from the root."""
-    found: set[trio.lowlevel.Task] = set()
-    stack = [trio.lowlevel.current_root_task()]
-    while stack:
-        task = stack.pop()
-        found.add(task)
-        stack.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
-    return found
 
 
 @asynccontextmanager

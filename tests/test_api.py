@@ -9,9 +9,11 @@ import openai
 import pytest
 import trio
 
-from tests.conftest import wait_idle
+from tests.helpers import wait_idle
 from trillm.bench.prometheus import scrape
 from tests.server import MODEL, QUESTION, client, in_thread
+
+pytestmark = pytest.mark.e2e
 
 
 async def test_models_health_version(server):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.conftest import wait_idle
+from tests.helpers import wait_idle
 from tests.server import MODEL, client, in_thread
+
+pytestmark = pytest.mark.e2e
 
 PROMPTS = ["The capital of France is", "One, two, three,"]
 

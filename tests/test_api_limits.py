@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 import httpx
 import trio
 
-from tests.conftest import wait_idle
+from tests.helpers import wait_idle
 from tests.server import MODEL, QUESTION, running_server
+
+pytestmark = pytest.mark.e2e
 
 LONG = {"model": MODEL, "messages": QUESTION, "max_tokens": 3000, "ignore_eos": True}
 

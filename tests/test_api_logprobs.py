@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 from trillm.api.logprobs import token_bytes
 from tests.server import MODEL, QUESTION, client, in_thread
 
+pytestmark = pytest.mark.e2e
+
 STORY = [{"role": "user", "content": "Tell me about the sea."}]
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 import httpx
 
-from tests.conftest import wait_idle
+from tests.helpers import wait_idle
 from tests.server import MODEL, client, in_thread
+
+pytestmark = pytest.mark.e2e
 
 SYSTEM = "You are a meticulous assistant. " * 30
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name three rivers in Europe."}]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import trio
 
 from tests.server import MODEL, QUESTION, client, in_thread
+
+pytestmark = pytest.mark.e2e
 
 STORY = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 

@@ -18,12 +18,13 @@ from trillm.kernels import cpu_forward
 def fusing_model(model_parts, monkeypatch):
     """The default model (block weights), counting the steps that took the C loop."""
     model = model_parts[0]
-    assert model.fuse_decode, "the default model on this CPU should run decode steps in C"
+    assert model.backend.fuse_decode and model.backend.fusable(model), \
+        "the default model on this CPU should run decode steps in C"
     calls = []
     real = cpu_forward.DecodeLayers.run
     monkeypatch.setattr(cpu_forward.DecodeLayers, "run", lambda self, h, *a: (calls.append(h.shape[0]), real(self, h, *a))[1])
     yield model, calls
-    model.fuse_decode = True
+    model.backend.fuse_decode = True
 
 
 def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
@@ -42,7 +43,7 @@ def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
         batch = sched.schedule()
         logits = {}
         for name, runner, fuse in (("fused", fused, True), ("plain", plain, False)):
-            model.fuse_decode = fuse
+            model.backend.fuse_decode = fuse
             with torch.inference_mode():
                 logits[name] = runner.execute_logits(runner.prepare(batch))
         assert torch.equal(logits["fused"], logits["plain"])

@@ -7,6 +7,8 @@ captures real CUDA graphs of the Triton forward.
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from trillm.engine.execution.cuda_graphs import batch_buckets
@@ -16,8 +18,9 @@ from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.kernels import select_kernels
 from tests.test_kernel_engine import TINY, _weights
+
+pytestmark = pytest.mark.gpu
 
 
 def test_buckets_cover_every_batch_size():
@@ -32,7 +35,7 @@ def test_replayed_decode_steps_match_eager_ones():
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256, device,
-                       select_kernels("triton" if cuda else "reference", device))
+                       "triton" if cuda else "reference")
     eager = ModelRunner(model, 60, 4)
     graphed = ModelRunner(model, 60, 4, graph_batch=6, max_model_len=256)
     assert graphed.graphs is not None and graphed.graphs.buckets == [1, 2, 4, 6]

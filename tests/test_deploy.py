@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -12,6 +14,8 @@ import sys
 import httpx
 
 from trillm.bench.run import wait_healthy
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
 

@@ -7,7 +7,7 @@ import trio
 
 from trillm.engine.engine import EngineNotRunning, RequestRejected
 from trillm.engine.sampling_params import SamplingParams
-from tests.conftest import make_engine, wait_idle
+from tests.helpers import make_engine, wait_idle
 
 
 async def _drain(engine, ids, params):

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.backends import CpuBackend
 from trillm.engine.execution.llama import LlamaModel, LlamaShape, dummy_weights
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner
@@ -26,8 +27,9 @@ from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.kernels import select_kernels
-from tests.conftest import wait_idle
+from tests.helpers import wait_idle
+
+pytestmark = pytest.mark.gpu
 
 TINY = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 64,
@@ -52,8 +54,7 @@ def _weights() -> dict[str, torch.Tensor]:
 def _models() -> dict[str, LlamaModel]:
     shape, weights = LlamaShape.from_config(TINY), _weights()
     return {
-        name: LlamaModel(shape, weights, torch.float32, 256, _device(name),
-                         None if name == "cpu" else select_kernels(name, _device(name)))
+        name: LlamaModel(shape, weights, torch.float32, 256, _device(name), name)
         for name in VARIANTS
     }
 
@@ -71,10 +72,12 @@ def test_every_step_matches_across_kernels_and_transformers():
     sched = Scheduler(allocator, 4, 8, 24, PrefixCache(allocator, 4))
     runners = {name: ModelRunner(model, 40, 4) for name, model in models.items()}
     # The CPU path without its C kernels (no compiler): torch ops, gather + SDPA for decodes.
-    models["cpu-torch"] = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256)
-    models["cpu-torch"].c_ops = False
-    runners["cpu-torch"] = ModelRunner(models["cpu-torch"], 40, 4, use_c_decode=False)
-    assert runners["cpu"].c_decode and models["cpu"].c_ops and not runners["cpu-torch"].c_decode
+    no_c = CpuBackend(torch.device("cpu"), torch.float32, c_kernels=False)
+    models["cpu-torch"] = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256, backend=no_c)
+    runners["cpu-torch"] = ModelRunner(models["cpu-torch"], 40, 4)
+    cpu, cpu_torch = models["cpu"].backend, models["cpu-torch"].backend
+    assert isinstance(cpu, CpuBackend) and isinstance(cpu_torch, CpuBackend)
+    assert cpu.c_decode and cpu.c_ops and not cpu_torch.c_decode and not cpu_torch.c_ops
     seqs = [Sequence(f"p{i}", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), 256, frozenset())
             for i, ids in enumerate(PROMPTS)]
     for seq in seqs[:3]:
@@ -137,7 +140,7 @@ async def test_engines_give_the_same_tokens_with_every_kernel_choice(tiny_config
                               device=_device(name).type,
                               num_pages=64, page_size=4, max_num_seqs=8, max_batch_tokens=32)
         engine = Engine(config, *load_model(config))
-        assert (engine.runner.model.kernels.name if engine.runner.model.kernels else "cpu") == name
+        assert engine.runner.model.backend.name == name
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
             outputs[name] = await _generate(engine, PROMPTS, params)

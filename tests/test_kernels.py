@@ -14,6 +14,8 @@ import torch
 from trillm.engine.execution.rope import cos_sin_table
 from trillm.kernels import reference, select_kernels
 
+pytestmark = pytest.mark.gpu
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TRITON = select_kernels("triton", DEVICE)
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3}

@@ -8,6 +8,7 @@ import trio
 from transformers import AutoModelForCausalLM
 
 from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.execution.backends.cpu import decode_groups
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.scheduler import Scheduler
@@ -94,12 +95,9 @@ async def test_greedy_tokens_match_generate_alone_and_in_a_busy_batch(engine, to
 
 def test_decode_rows_are_grouped_by_context_length():
     """One long context must not pad every decode row to its length."""
-    from types import SimpleNamespace
-
-    runner = SimpleNamespace(page_size=4)
     lens = [10, 4000, 12, 3000]
     tables = [list(range(-(-n // 4))) for n in lens]
-    groups = ModelRunner._decode_groups(runner, [0, 1, 2, 3], tables, lens)
+    groups = decode_groups([0, 1, 2, 3], tables, lens, 4)
     assert [g.rows.tolist() for g in groups] == [[0, 2], [3, 1]]
     short = groups[0]
     assert short.pages.shape == (2, 3) and short.mask.shape == (2, 1, 1, 12)

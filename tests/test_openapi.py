@@ -3,12 +3,16 @@ every 4xx has the error shape, 200 replies match their schemas, and the server s
 
 from __future__ import annotations
 
+import pytest
+
 import jsonschema
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.conftest import wait_idle
+from tests.helpers import wait_idle
 from tests.server import MODEL, QUESTION, client, in_thread
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 EXAMPLES_PER_OPERATION = 12
 

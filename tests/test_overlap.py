@@ -19,13 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trillm.engine.scheduling.kv_pages import PageAllocator
-from trillm.engine.execution.model_runner import ModelRunner, StepInputs, _fill_pending, _sample_row
+from trillm.engine.execution.backends.base import note_pending, sample_row
+from trillm.engine.execution.model_runner import StepInputs, _fill_pending
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.scheduler import Batch, Scheduler
 from trillm.engine.scheduling.sequence import PENDING, Sequence
 from trillm.engine.scheduling.step_loop import Step, StepLoop
-from tests.conftest import make_engine, wait_idle
+from tests.helpers import make_engine, wait_idle
 
 VOCAB, EOS = 6, 0
 
@@ -71,10 +72,10 @@ class Driver:
         for chunk in batch.chunks:
             q = chunk.seq  # never a step past the end: no wasted work, no position past the context
             assert chunk.end < q.max_len and chunk.end - len(q.prompt_ids) < (q.params.max_tokens or 10**9)
-            ModelRunner._note_pending(chunk.seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
+            note_pending(chunk.seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
             ids += chunk.seq.token_ids(chunk.start, chunk.end)
             if chunk.samples:
-                rows.append(_sample_row(chunk.seq))
+                rows.append(sample_row(chunk.seq))
         inputs = StepInputs(torch.tensor(ids, dtype=torch.long), torch.empty(0), None, torch.empty(0),  # type: ignore[arg-type]
                             tuple(rows), tuple(pending_inputs), tuple(pending_history))
         return inputs, [list(c.seq.pages) for c in batch.chunks]
@@ -268,6 +269,7 @@ def reference_parts(model_dir):
 
 @pytest.mark.trio
 @pytest.mark.parametrize("kernels", ["default", "reference"])  # CPU fast path (Triton on a GPU); flat inputs
+@pytest.mark.gpu
 async def test_the_engine_gives_the_same_greedy_outputs_with_and_without_overlap(request, tokenizer, kernels):
     """A tiny pool (preemption), stop strings and stop ids found a step late, penalties that
     read the history, n = 2, and uneven lengths: identical tokens, text, reasons, counts."""
@@ -285,7 +287,7 @@ async def test_the_engine_gives_the_same_greedy_outputs_with_and_without_overlap
     results = {}
     for overlap in (False, True):
         parts = request.getfixturevalue("model_parts" if kernels == "default" else "reference_parts")
-        assert (parts[0].kernels is not None and parts[0].kernels.name == "reference") == (kernels == "reference")
+        assert (parts[0].backend.name == "reference") == (kernels == "reference")
         engine = make_engine(parts, num_pages=14, page_size=4, max_num_seqs=6, max_batch_tokens=32,
                              overlap_schedule=overlap)
         async with trio.open_nursery() as nursery:
@@ -302,6 +304,7 @@ async def test_the_engine_gives_the_same_greedy_outputs_with_and_without_overlap
 
 
 @pytest.mark.trio
+@pytest.mark.gpu
 async def test_a_failed_step_ends_its_requests_and_the_next_ones_run(model_parts, tokenizer):
     """The third step raises; with the step after it already queued, its requests end with
     "error", requests submitted afterwards are right, and every page comes back."""
