@@ -1,13 +1,16 @@
 """Kernels for the model's hot spots, each as Triton and as a plain-torch reference.
 
-``select_kernels`` is the one registry: Triton where it can run (CUDA, or the CPU
-under ``TRITON_INTERPRET=1`` for tests), the reference elsewhere or when asked.
+A ``Kernels`` record is one complete set; ``select_kernels`` picks a set: Triton where
+it can run (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests), the reference
+elsewhere or when asked. The engine does not choose here: its backend registry
+(``trillm.engine.execution.backends``) wraps a set in a ``KernelBackend``. The CPU C
+kernels (``cpu_*.py``) are not a set; the engine's ``CpuBackend`` calls them directly.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -48,7 +51,7 @@ def triton_kernels() -> Kernels:
 def triton_available(device: torch.device) -> bool:
     """Triton compiles for CUDA; on the CPU it only interprets (slowly, for tests)."""
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from trillm.engine.execution.attention import KernelMetadata
+from trillm.engine.execution.backends import KernelMetadata, KVCache, StepMetadata
 from trillm.engine.execution.llama import LlamaModel
 
 log = logging.getLogger("trillm.engine")
@@ -65,10 +65,11 @@ def eager_capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 class DecodeGraphs:
     """Static input buffers and one replayable decode step per bucket size."""
 
-    def __init__(self, model: LlamaModel, kv_cache: list[tuple[torch.Tensor, torch.Tensor]], max_batch: int,
-                 max_pages_per_seq: int, capture: Capture) -> None:
-        if model.kernels is None:
-            raise ValueError("decode graphs need the kernel forward (kernels triton or reference)")
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_batch: int, max_pages_per_seq: int,
+                 capture: Capture) -> None:
+        if not model.backend.supports_cuda_graphs:
+            raise ValueError(f"decode graphs need the kernel forward (kernels triton or reference), "
+                             f"not {model.backend.name}")
         device = model.device
         self.model = model
         self.max_batch = max_batch
@@ -91,14 +92,15 @@ class DecodeGraphs:
 
             self.replays[size] = capture(step)
 
-    def fits(self, input_ids: torch.Tensor, meta: KernelMetadata, logits_rows: torch.Tensor) -> bool:
+    def fits(self, input_ids: torch.Tensor, meta: StepMetadata, logits_rows: torch.Tensor) -> bool:
         """A decode step of at most ``max_batch`` rows, each sampled, within the table width."""
         n = input_ids.shape[0]
-        return (meta.decode_only and 0 < n <= self.max_batch and logits_rows.shape[0] == n
-                and meta.block_tables.shape[1] <= self.max_pages)
+        return (isinstance(meta, KernelMetadata) and meta.decode_only and 0 < n <= self.max_batch
+                and logits_rows.shape[0] == n and meta.block_tables.shape[1] <= self.max_pages)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Logits [n, vocab] of a decode step that ``fits``; inputs may be on the CPU."""
+        assert isinstance(meta, KernelMetadata)
         n = input_ids.shape[0]
         size = next(b for b in self.buckets if b >= n)
         width = meta.block_tables.shape[1]

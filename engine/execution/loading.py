@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from trillm.engine.config import EngineConfig
-from trillm.kernels import cpu_build
+from trillm.engine.execution.backends import Backend, create_backend
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.model_runner import choose_dtype
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
-from trillm.kernels import Kernels, cpu_matmul, select_kernels
+from trillm.kernels import cpu_build, cpu_matmul
 
 log = logging.getLogger("trillm.engine")
 
@@ -41,15 +41,6 @@ def choose_device(config: EngineConfig) -> torch.device:
     return torch.device(config.device)
 
 
-def choose_kernels(config: EngineConfig, device: torch.device) -> Kernels | None:
-    """None means the CPU fast path (``engine/attention.py``), the default off CUDA."""
-    if config.kernels == "cpu" or (config.kernels == "auto" and device.type != "cuda"):
-        if device.type != "cpu":
-            raise ValueError("the cpu kernels run on the CPU only")
-        return None
-    return select_kernels(config.kernels, device)
-
-
 def _dummy_config_file(config: EngineConfig) -> Path | None:
     """A dummy model needs only a config.json, which ``--model`` may name directly."""
     path = Path(config.model).expanduser()
@@ -74,14 +65,13 @@ def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
     return folder
 
 
-def _use_block_weights(config: EngineConfig, kernels: Kernels | None, dtype: torch.dtype,
-                       device: torch.device) -> bool:
+def _use_block_weights(config: EngineConfig, backend: Backend) -> bool:
     """Whether to look for exact GGUF blocks in the weights (random dummy weights never are).
 
     ``auto`` takes them only where the block matmul has its SIMD paths, AVX-512 or AVX2 + FMA
     (``cpu_matmul.simd()``): its plain-C fallback is correct but slower than MKL on dense float32.
     """
-    possible = LlamaModel.block_weights_possible(kernels, dtype, device)
+    possible = backend.supports_block_weights
     if config.weight_format == "blocks" and not possible:
         raise ValueError("weight_format blocks runs on the CPU fast path in float32 with a C compiler only")
     if config.weight_format == "auto" and possible and cpu_matmul.simd() == "plain":
@@ -108,17 +98,17 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
             raise ValueError(f"dtype must be auto, float32 or bfloat16, not {config.dtype!r}")
         dtype = torch.bfloat16 if device.type == "cuda" else choose_dtype()
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
-    kernels = choose_kernels(config, device)
-    blocks = _use_block_weights(config, kernels, dtype, device)
+    backend = create_backend(config.kernels, device, dtype)
+    blocks = _use_block_weights(config, backend)
     if config.load_format == "dummy":
-        model = LlamaModel.dummy(model_config, dtype, max_len, device, kernels)
+        model = LlamaModel.dummy(model_config, dtype, max_len, device, backend)
     else:
-        model = LlamaModel.load(folder, model_config, dtype, max_len, device, kernels, blocks)
+        model = LlamaModel.load(folder, model_config, dtype, max_len, device, backend, blocks)
     if config.weight_format == "blocks" and model.num_block_weights < len(model.projections()):
         raise ValueError(f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
                          f"projections of {config.model} are exact Q4_1/Q8_0 blocks")
     tokenizer_folder = _tokenizer_folder(config, folder)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     log.info("loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s", config.model, dtype,
-             device, kernels.name if kernels else "cpu", model.num_block_weights, len(model.projections()), folder)
+             device, backend.name, model.num_block_weights, len(model.projections()), folder)
     return model, tokenizer, _eos_ids(tokenizer_folder, model_config, tokenizer)

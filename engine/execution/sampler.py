@@ -8,12 +8,17 @@ temperature -> min_p/top_k/top_p -> one draw per row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 import torch.nn.functional as F
 
 from trillm.engine.sampling_params import SamplingParams
-from trillm.kernels import Kernels
+
+# ``kernels.reference.sample_top_k_top_p``'s signature: logits, temperature, top_k,
+# top_p, min_p, uniforms -> tokens (a backend's ``sampling_kernel``).
+SamplingKernel = Callable[..., torch.Tensor]
 
 
 @attrs.frozen
@@ -48,18 +53,18 @@ def sample(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -
 
 
 def sample_with_logprobs(
-    logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams], kernels: Kernels | None = None
+    logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams], kernel: SamplingKernel | None = None
 ) -> Sampled:
     """Sample, and report log-probabilities where a row asks for them.
 
     The reported distribution is the one sampled from before truncation:
     after logit_bias, bans and penalties, divided by the temperature (1 for
-    greedy rows), and before min_p/top_k/top_p. With ``kernels`` the truncation
-    and the draw run in its ``sample_top_k_top_p`` (on the logits' device).
+    greedy rows), and before min_p/top_k/top_p. With ``kernel`` (the backend's
+    ``sampling_kernel``) the truncation and the draw run in it, on the logits' device.
     """
     rows = [r if isinstance(r, SampleRow) else SampleRow(r) for r in rows]
     logits = _adjust(logits, rows)
-    tokens = _choose(logits, rows, kernels)
+    tokens = _choose(logits, rows, kernel)
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     for i, row in enumerate(rows):
         k = row.params.logprobs
@@ -76,19 +81,19 @@ def sample_with_logprobs(
     return Sampled(tokens, logprobs)
 
 
-def _choose(logits: torch.Tensor, rows: list[SampleRow], kernels: Kernels | None) -> list[int]:
+def _choose(logits: torch.Tensor, rows: list[SampleRow], kernel: SamplingKernel | None) -> list[int]:
     random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if len(random_rows) == len(rows) and kernels is None:  # no greedy row: skip the argmax and the row copy
+    if len(random_rows) == len(rows) and kernel is None:  # no greedy row: skip the argmax and the row copy
         return _sample_random(logits, rows).tolist()
     tokens = logits.argmax(dim=-1)
-    if random_rows and kernels is not None:
+    if random_rows and kernel is not None:
         index = torch.tensor(random_rows, device=logits.device)
         params = [rows[i].params for i in random_rows]
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(logits.device, non_blocking=True)
 
-        tokens[index] = kernels.sample_top_k_top_p(
+        tokens[index] = kernel(
             logits.index_select(0, index).contiguous(),
             column([p.temperature for p in params], torch.float32),
             column([p.top_k for p in params], torch.int32),
@@ -127,12 +132,14 @@ def _adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         if row.banned_ids:
             logits[i, [t for t in row.banned_ids if 0 <= t < vocab]] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device)
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
+                                device=logits.device)
             if seen.numel():
                 values = logits[i, seen]
                 logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long, device=logits.device), minlength=vocab)[:vocab]
+            ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab]
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return logits
 

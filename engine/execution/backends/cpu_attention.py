@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache, in plain torch (the CPU path).
+"""The CPU backend's metadata and its attention over the paged KV cache, in plain torch.
 
 The cache of one layer is [num_pages, page_size, kv_heads, head_dim]; a token
 at position p of a sequence lives in slot ``pages[p // page_size] * page_size
@@ -50,7 +50,7 @@ class DecodeRows:
 
 
 @attrs.frozen
-class AttentionMetadata:
+class CpuMetadata:
     """How the rows of one flattened batch map onto the paged cache. Decode rows come
     either as ``decode_rows`` (the C kernel) or as ``decodes`` (gather + SDPA)."""
 
@@ -59,24 +59,9 @@ class AttentionMetadata:
     prefills: tuple[PrefillSpan, ...]
     decode_rows: DecodeRows | None = None
 
-
-@attrs.frozen
-class KernelMetadata:
-    """The flat form the kernels in ``kernels/`` take: one row of the block table per
-    sequence, its new tokens at ``query_starts[i]:query_starts[i + 1]`` of the batch."""
-
-    slot_mapping: torch.Tensor  # [T] int64
-    block_tables: torch.Tensor  # [S, max_pages] int32, padded with page 0
-    query_starts: torch.Tensor  # [S + 1] int32
-    context_lens: torch.Tensor  # [S] int32, cached plus new tokens
-    decode_only: bool  # every sequence adds one token: the split-K decode kernel applies
-
-    def to(self, device: torch.device) -> "KernelMetadata":
-        if device.type == "cpu":
-            return self
-        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return KernelMetadata(move(self.slot_mapping), move(self.block_tables), move(self.query_starts),
-                              move(self.context_lens), self.decode_only)
+    def to(self, device: torch.device) -> CpuMetadata:
+        """Already where it is read: the CPU backend runs on the CPU."""
+        return self
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -95,7 +80,7 @@ def paged_attention(
     v: torch.Tensor,  # [T, KVH, D]
     k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D]
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: CpuMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend every row to its context."""

@@ -1,0 +1,134 @@
+"""A set of kernels (``kernels/``: Triton, or the plain-torch references) as a backend.
+
+Every hot spot of a layer goes through the set: the residual add fused into each
+RMSNorm, K/V stored by slot, attention read straight from the pages by a split-K
+decode kernel or an extend kernel. The metadata is flat and fixed in form (one
+block-table row per sequence), so decode steps can be captured as CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from trillm.engine.execution.backends.base import (
+    Backend, KVCache, SamplingKernel, StepInputs, note_pending, padded_tables, sample_row,
+)
+from trillm.engine.execution.layers import project
+from trillm.engine.execution.sampler import SampleRow
+from trillm.engine.scheduling.scheduler import Batch
+from trillm.kernels import Kernels
+
+if TYPE_CHECKING:
+    from trillm.engine.execution.llama import LlamaModel
+
+
+@attrs.frozen
+class KernelMetadata:
+    """The flat form the kernels in ``kernels/`` take: one row of the block table per
+    sequence, its new tokens at ``query_starts[i]:query_starts[i + 1]`` of the batch."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, max_pages] int32, padded with page 0
+    query_starts: torch.Tensor  # [S + 1] int32
+    context_lens: torch.Tensor  # [S] int32, cached plus new tokens
+    decode_only: bool  # every sequence adds one token: the split-K decode kernel applies
+
+    def to(self, device: torch.device) -> KernelMetadata:
+        if device.type == "cpu":
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return KernelMetadata(move(self.slot_mapping), move(self.block_tables), move(self.query_starts),
+                              move(self.context_lens), self.decode_only)
+
+
+class KernelBackend(Backend):
+    """The layers through one ``Kernels`` set; its name is the set's (triton, reference)."""
+
+    supports_cuda_graphs = True
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, kernels: Kernels) -> None:
+        super().__init__(device, dtype)
+        self.kernels = kernels
+        self.name = kernels.name
+
+    @property
+    def sampling_kernel(self) -> SamplingKernel:
+        return self.kernels.sample_top_k_top_p
+
+    def prepare(self, batch: Batch, page_size: int) -> StepInputs:
+        """The kernels' form: a padded block table, query offsets and context lengths."""
+        ps = page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        starts = [0]
+        lens: list[int] = []
+        logits_rows: list[int] = []
+        rows: list[SampleRow] = []
+        pending_inputs: list[tuple[int, int]] = []
+        pending_history: list[tuple[int, int]] = []
+        for chunk in batch.chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
+            table = seq.pages[: -(-end // ps)]
+            note_pending(seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
+            ids += seq.token_ids(start, end)
+            positions += range(start, end)
+            slots += (table[p // ps] * ps + p % ps for p in range(start, end))
+            tables.append(table)
+            starts.append(starts[-1] + chunk.length)
+            lens.append(end)
+            if chunk.samples:
+                logits_rows.append(starts[-1] - 1)
+                rows.append(sample_row(seq))
+        meta = KernelMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=padded_tables(tables, torch.int32),
+            query_starts=torch.tensor(starts, dtype=torch.int32),
+            context_lens=torch.tensor(lens, dtype=torch.int32),
+            decode_only=all(chunk.length == 1 for chunk in batch.chunks),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            meta=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            rows=tuple(rows),
+            pending_inputs=tuple(pending_inputs),
+            pending_history=tuple(pending_history),
+        )
+
+    def run_layers(self, model: LlamaModel, h: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                   meta: KernelMetadata, logits_rows: torch.Tensor, bound: Any = None) -> torch.Tensor:
+        """The residual stream is carried apart from each layer's output (``delta``) so
+        every add rides on the next RMSNorm kernel."""
+        ops, s = self.kernels, model.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        delta, residual = h, None
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_cache):
+            x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, s.rms_norm_eps)
+            qkv = project(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
+            q, k = ops.rotary(q, k, positions, model.cos, model.sin)
+            ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if meta.decode_only:
+                attn = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale)
+            else:
+                attn = ops.extend_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens, model.scale
+                )
+            delta = project(attn.reshape(-1, q_size), layer.o_proj)
+            x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
+            gate, up = project(x, layer.gate_up).chunk(2, dim=-1)
+            delta = project(F.silu(gate) * up, layer.down)
+        assert residual is not None, "a model has at least one layer"
+        rows = logits_rows.to(delta.device)
+        h, _ = ops.add_rms_norm(delta.index_select(0, rows), residual.index_select(0, rows), model.final_norm,
+                                s.rms_norm_eps)
+        return h
