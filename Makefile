@@ -6,7 +6,7 @@ MODEL  ?= smollm2-135m-instruct
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve test bench gpu-check clean
+.PHONY: install serve test lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -28,6 +28,18 @@ serve: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff (lint, import order, format) and mypy over the package. mypy reads the
+# installed names (trillm.api, ...) from a tree of links, since the folders
+# themselves are named api/, engine/, ...
+TYPECHECK := build/typecheck
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/trillm
+	for d in api bench engine kernels; do ln -s ../../../$$d $(TYPECHECK)/trillm/$$d; done
+	cd $(TYPECHECK) && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
+	  -p trillm.api -p trillm.bench -p trillm.engine -p trillm.kernels
 
 bench: install
 	$(VENV)/bin/trillm bench --model $(MODEL)

@@ -88,7 +88,7 @@ def metrics_registry(engine: Engine, model_name: str) -> tuple[CollectorRegistry
     time, and the observer whose request-timing histograms the engine reports into
     (passed to ``Engine.run``)."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(engine, model_name))  # type: ignore[arg-type]
+    registry.register(EngineCollector(engine, model_name))
     return registry, PrometheusObserver(registry, model_name)
 
 

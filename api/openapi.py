@@ -22,7 +22,7 @@ def _request_schemas() -> dict[str, Any]:
     refs, top = models_json_schema(models, ref_template="#/components/schemas/{model}")  # type: ignore[arg-type]
     schemas = top["$defs"]
     for name, model in PUBLISHED.items():  # published under their API names; nothing else refers to them
-        schemas[name] = schemas.pop(refs[(model, "validation")]["$ref"].rsplit("/", 1)[1])
+        schemas[name] = schemas.pop(refs[(model, "validation")]["$ref"].rsplit("/", 1)[1])  # type: ignore[index]
     return schemas
 
 
@@ -34,7 +34,7 @@ def request_schemas(model_name: str) -> dict[str, Any]:
     return schemas
 
 
-_USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+_USAGE: dict[str, Any] = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
           "properties": {**{k: {"type": "integer", "minimum": 0}
                             for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
                          "prompt_tokens_details": {"type": "object", "properties": {

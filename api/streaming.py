@@ -26,7 +26,9 @@ from trillm.engine.sampling_params import SamplingParams
 class ChunkRenderer(Protocol):
     """The endpoint-specific part of a stream: each method returns the ``choices`` entries to send."""
 
-    object: str  # "chat.completion.chunk" | "text_completion"
+    @property
+    def object(self) -> str:
+        """``chat.completion.chunk`` or ``text_completion``."""
 
     def opening(self) -> Iterable[dict[str, Any]]: ...
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]: ...

@@ -273,7 +273,7 @@ def run_bench(args: argparse.Namespace) -> None:
                                      "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
                                      "--weight-format", weight_format,
                                      *(["--disable-overlap-schedule"] if overlap == "off" else []),
-                                     *(["--kernels", args.kernels] if args.kernels else []),
+                                     *(["--kernels", str(args.kernels)] if args.kernels else []),
                                      *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
                                     env={**os.environ})
         try:

@@ -10,7 +10,7 @@ whole call. Float32 CPU tensors, block weights, no QKV bias.
 from __future__ import annotations
 
 import ctypes
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def available() -> bool:
     return all(k.available() for k in (_KERNEL, cpu_ops._KERNEL, cpu_matmul._KERNEL, cpu_decode._KERNEL))
 
 
-def _address(function: object) -> int:
+def _address(function: Any) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value or 0
 
 

@@ -70,6 +70,7 @@ def simd() -> str:
 
 def _check(weight: BlockWeight) -> tuple[tuple[torch.Tensor, ...], int, int]:
     """((qs, d[, m]) contiguous, N, K) after checking dtypes and shapes."""
+    tensors: tuple[torch.Tensor, ...]
     if isinstance(weight, Q4_1Weight):
         tensors, qs_dtype, per_byte = (weight.qs, weight.d, weight.m), torch.uint8, 2
     elif isinstance(weight, Q8_0Weight):
@@ -144,10 +145,10 @@ def _matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None, accu
             raise ValueError("out must be a float32 CPU tensor")
         if out.dim() != 2 or out.shape[0] != M or out.shape[1] != N:
             raise ValueError(f"out {tuple(out.shape)} is not [M, N] = [{M}, {N}]")
-        out_stride = out.stride()
-        if (N > 1 and out_stride[1] != 1) or (M > 1 and out_stride[0] < N):
-            raise ValueError(f"out needs unit column stride and non-overlapping rows, got strides {out_stride}")
-        out_stride = out_stride[0]
+        strides = out.stride()
+        if (N > 1 and strides[1] != 1) or (M > 1 and strides[0] < N):
+            raise ValueError(f"out needs unit column stride and non-overlapping rows, got strides {strides}")
+        out_stride = strides[0]
         if accumulate:
             flags |= _ACCUMULATE
     if M and N:

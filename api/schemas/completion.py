@@ -60,7 +60,7 @@ class CompletionBody(GenerationBody):
             return (p,)
         if all(isinstance(t, int) for t in p):
             return (tuple(p),)  # type: ignore[arg-type]
-        return tuple(x if isinstance(x, str) else tuple(x) for x in p)  # type: ignore[union-attr]
+        return tuple(x if isinstance(x, str) else tuple(x) for x in p)  # type: ignore[union-attr, arg-type]
 
     def request(self) -> CompletionRequest:
         common = self.common()

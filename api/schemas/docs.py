@@ -26,7 +26,8 @@ _SHARED = [name for name in GenerationBody.model_fields if name != "model"]
 def field_names(name: str) -> list[str]:
     """The fields a table lists: chat shows ``model``, its own fields, then the shared ones; the
     completions table only what it adds (its text points at the chat table for the rest)."""
-    fields = list(PUBLISHED[name].model_fields)
+    published: type[BaseModel] = PUBLISHED[name]
+    fields = list(published.model_fields)
     if name == "ChatCompletionRequest":
         return ["model"] + [f for f in fields if f not in _SHARED and f != "model"] + _SHARED
     if name == "CompletionRequest":
@@ -39,7 +40,7 @@ def _cell(text: str) -> str:
 
 
 def table(name: str) -> str:
-    model: type[BaseModel] = PUBLISHED[name]
+    model: type[BaseModel] = PUBLISHED[name]  # type: ignore[assignment]
     schema = json_schema(model)
     defs = schema.get("$defs", {})
     rows = ["| field | accepts | default | notes |", "|---|---|---|---|"]
