@@ -120,6 +120,9 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend = backend if isinstance(backend, Backend) else create_backend(backend, self.device, dtype)
+        if (self.backend.device.type, self.backend.dtype) != (self.device.type, dtype):
+            raise ValueError(f"a backend for {self.backend.device} {self.backend.dtype} cannot run a model "
+                             f"on {self.device} in {dtype}")
         if block_weights and not self.backend.supports_block_weights:
             raise ValueError("block weights run on the CPU fast path in float32 only")
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
