@@ -34,8 +34,9 @@ class Kernels:
 def reference_kernels() -> Kernels:
     from trillm.kernels import reference as r
 
-    return Kernels("reference", r.store_kv, r.decode_attention, r.extend_attention, r.add_rms_norm, r.rotary,
-                   r.sample_top_k_top_p)
+    return Kernels(
+        "reference", r.store_kv, r.decode_attention, r.extend_attention, r.add_rms_norm, r.rotary, r.sample_top_k_top_p
+    )
 
 
 def triton_kernels() -> Kernels:
@@ -51,7 +52,7 @@ def triton_kernels() -> Kernels:
 def triton_available(device: torch.device) -> bool:
     """Triton compiles for CUDA; on the CPU it only interprets (slowly, for tests)."""
     try:
-        import triton
+        import triton  # noqa: F401
     except ImportError:
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

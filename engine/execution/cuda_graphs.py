@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -34,8 +35,10 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def cuda_capture(pool: object) -> Capture:
-    """Capture into one memory pool shared by all sizes (their steps never overlap)."""
+def cuda_capture(pool: Any) -> Capture:
+    """Capture into one memory pool shared by all sizes (their steps never overlap).
+
+    ``pool`` is ``torch.cuda.graph_pool_handle()`` (its type is private to torch)."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         side = torch.cuda.Stream()
@@ -65,11 +68,13 @@ def eager_capture(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 class DecodeGraphs:
     """Static input buffers and one replayable decode step per bucket size."""
 
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_batch: int, max_pages_per_seq: int,
-                 capture: Capture) -> None:
+    def __init__(
+        self, model: LlamaModel, kv_cache: KVCache, max_batch: int, max_pages_per_seq: int, capture: Capture
+    ) -> None:
         if not model.backend.supports_cuda_graphs:
-            raise ValueError(f"decode graphs need the kernel forward (kernels triton or reference), "
-                             f"not {model.backend.name}")
+            raise ValueError(
+                f"decode graphs need the kernel forward (kernels triton or reference), not {model.backend.name}"
+            )
         device = model.device
         self.model = model
         self.max_batch = max_batch
@@ -95,8 +100,13 @@ class DecodeGraphs:
     def fits(self, input_ids: torch.Tensor, meta: StepMetadata, logits_rows: torch.Tensor) -> bool:
         """A decode step of at most ``max_batch`` rows, each sampled, within the table width."""
         n = input_ids.shape[0]
-        return (isinstance(meta, KernelMetadata) and meta.decode_only and 0 < n <= self.max_batch
-                and logits_rows.shape[0] == n and meta.block_tables.shape[1] <= self.max_pages)
+        return (
+            isinstance(meta, KernelMetadata)
+            and meta.decode_only
+            and 0 < n <= self.max_batch
+            and logits_rows.shape[0] == n
+            and meta.block_tables.shape[1] <= self.max_pages
+        )
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Logits [n, vocab] of a decode step that ``fits``; inputs may be on the CPU."""

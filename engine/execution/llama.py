@@ -47,8 +47,9 @@ class LlamaShape:
     def from_config(cls, cfg: dict[str, Any]) -> LlamaShape:
         archs = set(cfg.get("architectures") or ["LlamaForCausalLM"])
         if not archs & SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {sorted(archs)}; "
-                             f"trillm serves {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {sorted(archs)}; trillm serves {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -70,8 +71,9 @@ class LlamaShape:
         )
 
 
-def dummy_weights(shape: LlamaShape, dtype: torch.dtype, device: torch.device | str = "cpu",
-                  seed: int = 0) -> dict[str, torch.Tensor]:
+def dummy_weights(
+    shape: LlamaShape, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+) -> dict[str, torch.Tensor]:
     """Checkpoint-named random weights (std 0.02, unit norms), made on ``device``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, d = shape.hidden_size, shape.head_dim
@@ -88,12 +90,19 @@ def dummy_weights(shape: LlamaShape, dtype: torch.dtype, device: torch.device | 
         w["lm_head.weight"] = rand(shape.vocab_size, h)
     for i in range(shape.num_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        w.update({
-            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
-            a + "q_proj.weight": rand(q, h), a + "k_proj.weight": rand(kv, h), a + "v_proj.weight": rand(kv, h),
-            a + "o_proj.weight": rand(h, q), p + "mlp.gate_proj.weight": rand(inter, h),
-            p + "mlp.up_proj.weight": rand(inter, h), p + "mlp.down_proj.weight": rand(h, inter),
-        })
+        w.update(
+            {
+                p + "input_layernorm.weight": ones(h),
+                p + "post_attention_layernorm.weight": ones(h),
+                a + "q_proj.weight": rand(q, h),
+                a + "k_proj.weight": rand(kv, h),
+                a + "v_proj.weight": rand(kv, h),
+                a + "o_proj.weight": rand(h, q),
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.down_proj.weight": rand(h, inter),
+            }
+        )
         if shape.attention_bias:
             w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
     return w
@@ -121,8 +130,10 @@ class LlamaModel:
         self.device = torch.device(device)
         self.backend = backend if isinstance(backend, Backend) else create_backend(backend, self.device, dtype)
         if (self.backend.device.type, self.backend.dtype) != (self.device.type, dtype):
-            raise ValueError(f"a backend for {self.backend.device} {self.backend.dtype} cannot run a model "
-                             f"on {self.device} in {dtype}")
+            raise ValueError(
+                f"a backend for {self.backend.device} {self.backend.dtype} cannot run a model "
+                f"on {self.device} in {dtype}"
+            )
         if block_weights and not self.backend.supports_block_weights:
             raise ValueError("block weights run on the CPU fast path in float32 only")
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
@@ -140,13 +151,16 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w[p + "input_layernorm.weight"],
-                    qkv=make_weight(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                                               w[a + "v_proj.weight"]]), block_weights),
+                    qkv=make_weight(
+                        torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                        block_weights,
+                    ),
                     qkv_bias=bias,
                     o_proj=make_weight(w[a + "o_proj.weight"], block_weights),
                     post_norm=w[p + "post_attention_layernorm.weight"],
-                    gate_up=make_weight(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                                        block_weights),
+                    gate_up=make_weight(
+                        torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), block_weights
+                    ),
                     down=make_weight(w[p + "mlp.down_proj.weight"], block_weights),
                 )
             )
@@ -161,14 +175,17 @@ class LlamaModel:
         return getattr(self.backend, "kernels", None)
 
     def projections(self) -> list[Weight]:
-        return [self.lm_head,
-                *(p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))]
+        return [
+            self.lm_head,
+            *(p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
+        ]
 
     @property
     def projection_bytes(self) -> int:
         """Bytes of projection weights a decode step reads: the floor of its memory traffic."""
-        return sum(p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes
-                   for p in self.projections())
+        return sum(
+            p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes for p in self.projections()
+        )
 
     @property
     def num_block_weights(self) -> int:
@@ -176,17 +193,31 @@ class LlamaModel:
         return sum(not isinstance(p, torch.Tensor) for p in self.projections())
 
     @classmethod
-    def dummy(cls, config: dict[str, Any], dtype: torch.dtype, max_len: int, device: torch.device | str = "cpu",
-              backend: Backend | str = "auto", seed: int = 0) -> LlamaModel:
+    def dummy(
+        cls,
+        config: dict[str, Any],
+        dtype: torch.dtype,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        backend: Backend | str = "auto",
+        seed: int = 0,
+    ) -> LlamaModel:
         """Random weights for ``config``: throughput of any model size can be measured
         without downloading it."""
         shape = LlamaShape.from_config(config)
         return cls(shape, dummy_weights(shape, dtype, device, seed), dtype, max_len, device, backend)
 
     @classmethod
-    def load(cls, folder: Path, config: dict[str, Any], dtype: torch.dtype, max_len: int,
-             device: torch.device | str = "cpu", backend: Backend | str = "auto",
-             block_weights: bool = False) -> LlamaModel:
+    def load(
+        cls,
+        folder: Path,
+        config: dict[str, Any],
+        dtype: torch.dtype,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        backend: Backend | str = "auto",
+        block_weights: bool = False,
+    ) -> LlamaModel:
         weights: dict[str, torch.Tensor] = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as f:

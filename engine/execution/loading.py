@@ -105,10 +105,20 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     else:
         model = LlamaModel.load(folder, model_config, dtype, max_len, device, backend, blocks)
     if config.weight_format == "blocks" and model.num_block_weights < len(model.projections()):
-        raise ValueError(f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
-                         f"projections of {config.model} are exact Q4_1/Q8_0 blocks")
+        raise ValueError(
+            f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
+            f"projections of {config.model} are exact Q4_1/Q8_0 blocks"
+        )
     tokenizer_folder = _tokenizer_folder(config, folder)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    log.info("loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s", config.model, dtype,
-             device, backend.name, model.num_block_weights, len(model.projections()), folder)
+    log.info(
+        "loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s",
+        config.model,
+        dtype,
+        device,
+        backend.name,
+        model.num_block_weights,
+        len(model.projections()),
+        folder,
+    )
     return model, tokenizer, _eos_ids(tokenizer_folder, model_config, tokenizer)

@@ -74,8 +74,15 @@ def _fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[Sampl
 class ModelRunner:
     """One model, its KV cache and its backend's per-cache state; steps run one at a time."""
 
-    def __init__(self, model: LlamaModel, num_pages: int, page_size: int, num_threads: int | None = None,
-                 graph_batch: int = 0, max_model_len: int = 0) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_pages: int,
+        page_size: int,
+        num_threads: int | None = None,
+        graph_batch: int = 0,
+        max_model_len: int = 0,
+    ) -> None:
         """``graph_batch`` > 0 replays decode steps of up to that many rows from
         captured graphs (backends that support them; CUDA graphs on a GPU, eager replay
         of the same static buffers elsewhere, for tests)."""
@@ -121,8 +128,12 @@ class ModelRunner:
         meta = inputs.meta.to(device)
         with torch.inference_mode():
             return self.model.forward(
-                inputs.input_ids.to(device, non_blocking=True), inputs.positions.to(device, non_blocking=True),
-                self.kv_cache, meta, inputs.logits_rows, self._bound,
+                inputs.input_ids.to(device, non_blocking=True),
+                inputs.positions.to(device, non_blocking=True),
+                self.kv_cache,
+                meta,
+                inputs.logits_rows,
+                self._bound,
             )
 
     def execute(self, inputs: StepInputs) -> Sampled:

@@ -132,8 +132,9 @@ def _adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         if row.banned_ids:
             logits[i, [t for t in row.banned_ids if 0 <= t < vocab]] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
-                                device=logits.device)
+            seen = torch.tensor(
+                sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long, device=logits.device
+            )
             if seen.numel():
                 values = logits[i, seen]
                 logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)

@@ -40,6 +40,16 @@ def create_backend(choice: str, device: torch.device, dtype: torch.dtype) -> Bac
 
 
 __all__ = [
-    "BACKENDS", "Backend", "BackendFactory", "CpuBackend", "KVCache", "KernelBackend", "KernelMetadata",
-    "SamplingKernel", "StepInputs", "StepMetadata", "create_backend", "resolve_backend",
+    "BACKENDS",
+    "Backend",
+    "BackendFactory",
+    "CpuBackend",
+    "KVCache",
+    "KernelBackend",
+    "KernelMetadata",
+    "SamplingKernel",
+    "StepInputs",
+    "StepMetadata",
+    "create_backend",
+    "resolve_backend",
 ]

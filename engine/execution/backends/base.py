@@ -81,8 +81,16 @@ class Backend(ABC):
         """Tensors for ``batch`` in this backend's metadata (runs on the event loop)."""
 
     @abstractmethod
-    def run_layers(self, model: LlamaModel, h: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                   meta: Any, logits_rows: torch.Tensor, bound: Any = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        model: LlamaModel,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: Any,
+        logits_rows: torch.Tensor,
+        bound: Any = None,
+    ) -> torch.Tensor:
         """Every decoder layer on the embedded batch ``h`` [T, hidden], storing this step's
         K/V; returns the final-normed hidden states of ``logits_rows`` [S, hidden]."""
 
@@ -107,8 +115,14 @@ def pending_offset(seq: Sequence, start: int, end: int) -> int | None:
     return None
 
 
-def note_pending(seq: Sequence, chunk: ScheduledChunk, row: int, sample_row: int,
-                 inputs: list[tuple[int, int]], history: list[tuple[int, int]]) -> None:
+def note_pending(
+    seq: Sequence,
+    chunk: ScheduledChunk,
+    row: int,
+    sample_row: int,
+    inputs: list[tuple[int, int]],
+    history: list[tuple[int, int]],
+) -> None:
     """Record where ``chunk`` (at input ``row``) reads the token the step in flight samples."""
     if seq.num_known_outputs == len(seq.output_ids):
         return  # nothing in flight: the common case, and every case without overlap

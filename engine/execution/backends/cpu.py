@@ -18,7 +18,11 @@ import torch.nn.functional as F
 
 from trillm.engine.execution.backends.base import Backend, KVCache, StepInputs, note_pending, padded_tables, sample_row
 from trillm.engine.execution.backends.cpu_attention import (
-    CpuMetadata, DecodeGroup, DecodeRows, PrefillSpan, paged_attention,
+    CpuMetadata,
+    DecodeGroup,
+    DecodeRows,
+    PrefillSpan,
+    paged_attention,
 )
 from trillm.engine.execution.layers import project, project_add, rms_norm
 from trillm.engine.execution.rope import apply_rotary
@@ -56,10 +60,14 @@ class CpuBackend(Backend):
 
     def fusable(self, model: LlamaModel) -> bool:
         """Whether every piece of ``model``'s layers has its C kernel: the C loop applies."""
-        return self.c_ops and cpu_forward.available() and all(
-            layer.qkv_bias is None
-            and all(isinstance(w, BlockWeight) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
-            for layer in model.layers
+        return (
+            self.c_ops
+            and cpu_forward.available()
+            and all(
+                layer.qkv_bias is None
+                and all(isinstance(w, BlockWeight) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+                for layer in model.layers
+            )
         )
 
     def bind(self, model: LlamaModel, kv_cache: KVCache) -> cpu_forward.DecodeLayers | None:
@@ -67,8 +75,7 @@ class CpuBackend(Backend):
         if not self.fusable(model):
             return None
         layers = [(la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down) for la in model.layers]
-        return cpu_forward.DecodeLayers(layers, kv_cache, model.shape.num_heads, model.shape.rms_norm_eps,
-                                        model.scale)
+        return cpu_forward.DecodeLayers(layers, kv_cache, model.shape.num_heads, model.shape.rms_norm_eps, model.scale)
 
     def prepare(self, batch: Batch, page_size: int) -> StepInputs:
         ps = page_size
@@ -133,9 +140,16 @@ class CpuBackend(Backend):
             pending_history=tuple(pending_history),
         )
 
-    def run_layers(self, model: LlamaModel, h: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                   meta: CpuMetadata, logits_rows: torch.Tensor,
-                   bound: cpu_forward.DecodeLayers | None = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        model: LlamaModel,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: CpuMetadata,
+        logits_rows: torch.Tensor,
+        bound: cpu_forward.DecodeLayers | None = None,
+    ) -> torch.Tensor:
         """Decode-only steps go through ``bound``, the C loop, when there is one; the rest
         through the Python loop over the same kernels."""
         s = model.shape
@@ -148,8 +162,15 @@ class CpuBackend(Backend):
             h = self._layers(model, h, cos, sin, kv_cache, meta)
         return norm(h.index_select(0, logits_rows), model.final_norm, s.rms_norm_eps)
 
-    def _layers(self, model: LlamaModel, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: CpuMetadata) -> torch.Tensor:
+    def _layers(
+        self,
+        model: LlamaModel,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: CpuMetadata,
+    ) -> torch.Tensor:
         s = model.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm

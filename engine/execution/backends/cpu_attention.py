@@ -94,8 +94,9 @@ def paged_attention(
     out = torch.empty_like(q)
 
     if d is not None and d.rows is not None:
-        od = cpu_decode.decode_attention(q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens,
-                                         scale)
+        od = cpu_decode.decode_attention(
+            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale
+        )
         out.index_copy_(0, d.rows, od)
 
     for group in meta.decodes:

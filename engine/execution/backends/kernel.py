@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from trillm.engine.execution.backends.base import (
-    Backend, KVCache, SamplingKernel, StepInputs, note_pending, padded_tables, sample_row,
+    Backend,
+    KVCache,
+    SamplingKernel,
+    StepInputs,
+    note_pending,
+    padded_tables,
+    sample_row,
 )
 from trillm.engine.execution.layers import project
 from trillm.engine.execution.sampler import SampleRow
@@ -41,8 +47,13 @@ class KernelMetadata:
         if device.type == "cpu":
             return self
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return KernelMetadata(move(self.slot_mapping), move(self.block_tables), move(self.query_starts),
-                              move(self.context_lens), self.decode_only)
+        return KernelMetadata(
+            move(self.slot_mapping),
+            move(self.block_tables),
+            move(self.query_starts),
+            move(self.context_lens),
+            self.decode_only,
+        )
 
 
 class KernelBackend(Backend):
@@ -102,8 +113,16 @@ class KernelBackend(Backend):
             pending_history=tuple(pending_history),
         )
 
-    def run_layers(self, model: LlamaModel, h: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                   meta: KernelMetadata, logits_rows: torch.Tensor, bound: Any = None) -> torch.Tensor:
+    def run_layers(
+        self,
+        model: LlamaModel,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: KernelMetadata,
+        logits_rows: torch.Tensor,
+        bound: Any = None,
+    ) -> torch.Tensor:
         """The residual stream is carried apart from each layer's output (``delta``) so
         every add rides on the next RMSNorm kernel."""
         ops, s = self.kernels, model.shape
@@ -129,6 +148,7 @@ class KernelBackend(Backend):
             delta = project(F.silu(gate) * up, layer.down)
         assert residual is not None, "a model has at least one layer"
         rows = logits_rows.to(delta.device)
-        h, _ = ops.add_rms_norm(delta.index_select(0, rows), residual.index_select(0, rows), model.final_norm,
-                                s.rms_norm_eps)
+        h, _ = ops.add_rms_norm(
+            delta.index_select(0, rows), residual.index_select(0, rows), model.final_norm, s.rms_norm_eps
+        )
         return h
