@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/trillm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+test: install lint
 	$(PY) -m pytest -q
 
 # ruff (lint, import order, format) and mypy over the package. mypy reads the
@@ -36,7 +36,7 @@ TYPECHECK := build/typecheck
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/trillm
+	rm -rf $(TYPECHECK)/trillm && mkdir -p $(TYPECHECK)/trillm
 	for d in api bench engine kernels; do ln -s ../../../$$d $(TYPECHECK)/trillm/$$d; done
 	cd $(TYPECHECK) && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
 	  -p trillm.api -p trillm.bench -p trillm.engine -p trillm.kernels

@@ -155,8 +155,18 @@ def create_app(
         # Before the stream starts, so a full queue is a real 503 rather than an error event in a 200 stream.
         engine.check_capacity(len(prompts) * req.common.n)
         renderer = endpoint.renderer(engine, req, prompts)
-        return sse_response(stream_choices(engine, model_name, prompts, req.common.params, req.common.n,
-                                           req.common.include_usage, deadline, renderer))
+        return sse_response(
+            stream_choices(
+                engine,
+                model_name,
+                prompts,
+                req.common.params,
+                req.common.n,
+                req.common.include_usage,
+                deadline,
+                renderer,
+            )
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

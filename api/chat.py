@@ -6,16 +6,17 @@ Streaming and cancellation are shared with completions (``api/streaming.py``).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
 from trillm.api import logprobs
-from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses import new_completion_id, usage
+from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
@@ -76,8 +77,12 @@ class ChatChunks:
     object: str = "chat.completion.chunk"
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
-        return {"index": index, "delta": delta,
-                "logprobs": _logprobs(self.engine, self.params, lps) if lps else None, "finish_reason": finish_reason}
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": _logprobs(self.engine, self.params, lps) if lps else None,
+            "finish_reason": finish_reason,
+        }
 
     def opening(self) -> Iterable[dict[str, Any]]:
         return [self._choice(index, {"role": "assistant", "content": ""}, None) for index in range(self.n)]

@@ -21,9 +21,12 @@ from trillm.engine.settings import add_arguments, overrides_from
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve a model over the OpenAI API",
-                       description="Serve a model over the OpenAI API. Each flag may be given instead as the "
-                                   "environment variable named in its help; flags win.")
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI API",
+        description="Serve a model over the OpenAI API. Each flag may be given instead as the "
+        "environment variable named in its help; flags win.",
+    )
     add_arguments(p, EngineConfig)
     add_arguments(p, ServerConfig)
 
@@ -49,8 +52,9 @@ async def serve(app: Any, host: str, port: int) -> None:
         print("[trillm] shutting down: ending open streams", file=sys.stderr, flush=True)
         await app.extensions["trillm_host"].stop()
 
-    print(f"[trillm] serving {app.extensions['trillm_model_name']} on http://{host}:{port}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[trillm] serving {app.extensions['trillm_model_name']} on http://{host}:{port}", file=sys.stderr, flush=True
+    )
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
 
 

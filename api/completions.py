@@ -6,15 +6,16 @@ Streaming and cancellation are shared with chat (``api/streaming.py``).
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
 from trillm.api import logprobs
-from trillm.api.schemas.completion import CompletionRequest, parse_completion_request
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses import new_completion_id, usage
+from trillm.api.schemas.completion import CompletionRequest, parse_completion_request
 from trillm.api.submission import collect, submit_choices
 from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.outputs import RequestOutput
@@ -50,12 +51,19 @@ async def complete(
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {"index": i, "text": done.texts[i], "logprobs": _logprobs(engine, req, done.logprobs[i], 0),
-             "finish_reason": done.last[i].finish_reason}
+            {
+                "index": i,
+                "text": done.texts[i],
+                "logprobs": _logprobs(engine, req, done.logprobs[i], 0),
+                "finish_reason": done.last[i].finish_reason,
+            }
             for i in range(len(done.texts))
         ],
-        "usage": usage(sum(len(p) for p in prompts), sum(o.num_output_tokens for o in done.last),
-                       sum(o.num_cached_tokens for o in done.last[:: req.common.n])),
+        "usage": usage(
+            sum(len(p) for p in prompts),
+            sum(o.num_output_tokens for o in done.last),
+            sum(o.num_cached_tokens for o in done.last[:: req.common.n]),
+        ),
     }
 
 

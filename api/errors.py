@@ -49,8 +49,12 @@ def from_engine(exc: Exception) -> ApiError | None:
     if isinstance(exc, RequestRejected):
         return ApiError(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineOverloaded):
-        return ApiError(f"the server is overloaded: {exc}; retry shortly", 503, code="server_overloaded",
-                        headers={"Retry-After": "1"})
+        return ApiError(
+            f"the server is overloaded: {exc}; retry shortly",
+            503,
+            code="server_overloaded",
+            headers={"Retry-After": "1"},
+        )
     if isinstance(exc, EngineNotRunning):
         return ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable")
     return None

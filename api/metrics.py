@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -25,11 +25,15 @@ class EngineCollector:
             "kv_cache_free_pages": ("Free KV cache pages.", s.free_pages),
             "kv_cache_evictable_pages": ("Cached pages no request holds (reclaimed on demand).", s.evictable_pages),
             "kv_cache_total_pages": ("All KV cache pages.", s.total_pages),
-            "kv_cache_usage_perc": ("Fraction of KV cache pages held by requests.",
-                                    1 - (s.free_pages + s.evictable_pages) / s.total_pages),
-            "model_weight_bytes_per_step": ("Bytes of projection weights each decode step reads "
-                                            "(float32, or fewer where they stay in GGUF blocks).",
-                                            self.engine.model.projection_bytes),
+            "kv_cache_usage_perc": (
+                "Fraction of KV cache pages held by requests.",
+                1 - (s.free_pages + s.evictable_pages) / s.total_pages,
+            ),
+            "model_weight_bytes_per_step": (
+                "Bytes of projection weights each decode step reads "
+                "(float32, or fewer where they stay in GGUF blocks).",
+                self.engine.model.projection_bytes,
+            ),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"trillm:{name}", doc, labels=["model_name"])
@@ -49,8 +53,26 @@ class EngineCollector:
             yield c
 
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                    80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class PrometheusObserver:
@@ -65,8 +87,12 @@ class PrometheusObserver:
         self._itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
         self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self._queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
-        self._success = Counter("trillm:request_success", "Requests that finished, by finish reason.",
-                                ["model_name", "finished_reason"], registry=registry)
+        self._success = Counter(
+            "trillm:request_success",
+            "Requests that finished, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=registry,
+        )
         self._model_name = model_name
 
     def queue_time(self, seconds: float) -> None:

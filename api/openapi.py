@@ -34,59 +34,162 @@ def request_schemas(model_name: str) -> dict[str, Any]:
     return schemas
 
 
-_USAGE: dict[str, Any] = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {**{k: {"type": "integer", "minimum": 0}
-                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
-                         "prompt_tokens_details": {"type": "object", "properties": {
-                             "cached_tokens": {"type": "integer", "minimum": 0}}}}}
+_USAGE: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        **{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
+    },
+}
 _FINISH = {"type": ["string", "null"], "enum": ["stop", "length", "abort", "error", None]}
-_TOP = {"type": "object", "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
-                                        "bytes": {"type": "array", "items": {"type": "integer"}}}}
-_CHAT_LOGPROBS = {"type": ["object", "null"], "properties": {"content": {"type": "array", "items": {
-    **_TOP, "properties": {**_TOP["properties"], "top_logprobs": {"type": "array", "items": _TOP}}}}}}
-_LEGACY_LOGPROBS = {"type": ["object", "null"], "properties": {
-    "tokens": {"type": "array", "items": {"type": "string"}},
-    "token_logprobs": {"type": "array", "items": {"type": "number"}},
-    "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
-    "text_offset": {"type": "array", "items": {"type": "integer"}}}}
+_TOP: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "token": {"type": "string"},
+        "logprob": {"type": "number"},
+        "bytes": {"type": "array", "items": {"type": "integer"}},
+    },
+}
+_CHAT_LOGPROBS = {
+    "type": ["object", "null"],
+    "properties": {
+        "content": {
+            "type": "array",
+            "items": {**_TOP, "properties": {**_TOP["properties"], "top_logprobs": {"type": "array", "items": _TOP}}},
+        }
+    },
+}
+_LEGACY_LOGPROBS = {
+    "type": ["object", "null"],
+    "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"type": "number"}},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        "text_offset": {"type": "array", "items": {"type": "integer"}},
+    },
+}
 
 
 def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
-        "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"}, "model": {"type": "string"},
-        "choices": {"type": "array", "items": choice}, "usage": {"anyOf": [_USAGE, {"type": "null"}]}}}
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": obj},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": {"anyOf": [_USAGE, {"type": "null"}]},
+        },
+    }
 
 
 RESPONSE_SCHEMAS: dict[str, Any] = {
-    "ChatCompletion": _envelope("chat.completion", {"type": "object", "properties": {
-        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS,
-        "message": {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}),
-    "ChatCompletionChunk": _envelope("chat.completion.chunk", {"type": "object", "properties": {
-        "index": {"type": "integer"}, "finish_reason": _FINISH, "logprobs": _CHAT_LOGPROBS,
-        "delta": {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}}),
-    "Completion": _envelope("text_completion", {"type": "object", "properties": {
-        "index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
-        "logprobs": _LEGACY_LOGPROBS}}),
-    "Tokens": {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
-        "tokens": {"type": "array", "items": {"type": "integer"}}, "count": {"type": "integer"},
-        "max_model_len": {"type": "integer"}}},
+    "ChatCompletion": _envelope(
+        "chat.completion",
+        {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "finish_reason": _FINISH,
+                "logprobs": _CHAT_LOGPROBS,
+                "message": {
+                    "type": "object",
+                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                },
+            },
+        },
+    ),
+    "ChatCompletionChunk": _envelope(
+        "chat.completion.chunk",
+        {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "finish_reason": _FINISH,
+                "logprobs": _CHAT_LOGPROBS,
+                "delta": {
+                    "type": "object",
+                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                },
+            },
+        },
+    ),
+    "Completion": _envelope(
+        "text_completion",
+        {
+            "type": "object",
+            "properties": {
+                "index": {"type": "integer"},
+                "text": {"type": "string"},
+                "finish_reason": _FINISH,
+                "logprobs": _LEGACY_LOGPROBS,
+            },
+        },
+    ),
+    "Tokens": {
+        "type": "object",
+        "required": ["tokens", "count", "max_model_len"],
+        "properties": {
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "count": {"type": "integer"},
+            "max_model_len": {"type": "integer"},
+        },
+    },
     "Text": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
-    "ModelList": {"type": "object", "required": ["object", "data"], "properties": {
-        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object", "properties": {
-            "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-            "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}}}},
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                        "max_model_len": {"type": "integer"},
+                    },
+                },
+            },
+        },
+    },
     "Status": {"type": "object", "properties": {"status": {"type": "string"}}},
     "Flushed": {"type": "object", "required": ["flushed_pages"], "properties": {"flushed_pages": {"type": "integer"}}},
     "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
-    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-            "code": {"type": ["string", "null"]}}}}},
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
 }
 
-_ERRORS = {str(code): {"description": text, "content": {"application/json": {"schema": _ref("Error")}}}
-           for code, text in [(400, "invalid request"), (404, "unknown model"), (413, "body too large"),
-                              (503, "overloaded or not serving"), (504, "past the request deadline")]}
+_ERRORS = {
+    str(code): {"description": text, "content": {"application/json": {"schema": _ref("Error")}}}
+    for code, text in [
+        (400, "invalid request"),
+        (404, "unknown model"),
+        (413, "body too large"),
+        (503, "overloaded or not serving"),
+        (504, "past the request deadline"),
+    ]
+}
 
 
 def _json(name: str, description: str) -> dict[str, Any]:
@@ -98,13 +201,19 @@ def _post(request: str, reply: str, summary: str, stream_chunk: str | None = Non
     if stream_chunk:
         events = f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"
         ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": events}}
-    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-        "application/json": {"schema": _ref(request)}}}, "responses": {"200": ok, **_ERRORS}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+            "responses": {"200": ok, **_ERRORS},
+        }
+    }
 
 
 def _get(reply: str, summary: str, errors: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {"get": {"summary": summary, "responses": {"200": _json(reply, "the reply"),
-                                                      **{c: _ERRORS[c] for c in errors}}}}
+    return {
+        "get": {"summary": summary, "responses": {"200": _json(reply, "the reply"), **{c: _ERRORS[c] for c in errors}}}
+    }
 
 
 def openapi_document(version: str, model_name: str) -> dict[str, Any]:
@@ -114,20 +223,43 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "trillm", "version": version, "description": "OpenAI-compatible LLM inference server"},
         "paths": {
-            "/v1/chat/completions": _post("ChatCompletionRequest", "ChatCompletion", "chat completion",
-                                          "ChatCompletionChunk"),
+            "/v1/chat/completions": _post(
+                "ChatCompletionRequest", "ChatCompletion", "chat completion", "ChatCompletionChunk"
+            ),
             "/v1/completions": _post("CompletionRequest", "Completion", "text completion (legacy)", "Completion"),
             "/tokenize": _post("TokenizeRequest", "Tokens", "text or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Text", "token ids to text"),
             "/v1/models": _get("ModelList", "the served model"),
-            "/flush_cache": {"post": {"summary": "drop every cached KV page no request holds", "responses": {
-                "200": _json("Flushed", "how many pages were freed")}}},
+            "/flush_cache": {
+                "post": {
+                    "summary": "drop every cached KV page no request holds",
+                    "responses": {"200": _json("Flushed", "how many pages were freed")},
+                }
+            },
             "/health": _get("Status", "200 while serving", ("503",)),
             "/version": _get("Version", "server version"),
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {
-                "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-            "/openapi.json": {"get": {"summary": "this document", "responses": {"200": {
-                "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "responses": {
+                        "200": {
+                            "description": "OpenAPI 3.1",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
         },
         "components": {"schemas": {**requests, **RESPONSE_SCHEMAS}},
     }

@@ -36,8 +36,11 @@ def stream_end(obj: str, completion_id: str, created: int, model: str, totals: d
     """The last events of a stream: the usage chunk (``choices: []``) when asked for, then ``[DONE]``."""
     events = []
     if totals is not None:
-        events.append(sse({"id": completion_id, "object": obj, "created": created, "model": model,
-                           "choices": [], "usage": totals}))
+        events.append(
+            sse(
+                {"id": completion_id, "object": obj, "created": created, "model": model, "choices": [], "usage": totals}
+            )
+        )
     return [*events, sse("[DONE]")]
 
 

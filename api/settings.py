@@ -7,7 +7,8 @@ takes both from ``TRILLM_*`` variables. Later: API keys, CORS.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -26,12 +27,14 @@ class ServerConfig:
 
     host: str = setting("127.0.0.1", "address `trillm serve` listens on (hypercorn takes `-b` instead)")
     port: int = setting(8000, "port `trillm serve` listens on")
-    served_model_name: str | None = setting(None, "the id clients must send as `model`",
-                                            doc_default="the model string")
+    served_model_name: str | None = setting(None, "the id clients must send as `model`", doc_default="the model string")
     request_timeout: float | None = setting(
-        None, "seconds a generation request may take from arrival; then 504 (non-streaming) or a final chunk with "
-        "`finish_reason: \"length\"` (streaming), and its pages are freed; 0: none", doc_default="none",
-        validator=_not_negative)
+        None,
+        "seconds a generation request may take from arrival; then 504 (non-streaming) or a final chunk with "
+        '`finish_reason: "length"` (streaming), and its pages are freed; 0: none',
+        doc_default="none",
+        validator=_not_negative,
+    )
 
     @property
     def timeout_seconds(self) -> float:

@@ -13,7 +13,8 @@ calls only, so the scheduler frees the pages within one step.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Iterable, Protocol
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
 
 from trillm.api.errors import from_engine
 from trillm.api.gateway import EngineHandle
@@ -55,8 +56,13 @@ async def stream_choices(
     completion_id, created = new_completion_id(), int(time.time())
 
     def event(choice: dict[str, Any]) -> bytes:
-        body: dict[str, Any] = {"id": completion_id, "object": renderer.object, "created": created, "model": model,
-                                "choices": [choice]}
+        body: dict[str, Any] = {
+            "id": completion_id,
+            "object": renderer.object,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
         if include_usage:
             body["usage"] = None
         return sse(body)

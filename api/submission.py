@@ -5,12 +5,11 @@ from __future__ import annotations
 import attrs
 import trio
 
-from trillm.engine.execution.sampler import TokenLogprobs
-
 from trillm.api.errors import ApiError
-from trillm.api.schemas.generation import CommonFields
 from trillm.api.gateway import EngineHandle
+from trillm.api.schemas.generation import CommonFields
 from trillm.engine.errors import RequestRejected
+from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 
@@ -94,8 +93,12 @@ async def receive_until(outputs: trio.MemoryReceiveChannel[RequestOutput], deadl
 
 
 def timeout_error() -> ApiError:
-    return ApiError("the request ran past the server's time limit (TRILLM_REQUEST_TIMEOUT)", 504,
-                    code="request_timeout", type="timeout_error")
+    return ApiError(
+        "the request ran past the server's time limit (TRILLM_REQUEST_TIMEOUT)",
+        504,
+        code="request_timeout",
+        type="timeout_error",
+    )
 
 
 def abort_all(engine: EngineHandle, request_ids: list[str]) -> None:

@@ -29,8 +29,13 @@ async def cancel_heavy(url: str, model: str, prompts: list[str], seconds: float,
         nonlocal delivered, cut, finished
         while trio.current_time() < deadline:
             stop_after = rng.randint(1, 64)
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 48,
-                    "temperature": 0.8, "stream": True}
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 48,
+                "temperature": 0.8,
+                "stream": True,
+            }
             got = 0
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 async for line in response.aiter_lines():
@@ -48,7 +53,9 @@ async def cancel_heavy(url: str, model: str, prompts: list[str], seconds: float,
                 finished += 1
 
     started = time.perf_counter()
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=len(prompts) * 2)) as http:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=600, limits=httpx.Limits(max_connections=len(prompts) * 2)
+    ) as http:
         async with trio.open_nursery() as nursery:
             for prompt in prompts:
                 nursery.start_soon(user, http, prompt)
@@ -60,12 +67,15 @@ async def cancel_heavy(url: str, model: str, prompts: list[str], seconds: float,
         "tokens_delivered_per_s": round(delivered / elapsed, 1),
         "streams_cut": cut,
         "streams_finished": finished,
-        "prefix_cache_hit_rate": round(metrics["prefix_cache_hits_total"] / max(1, metrics["prefix_cache_queries_total"]), 3),
+        "prefix_cache_hit_rate": round(
+            metrics["prefix_cache_hits_total"] / max(1, metrics["prefix_cache_queries_total"]), 3
+        ),
         "aborted": int(metrics["num_requests_aborted_total"]),
         "running_after": int(metrics["num_requests_running"]),
         "free_pages": int(metrics["kv_cache_free_pages"]),
         "evictable_pages": int(metrics["kv_cache_evictable_pages"]),
         "total_pages": int(metrics["kv_cache_total_pages"]),
         "accounting_exact": metrics["kv_cache_free_pages"] + metrics["kv_cache_evictable_pages"]
-        == metrics["kv_cache_total_pages"] and metrics["num_requests_running"] == 0,
+        == metrics["kv_cache_total_pages"]
+        and metrics["num_requests_running"] == 0,
     }

@@ -28,8 +28,12 @@ print(json.dumps({"tokens": out["usage"]["completion_tokens"], "seconds": second
 
 def llama_cpp_single_stream(python: str, gguf: Path, prompt: str, output_len: int, threads: int) -> tuple[int, float]:
     """(tokens, seconds) of one llama.cpp completion, prompt processing included as for the others."""
-    done = subprocess.run([python, "-c", _LLAMA_CPP_SCRIPT, str(gguf), prompt, str(output_len), str(threads)],
-                          check=True, capture_output=True, text=True)
+    done = subprocess.run(
+        [python, "-c", _LLAMA_CPP_SCRIPT, str(gguf), prompt, str(output_len), str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     return int(result["tokens"]), float(result["seconds"])
 
@@ -70,8 +74,10 @@ def plot(rows: list[Any], path: Path, title: str) -> None:
     lines: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
         # One line for generate (single and static batch); each trillm run keeps its own.
-        label = {"transformers": "transformers generate (static batch)",
-                 "llama.cpp": "llama.cpp (Q4_1 4-bit weights)"}.get(r.label.split(" ")[0], r.label)
+        label = {
+            "transformers": "transformers generate (static batch)",
+            "llama.cpp": "llama.cpp (Q4_1 4-bit weights)",
+        }.get(r.label.split(" ")[0], r.label)
         lines.setdefault(label, []).append((r.concurrency, r.tokens_per_s))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in lines.items():

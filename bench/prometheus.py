@@ -11,5 +11,5 @@ def scrape(text: str, prefix: str = "trillm:") -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.startswith(prefix):
-                values[sample.name[len(prefix):]] = sample.value
+                values[sample.name[len(prefix) :]] = sample.value
     return values

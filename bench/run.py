@@ -36,23 +36,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="benchmark a running server instead of starting one")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--no-baseline", action="store_true", help="skip transformers generate")
-    p.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="tokens of one shared 'system prompt' put before every client's prompt")
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of one shared 'system prompt' put before every client's prompt",
+    )
     p.add_argument("--no-prefix-cache", action="store_true", help="start the server with --no-prefix-cache")
-    p.add_argument("--cancel-heavy", type=float, metavar="SECONDS",
-                   help="run the stop-and-retry workload for this long instead (uses the first --concurrency)")
-    p.add_argument("--probe-len", type=int, default=None,
-                   help="prompt tokens of the newcomer sent once every client streams (default: --prompt-len)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights for --model's config.json (server and baseline alike)")
+    p.add_argument(
+        "--cancel-heavy",
+        type=float,
+        metavar="SECONDS",
+        help="run the stop-and-retry workload for this long instead (uses the first --concurrency)",
+    )
+    p.add_argument(
+        "--probe-len",
+        type=int,
+        default=None,
+        help="prompt tokens of the newcomer sent once every client streams (default: --prompt-len)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights for --model's config.json (server and baseline alike)",
+    )
     p.add_argument("--kernels", default=None, help="passed to trillm serve --kernels")
-    p.add_argument("--weight-format", default="auto",
-                   help="comma-separated trillm serve --weight-format values, one server run each (e.g. auto,dense)")
-    p.add_argument("--overlap", default="on",
-                   help="comma-separated on/off: one server run each, with or without --disable-overlap-schedule")
+    p.add_argument(
+        "--weight-format",
+        default="auto",
+        help="comma-separated trillm serve --weight-format values, one server run each (e.g. auto,dense)",
+    )
+    p.add_argument(
+        "--overlap",
+        default="on",
+        help="comma-separated on/off: one server run each, with or without --disable-overlap-schedule",
+    )
     p.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
-    p.add_argument("--llama-cpp", metavar="PYTHON",
-                   help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF")
+    p.add_argument(
+        "--llama-cpp",
+        metavar="PYTHON",
+        help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF",
+    )
 
 
 @attrs.frozen
@@ -89,13 +114,21 @@ def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
         text = candidate
 
 
-async def _stream_one(http: Any, model: str, prompt: str, max_tokens: int,
-                      started: trio.Event | None) -> tuple[float, list[float], int]:
+async def _stream_one(
+    http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None
+) -> tuple[float, list[float], int]:
     """One streaming request: (ttft, inter-token gaps, completion tokens)."""
     import json
 
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, last, gaps, tokens, seen = float("nan"), 0.0, [], 0, 0
     async with http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -145,8 +178,13 @@ async def _serving_run(url: str, model: str, prompts: list[str], output_len: int
         # The probe's own 8 tokens finish inside the window; count only the clients.
         seconds = time.perf_counter() - t0
     return RunResult(
-        "trillm (HTTP, streaming)", len(prompts), sum(r[2] for r in results), seconds,
-        tuple(r[0] for r in results), tuple(g for r in results for g in r[1]), probe[0] if probe else None,
+        "trillm (HTTP, streaming)",
+        len(prompts),
+        sum(r[2] for r in results),
+        seconds,
+        tuple(r[0] for r in results),
+        tuple(g for r in results for g in r[1]),
+        probe[0] if probe else None,
     )
 
 
@@ -167,8 +205,9 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) 
     raise SystemExit("the server did not become healthy")
 
 
-def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int,
-              config: dict[str, Any] | None = None) -> RunResult:
+def _baseline(
+    model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int, config: dict[str, Any] | None = None
+) -> RunResult:
     """transformers ``generate``; with ``config`` (dummy weights) a randomly initialised model of that shape."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -181,8 +220,14 @@ def _baseline(model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_l
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model = model.to(device)
     batch = torch.tensor(prompts_ids, device=device)
-    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=True, temperature=0.8,
-                  pad_token_id=0, attention_mask=torch.ones_like(batch))
+    kwargs = dict(
+        max_new_tokens=output_len,
+        min_new_tokens=output_len,
+        do_sample=True,
+        temperature=0.8,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(batch),
+    )
     with torch.inference_mode():
         model.generate(batch[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm up
         t0 = time.perf_counter()
@@ -216,7 +261,9 @@ def _table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: i
         itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f} / {max(r.itl) * 1e3:.0f}" if r.itl else ""
         probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
         share = f"{(r.step_bytes or step_bytes) / _pct(r.itl, 0.5) / bandwidth:.0%}" if r.itl else ""
-        lines.append(f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} |")
+        lines.append(
+            f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} |"
+        )
     return "\n".join(lines)
 
 
@@ -224,13 +271,11 @@ def run_bench(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from trillm.engine.execution.model_runner import choose_dtype
-    from trillm.engine.execution.model_source import resolve_model
-
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
-    from trillm.engine.execution.llama import LlamaShape
     from trillm.engine.config import EngineConfig
-    from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf
+    from trillm.engine.execution.llama import LlamaShape
+    from trillm.engine.execution.model_runner import choose_dtype
+    from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf, resolve_model
     from trillm.engine.settings import from_env
 
     dummy = args.load_format == "dummy"
@@ -248,9 +293,13 @@ def run_bench(args: argparse.Namespace) -> None:
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
     prompts = [shared + _prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels))]
     prompts.append(shared + _prompt(tokenizer, args.probe_len or args.prompt_len, rng))  # the newcomer
-    print(f"[bench] model={args.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
-          f"output={args.output_len} prefix_cache={not args.no_prefix_cache} "
-          f"threads={torch.get_num_threads()} levels={levels}", file=sys.stderr, flush=True)
+    print(
+        f"[bench] model={args.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
+        f"output={args.output_len} prefix_cache={not args.no_prefix_cache} "
+        f"threads={torch.get_num_threads()} levels={levels}",
+        file=sys.stderr,
+        flush=True,
+    )
 
     # A KV pool that holds every client's whole sequence: measure batching, not preemption.
     shape = LlamaShape.from_config(model_config)
@@ -268,14 +317,32 @@ def run_bench(args: argparse.Namespace) -> None:
         url = args.url
         if url is None:
             url = f"http://127.0.0.1:{args.port}"
-            proc = subprocess.Popen([sys.executable, "-m", "trillm.api.cli", "serve", "--model", args.model, "--port",
-                                     str(args.port), "--dtype", dtype_name, "--max-num-seqs", str(max(levels) + 1),
-                                     "--load-format", args.load_format, "--kv-cache-mb", str(kv_mb),
-                                     "--weight-format", weight_format,
-                                     *(["--disable-overlap-schedule"] if overlap == "off" else []),
-                                     *(["--kernels", str(args.kernels)] if args.kernels else []),
-                                     *(["--no-prefix-cache"] if args.no_prefix_cache else [])],
-                                    env={**os.environ})
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "trillm.api.cli",
+                    "serve",
+                    "--model",
+                    args.model,
+                    "--port",
+                    str(args.port),
+                    "--dtype",
+                    dtype_name,
+                    "--max-num-seqs",
+                    str(max(levels) + 1),
+                    "--load-format",
+                    args.load_format,
+                    "--kv-cache-mb",
+                    str(kv_mb),
+                    "--weight-format",
+                    str(weight_format),
+                    *(["--disable-overlap-schedule"] if overlap == "off" else []),
+                    *(["--kernels", str(args.kernels)] if args.kernels else []),
+                    *(["--no-prefix-cache"] if args.no_prefix_cache else []),
+                ],
+                env={**os.environ},
+            )
         try:
             wait_healthy(url, proc)
             if args.cancel_heavy:
@@ -285,8 +352,11 @@ def run_bench(args: argparse.Namespace) -> None:
                 print(json.dumps(report, indent=1))
                 return
             server_bytes = _server_step_bytes(url)
-            label = "trillm (HTTP, streaming)" + (f", {weight_format} weights" if len(formats) > 1 else "") + (
-                f", overlap {overlap}" if len(overlaps) > 1 else "")
+            label = (
+                "trillm (HTTP, streaming)"
+                + (f", {weight_format} weights" if len(formats) > 1 else "")
+                + (f", overlap {overlap}" if len(overlaps) > 1 else "")
+            )
             for level in levels:
                 result = trio.run(partial(_serving_run, url, args.model, prompts[:level], args.output_len, prompts[-1]))
                 result = attrs.evolve(result, label=label, step_bytes=server_bytes)
@@ -302,22 +372,32 @@ def run_bench(args: argparse.Namespace) -> None:
         for level in levels:
             ids = [tokenizer(p)["input_ids"][: args.prompt_len - 8] for p in prompts[:level]]
             width = min(len(i) for i in ids)
-            result = _baseline(model_dir, dtype, [i[:width] for i in ids], args.output_len,
-                               model_config if dummy else None)
+            result = _baseline(
+                model_dir, dtype, [i[:width] for i in ids], args.output_len, model_config if dummy else None
+            )
             print(f"[bench] {result.label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
             baselines[level] = result
             rows.append(result)
     if args.llama_cpp:
         gguf = default_gguf(cache)
-        tokens, seconds = llama_cpp_single_stream(args.llama_cpp, gguf, prompts[0], args.output_len,
-                                                  torch.get_num_threads())
+        tokens, seconds = llama_cpp_single_stream(
+            args.llama_cpp, gguf, prompts[0], args.output_len, torch.get_num_threads()
+        )
         rows.append(RunResult("llama.cpp (llama-cpp-python, Q4_1 GGUF)", 1, tokens, seconds))
         print(f"[bench] llama.cpp c=1: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
     bandwidth = memory_bandwidth(device)
     step_bytes = weight_bytes(model_config, dtype)
-    print(f"[bench] device={device} copy bandwidth {bandwidth / 1e9:.1f} GB/s; one decode step reads "
-          f">= {step_bytes / 1e6:.0f} MB of weights", file=sys.stderr, flush=True)
+    print(
+        f"[bench] device={device} copy bandwidth {bandwidth / 1e9:.1f} GB/s; one decode step reads "
+        f">= {step_bytes / 1e6:.0f} MB of weights",
+        file=sys.stderr,
+        flush=True,
+    )
     print(_table(rows, baselines, step_bytes, bandwidth))
     if args.plot:
-        plot(rows, args.plot, f"{args.model if not dummy else config_path.name} ({dtype_name}, {device.type}, "
-                              f"{args.prompt_len} in / {args.output_len} out)")
+        plot(
+            rows,
+            args.plot,
+            f"{args.model if not dummy else config_path.name} ({dtype_name}, {device.type}, "
+            f"{args.prompt_len} in / {args.output_len} out)",
+        )

@@ -30,44 +30,71 @@ class EngineConfig:
     ask for a tiny pool to exercise preemption.
     """
 
-    model: str = setting("smollm2-135m-instruct",
-                         "alias, Hugging Face folder (config.json + safetensors + tokenizer), or `.gguf` file")
-    dtype: str = setting("auto", "`auto` measures bfloat16 vs float32 matmuls at start and takes the faster "
-                         "(float32 on CPUs without native bf16)", choices=DTYPES)
+    model: str = setting(
+        "smollm2-135m-instruct", "alias, Hugging Face folder (config.json + safetensors + tokenizer), or `.gguf` file"
+    )
+    dtype: str = setting(
+        "auto",
+        "`auto` measures bfloat16 vs float32 matmuls at start and takes the faster "
+        "(float32 on CPUs without native bf16)",
+        choices=DTYPES,
+    )
     page_size: int = setting(16, "tokens per KV page", validator=attrs.validators.ge(1))
-    num_pages: int | None = setting(None, "pages in the KV pool (wins over the memory budget)",
-                                    doc_default="from the KV budget")
-    kv_cache_bytes: int = setting(512 * MB, "memory budget for the KV pool, in MB", flag="--kv-cache-mb",
-                                  env="TRILLM_KV_CACHE_MB", scale=MB)
+    num_pages: int | None = setting(
+        None, "pages in the KV pool (wins over the memory budget)", doc_default="from the KV budget"
+    )
+    kv_cache_bytes: int = setting(
+        512 * MB, "memory budget for the KV pool, in MB", flag="--kv-cache-mb", env="TRILLM_KV_CACHE_MB", scale=MB
+    )
     max_num_seqs: int = setting(64, "most sequences in the running batch")
-    max_waiting: int = setting(1024, "requests queued (not yet running) beyond this get 503 with `Retry-After: 1` "
-                               "at once")
-    max_batch_tokens: int = setting(512, "token budget per step (decodes + prefill chunks); must exceed "
-                                    "`max_num_seqs`")
-    max_model_len: int | None = setting(None, "context limit (also capped by the pool size)",
-                                        doc_default="the model's")
-    prefix_cache: bool = setting(True, "reuse the KV pages of earlier requests that share a prefix",
-                                 flag="--no-prefix-cache")
+    max_waiting: int = setting(
+        1024, "requests queued (not yet running) beyond this get 503 with `Retry-After: 1` at once"
+    )
+    max_batch_tokens: int = setting(512, "token budget per step (decodes + prefill chunks); must exceed `max_num_seqs`")
+    max_model_len: int | None = setting(None, "context limit (also capped by the pool size)", doc_default="the model's")
+    prefix_cache: bool = setting(
+        True, "reuse the KV pages of earlier requests that share a prefix", flag="--no-prefix-cache"
+    )
     num_threads: int | None = setting(None, "torch threads for the forward pass", doc_default="all cores")
     device: str = setting("auto", "`auto`: `cuda` when torch sees a GPU, else `cpu`", choices=DEVICES)
-    kernels: str = setting("auto", "`auto`: Triton kernels on CUDA, the CPU fast path on CPUs; `reference` "
-                           "forces the plain-torch kernels (debugging); `triton` on a CPU needs "
-                           "`TRITON_INTERPRET=1` (slow, for tests)", choices=KERNELS)
-    load_format: str = setting("auto", "`dummy`: random weights shaped by the model's `config.json` (`--model` may "
-                               "name the file itself), to measure any model size without its weights",
-                               choices=LOAD_FORMATS)
-    tokenizer: str | None = setting(None, "alias or folder to read the tokenizer from; dummy models without one "
-                                    "use the default model's", doc_default="the model's")
-    weight_format: str = setting("auto", "`auto`: on the CPU fast path in float32 with AVX-512 or AVX2 + FMA, "
-                                 "projections whose values are exactly GGUF Q4_1/Q8_0 blocks stay in those blocks "
-                                 "and are decoded in registers (same values, 4-5x fewer bytes per decode step); "
-                                 "`dense`: float32 matrices; `blocks`: every projection in blocks, or refuse "
-                                 "to start", choices=WEIGHT_FORMATS)
+    kernels: str = setting(
+        "auto",
+        "`auto`: Triton kernels on CUDA, the CPU fast path on CPUs; `reference` "
+        "forces the plain-torch kernels (debugging); `triton` on a CPU needs "
+        "`TRITON_INTERPRET=1` (slow, for tests)",
+        choices=KERNELS,
+    )
+    load_format: str = setting(
+        "auto",
+        "`dummy`: random weights shaped by the model's `config.json` (`--model` may "
+        "name the file itself), to measure any model size without its weights",
+        choices=LOAD_FORMATS,
+    )
+    tokenizer: str | None = setting(
+        None,
+        "alias or folder to read the tokenizer from; dummy models without one use the default model's",
+        doc_default="the model's",
+    )
+    weight_format: str = setting(
+        "auto",
+        "`auto`: on the CPU fast path in float32 with AVX-512 or AVX2 + FMA, "
+        "projections whose values are exactly GGUF Q4_1/Q8_0 blocks stay in those blocks "
+        "and are decoded in registers (same values, 4-5x fewer bytes per decode step); "
+        "`dense`: float32 matrices; `blocks`: every projection in blocks, or refuse "
+        "to start",
+        choices=WEIGHT_FORMATS,
+    )
     enforce_eager: bool = setting(False, "on GPUs, run decode steps without CUDA graphs (debugging)")
-    overlap_schedule: bool = setting(True, "schedule step N+1 while step N runs; off: one step at a time "
-                                     "(debugging)", flag="--disable-overlap-schedule")
-    cache_dir: str = setting(str(cpu_build.DEFAULT_CACHE_DIR), "where converted weights and the compiled CPU "
-                             "kernels live", doc_default="`~/.cache/trillm`")
+    overlap_schedule: bool = setting(
+        True,
+        "schedule step N+1 while step N runs; off: one step at a time (debugging)",
+        flag="--disable-overlap-schedule",
+    )
+    cache_dir: str = setting(
+        str(cpu_build.DEFAULT_CACHE_DIR),
+        "where converted weights and the compiled CPU kernels live",
+        doc_default="`~/.cache/trillm`",
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -80,8 +107,13 @@ class EngineConfig:
             )
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
-        for name, allowed in (("dtype", DTYPES), ("device", DEVICES), ("kernels", KERNELS),
-                              ("load_format", LOAD_FORMATS), ("weight_format", WEIGHT_FORMATS)):
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("device", DEVICES),
+            ("kernels", KERNELS),
+            ("load_format", LOAD_FORMATS),
+            ("weight_format", WEIGHT_FORMATS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         if self.num_pages is not None and self.num_pages < 1:

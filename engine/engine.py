@@ -16,8 +16,9 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import attrs
 import torch
@@ -39,8 +40,15 @@ from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.step_loop import Step, StepLoop
 from trillm.engine.scheduling.telemetry import EngineObserver
 
-__all__ = ["Engine", "EngineNotRunning", "EngineOverloaded", "EngineStats", "RequestOutput", "RequestRejected",
-           "load_model"]
+__all__ = [
+    "Engine",
+    "EngineNotRunning",
+    "EngineOverloaded",
+    "EngineStats",
+    "RequestOutput",
+    "RequestRejected",
+    "load_model",
+]
 
 log = logging.getLogger("trillm.engine")
 _ids = itertools.count()
@@ -75,9 +83,15 @@ class Engine:
             model.shape.max_position_embeddings,
             num_pages * config.page_size,
         )
-        graphs = model.device.type == "cuda" and model.kernels is not None and not config.enforce_eager
-        self.runner = ModelRunner(model, num_pages, config.page_size, config.num_threads or os.cpu_count() or 1,
-                                  graph_batch=config.max_num_seqs if graphs else 0, max_model_len=self.max_model_len)
+        graphs = model.device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager
+        self.runner = ModelRunner(
+            model,
+            num_pages,
+            config.page_size,
+            config.num_threads or os.cpu_count() or 1,
+            graph_batch=config.max_num_seqs if graphs else 0,
+            max_model_len=self.max_model_len,
+        )
         self.router = OutputRouter(tokenizer)
         self.loop: StepLoop[StepInputs] = StepLoop(
             self.scheduler, self.runner.prepare, 2 if config.overlap_schedule else 1, self._on_scheduled
@@ -90,7 +104,7 @@ class Engine:
         self.prompt_tokens_total = 0
 
     @classmethod
-    def load(cls, config: EngineConfig) -> "Engine":
+    def load(cls, config: EngineConfig) -> Engine:
         """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
         return cls(config, *load_model(config))
 
@@ -132,9 +146,7 @@ class Engine:
                 "context_length_exceeded",
             )
         if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
-            raise RequestRejected(
-                f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt"
-            )
+            raise RequestRejected(f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt")
 
     def check_capacity(self, count: int) -> None:
         """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the waiting queue."""
@@ -176,7 +188,9 @@ class Engine:
                 max_len = self.max_model_len
                 if params.max_tokens is not None:
                     max_len = min(max_len, len(prompt_ids) + params.max_tokens)
-                seq = Sequence(request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic())
+                seq = Sequence(
+                    request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic()
+                )
                 if params.seed is not None:
                     seq.generator = torch.Generator().manual_seed(params.seed)
                 seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
@@ -298,9 +312,7 @@ class Engine:
                 self._finish(chunk.seq.request_id, "error")
             return
         batch, updated = self.loop.resolve(result.tokens)
-        logprobs = {
-            id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)
-        }
+        logprobs = {id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)}
         for seq, index in updated:
             if not self.router.route(seq, index, logprobs.get(id(seq))):  # its consumer has gone
                 self.num_aborted += 1

@@ -12,7 +12,8 @@ import argparse
 import os
 import types
 import typing
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import attrs
 
@@ -83,8 +84,18 @@ def settings_of(cls: type) -> Iterator[Setting]:
         default = field.default
         flag = spec["flag"] or "--" + field.name.replace("_", "-")
         doc_default = spec["doc_default"] or ("none" if default is None else _show(default, spec["scale"]))
-        yield Setting(field.name, kind, optional, default, spec["help"], spec["choices"],
-                      spec["env"] or ENV_PREFIX + field.name.upper(), flag, doc_default, spec["scale"])
+        yield Setting(
+            field.name,
+            kind,
+            optional,
+            default,
+            spec["help"],
+            spec["choices"],
+            spec["env"] or ENV_PREFIX + field.name.upper(),
+            flag,
+            doc_default,
+            spec["scale"],
+        )
 
 
 def _unwrap(hint: Any) -> tuple[type, bool]:
@@ -135,9 +146,15 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             action = "store_false" if s.default else "store_true"
             group.add_argument(s.flag, dest=s.name, action=action, default=None, help=text)
         else:
-            group.add_argument(s.flag, dest=s.name, type=_flag_type(s), default=None, choices=s.choices,
-                               metavar=None if s.choices else s.flag.lstrip("-").replace("-", "_").upper(),
-                               help=text)
+            group.add_argument(
+                s.flag,
+                dest=s.name,
+                type=_flag_type(s),
+                default=None,
+                choices=s.choices,
+                metavar=None if s.choices else s.flag.lstrip("-").replace("-", "_").upper(),
+                help=text,
+            )
 
 
 def _flag_type(s: Setting) -> Callable[[str], Any]:

@@ -18,8 +18,24 @@ NUM_SPLITS = 8
 
 @triton.jit
 def _attend_block(
-    q, m, total, acc, k_cache_ptr, v_cache_ptr, table_ptr, pos, n_mask, allowed, kvh, d, d_mask, scale,
-    stride_cp, stride_cs, stride_ch, PAGE_SIZE: tl.constexpr,
+    q,
+    m,
+    total,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    pos,
+    n_mask,
+    allowed,
+    kvh,
+    d,
+    d_mask,
+    scale,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    PAGE_SIZE: tl.constexpr,
 ):
     """Fold one block of keys, read from the pages, into an online softmax's running
     (max, sum, weighted V); ``allowed`` masks scores. Rows that see no key yet keep 0."""
@@ -41,14 +57,28 @@ def _attend_block(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     scale,
-    stride_qb, stride_qh,
-    stride_cp, stride_cs, stride_ch,
+    stride_qb,
+    stride_qh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
     stride_tb,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,7 +95,8 @@ def _decode_split_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
@@ -74,8 +105,24 @@ def _decode_split_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < end
         m, total, acc = _attend_block(
-            q, m, total, acc, k_cache_ptr, v_cache_ptr, tables_ptr + b * stride_tb, pos, n_mask, n_mask[None, :],
-            kvh, d, d_mask, scale, stride_cp, stride_cs, stride_ch, PAGE_SIZE,
+            q,
+            m,
+            total,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            tables_ptr + b * stride_tb,
+            pos,
+            n_mask,
+            n_mask[None, :],
+            kvh,
+            d,
+            d_mask,
+            scale,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            PAGE_SIZE,
         )
     has = total > 0
     out = acc / tl.where(has, total, 1.0)[:, None]
@@ -87,8 +134,15 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_HEADS: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -124,31 +178,68 @@ def decode_attention(
     part_out = torch.empty(batch, heads, NUM_SPLITS, q.shape[2], dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, NUM_SPLITS, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, kv_heads, NUM_SPLITS)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        part_out,
+        part_lse,
         scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        PAGE_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=q.shape[2], BLOCK_D=block_d, BLOCK_N=32, NUM_SPLITS=NUM_SPLITS, NUM_HEADS=heads,
+        PAGE_SIZE=k_cache.shape[1],
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=q.shape[2],
+        BLOCK_D=block_d,
+        BLOCK_N=32,
+        NUM_SPLITS=NUM_SPLITS,
+        NUM_HEADS=heads,
     )
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, heads)](
-        part_out, part_lse, out, out.stride(0), out.stride(1),
-        HEAD_DIM=q.shape[2], BLOCK_D=block_d, NUM_SPLITS=NUM_SPLITS, NUM_HEADS=heads,
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=q.shape[2],
+        BLOCK_D=block_d,
+        NUM_SPLITS=NUM_SPLITS,
+        NUM_HEADS=heads,
     )
     return out
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, starts_ptr, lens_ptr, out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    tables_ptr,
+    starts_ptr,
+    lens_ptr,
+    out_ptr,
     scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cp, stride_cs, stride_ch,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
     stride_tb,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -163,7 +254,8 @@ def _extend_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(
         q_ptr + (q_start + rows)[:, None] * stride_qt + h * stride_qh + d[None, :],
-        mask=r_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=r_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     kvh = h // GROUP
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -174,14 +266,30 @@ def _extend_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < length
         m, total, acc = _attend_block(
-            q, m, total, acc, k_cache_ptr, v_cache_ptr, tables_ptr + seq * stride_tb, pos, n_mask,
-            n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), kvh, d, d_mask, scale,
-            stride_cp, stride_cs, stride_ch, PAGE_SIZE,
+            q,
+            m,
+            total,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            tables_ptr + seq * stride_tb,
+            pos,
+            n_mask,
+            n_mask[None, :] & (pos[None, :] <= q_pos[:, None]),
+            kvh,
+            d,
+            d_mask,
+            scale,
+            stride_cp,
+            stride_cs,
+            stride_ch,
+            PAGE_SIZE,
         )
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=r_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -205,12 +313,27 @@ def extend_attention(
         return out
     block_m = 16
     _extend_kernel[(block_tables.shape[0], heads, triton.cdiv(max_new_tokens, block_m))](
-        q, k_cache, v_cache, block_tables, query_starts, context_lens, out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_starts,
+        context_lens,
+        out,
         scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        PAGE_SIZE=k_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=q.shape[2], BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=32,
+        PAGE_SIZE=k_cache.shape[1],
+        GROUP=heads // kv_heads,
+        HEAD_DIM=q.shape[2],
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
     )
     return out

@@ -99,8 +99,15 @@ def _blocks(w: torch.Tensor) -> torch.Tensor | None:
     return w.reshape(-1, BLOCK)
 
 
-def _solve(blocks: torch.Tensor, offset: torch.Tensor, span: torch.Tensor, levels: int, lowest: int,
-           highest: int, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _solve(
+    blocks: torch.Tensor,
+    offset: torch.Tensor,
+    span: torch.Tensor,
+    levels: int,
+    lowest: int,
+    highest: int,
+    q_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per block [B, 32]: (d [B], q [B, 32]) with d * q + offset == blocks exactly, or None.
 
     Each candidate scale is tried only on the blocks no earlier candidate solved. When

@@ -9,10 +9,22 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cp, stride_cs, stride_ch,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -39,8 +51,20 @@ def store_kv(
     kv_heads, head_dim = k.shape[1], k.shape[2]
     width = kv_heads * head_dim
     _store_kv_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, WIDTH=width, BLOCK=triton.next_power_of_2(width),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        PAGE_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim,
+        WIDTH=width,
+        BLOCK=triton.next_power_of_2(width),
     )

@@ -6,7 +6,7 @@ event loop keeps running while a worker thread computes.
 
 The shared object goes to ``kernels/`` in the cache folder (``use_cache_dir``; the
 engine passes its ``cache_dir`` setting there, default ``~/.cache/trillm``),
-named after the source and keyed by the source text, compiler, flags and CPU; it is
+named after the source and keyed by the source and header text, compiler, flags and CPU; it is
 compiled into a temporary file and renamed into place, so concurrent builders never
 see half a library. A library that cannot be built or loaded is logged once and
 reported as None, so callers fall back to torch.
@@ -64,7 +64,10 @@ def _build(name: str, extra_flags: tuple[str, ...]) -> Path:
     compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = (*FLAGS, *extra_flags)
     source = source_path.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([*compiler, *flags, *LIBS]).encode(), _cpu_id().encode()]))
+    headers = b"".join(h.read_bytes() for h in sorted(KERNELS_DIR.glob("*.h")))  # what the sources #include
+    key = hashlib.sha256(
+        b"\0".join([source, headers, " ".join([*compiler, *flags, *LIBS]).encode(), _cpu_id().encode()])
+    )
     target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -107,8 +110,9 @@ class CKernel:
     ``signatures`` (function name -> argtypes, all returning ``restype``), and looked up
     once, since the calls at decode sizes take microseconds."""
 
-    def __init__(self, name: str, signatures: dict[str, list], restype: object,
-                 extra_flags: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, name: str, signatures: dict[str, list], restype: object, extra_flags: tuple[str, ...] = ()
+    ) -> None:
         self.name = name
         self.signatures = signatures
         self.restype = restype

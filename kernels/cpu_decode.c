@@ -1,5 +1,8 @@
 /* Paged decode attention on the CPU, float32, for kernels/cpu_decode.py (ctypes).
  *
+ * Just over our ~400-line guide on purpose: one kernel, its AVX-512 path beside
+ * the portable one it must agree with.
+ *
  * out[b, h, :] = softmax(scale * q[b, h, :] . K[tokens of seq b, h / G, :]) @ V[...]
  * with G = H / KVH query heads per kv head. A task handles the G query heads of
  * a kv head together, so each K/V row is read once. Two passes per task: scores
@@ -17,14 +20,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Vector expf from glibc's libmvec, as in cpu_ops.c (built with -fno-math-errno):
- * the weights loop below then runs 16 lanes at a time. Scalar expf was about a
- * third of the kernel's time at 200 tokens of context. */
-#if defined(__x86_64__) && defined(__GLIBC__)
-float expf(float) __attribute__((simd("notinbranch")));
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
+/* Vector expf (cpu_common.h): the weights loop below runs 16 lanes at a time.
+ * Scalar expf was about a third of the kernel's time at 200 tokens of context. */
+#include "cpu_common.h"
 
 typedef struct {
     const float *k_cache, *v_cache;
@@ -47,10 +45,7 @@ INLINE float dot(const float *restrict a, const float *restrict b, int64_t D)
             part[l] += a[d + l] * b[d + l];
     for (; d < D; d++)
         part[0] += a[d] * b[d];
-    for (int w = 4; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            part[l] += part[l + w];
-    return part[0];
+    return tree_sum(part, 8);
 }
 
 /* The sum of x[0..n), with 8 partial sums for the same reason. */
@@ -63,10 +58,7 @@ INLINE float sum_of(const float *restrict x, int64_t n)
             part[l] += x[p + l];
     for (; p < n; p++)
         part[0] += x[p];
-    for (int w = 4; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            part[l] += part[l + w];
-    return part[0];
+    return tree_sum(part, 8);
 }
 
 /* The largest of x[0..n), with 8 running maxima for the same reason. */
@@ -79,10 +71,7 @@ INLINE float max_of(const float *restrict x, int64_t n)
             part[l] = x[p + l] > part[l] ? x[p + l] : part[l];
     for (; p < n; p++)
         part[0] = x[p] > part[0] ? x[p] : part[0];
-    for (int w = 4; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            part[l] = part[l + w] > part[l] ? part[l + w] : part[l];
-    return part[0];
+    return tree_max(part, 8);
 }
 
 /* Pages are scattered, so the hardware prefetcher cannot guess the next one. */

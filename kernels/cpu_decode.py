@@ -13,7 +13,6 @@ import torch
 
 from trillm.kernels import cpu_build
 
-
 _ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
 _SIGNATURES = {"trillm_decode_attention": _ARGTYPES}
 _KERNEL = cpu_build.CKernel("cpu_decode", _SIGNATURES, ctypes.c_int, ("-fno-math-errno",))
@@ -51,12 +50,27 @@ def decode_attention(
     tables = block_tables.to(device="cpu", dtype=torch.int32).contiguous()
     lens = context_lens.to(device="cpu", dtype=torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] != B or lens.shape != (B,):
-        raise ValueError(f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} do not match batch {B}")
+        raise ValueError(
+            f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} do not match batch {B}"
+        )
     out = torch.empty((B, H, D), dtype=torch.float32)
     threads = num_threads if num_threads is not None else torch.get_num_threads()
     rc = lib.trillm_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
-        B, H, kv_heads, D, num_pages, page_size, tables.shape[1], float(scale), max(1, threads),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        B,
+        H,
+        kv_heads,
+        D,
+        num_pages,
+        page_size,
+        tables.shape[1],
+        float(scale),
+        max(1, threads),
     )
     if rc == 1:
         raise ValueError("a context length or page index is out of range for the cache/block table")

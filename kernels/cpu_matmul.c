@@ -1,5 +1,9 @@
 /* out[M, N] (+)= x[M, K] @ W[N, K]^T with W in GGUF-style blocks, for kernels/cpu_matmul.py (ctypes).
  *
+ * Longer than our ~400-line guide on purpose: one kernel, written once over a
+ * vector type for AVX-512 and AVX2, plus its plain-C path; split, the three would
+ * drift apart.
+ *
  * W is Q4_1 (w = d * q + m, q in 0..15) or Q8_0 (w = d * q, q in -128..127), one d (and m)
  * per block of 32 along K; layouts in kernels/block_weights.py. Each weight is decoded to
  * float32 with the two roundings of block_weights.dequantize (the file is built with
@@ -34,8 +38,7 @@
 #include <immintrin.h>
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#include "cpu_common.h" /* INLINE, MIN, tree_sum */
 
 enum { ACCUMULATE = 1, PORTABLE = 2 }; /* flags of trillm_matmul */
 
@@ -107,10 +110,7 @@ static float dot(const float *restrict a, const float *restrict b, int64_t K)
     for (int64_t k = 0; k < K; k += 16) /* K % 32 == 0 */
         for (int l = 0; l < 16; l++)
             part[l] += a[k + l] * b[k + l];
-    for (int w = 8; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            part[l] += part[l + w];
-    return part[0];
+    return tree_sum(part, 16);
 }
 
 static void plain_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,

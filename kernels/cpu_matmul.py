@@ -107,8 +107,13 @@ def _layout(weight: BlockWeight) -> tuple[int, int, int]:
     return entry[1], entry[2], entry[3]
 
 
-def matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None = None, accumulate: bool = False,
-           num_threads: int | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor,
+    weight: BlockWeight,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    num_threads: int | None = None,
+) -> torch.Tensor:
     """y[M, N] = x[M, K] @ dequantize(weight).T ; with accumulate=True, out += that (out must be given).
 
     x: float32 CPU [M, K] with any row stride (e.g. columns of a wider matrix); other
@@ -122,8 +127,14 @@ def matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None = None
 # tuple): at decode sizes they would cost as much as the work.
 
 
-def _matmul(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None, accumulate: bool,
-            num_threads: int | None, flags: int) -> torch.Tensor:
+def _matmul(
+    x: torch.Tensor,
+    weight: BlockWeight,
+    out: torch.Tensor | None,
+    accumulate: bool,
+    num_threads: int | None,
+    flags: int,
+) -> torch.Tensor:
     """``matmul``; flags=_PORTABLE forces the plain-C path (a test hook)."""
     N, K, layout = _layout(weight)
     if x.dtype is not _F32 or not x.is_cpu:

@@ -10,16 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 
-/* glibc's libmvec has vector expf, which math.h declares only under -ffast-math.
- * With -fno-math-errno (cpu_ops.py builds with it) this lets the silu loop
- * vectorise: about 7x faster than scalar expf. Accuracy: silu over [-100, 100]
- * within 3.0e-7 relative of exact (torch's Sleef exp: 2.6e-7). Elsewhere the
- * loop stays scalar. */
-#if defined(__x86_64__) && defined(__GLIBC__)
-float expf(float) __attribute__((simd("notinbranch")));
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
+#include "cpu_common.h" /* INLINE, vector expf for the silu loop, tree_sum */
 
 /* Floats read below which one thread does all rows. Measured on the 2-core Xeon
  * VM with libgomp: a parallel region costs about 1 us while the other thread still
@@ -46,10 +37,7 @@ INLINE float sum_squares(const float *restrict x, int64_t N)
             part[l] += x[i + l] * x[i + l];
     for (; i < N; i++)
         part[0] += x[i] * x[i];
-    for (int w = 8; w > 0; w /= 2)
-        for (int l = 0; l < w; l++)
-            part[l] += part[l + w];
-    return part[0];
+    return tree_sum(part, 16);
 }
 
 INLINE void rms_norm_row(const float *restrict x, const float *restrict w, float *restrict o, int64_t N, float eps)

@@ -52,8 +52,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int
     T = rows.shape[0]
     out = torch.empty(T, N, dtype=_F32, device=_CPU)  # not the defaults, which a caller may have changed
     if T and N:
-        _functions()[0](rows.data_ptr(), rows.stride()[0], weight.data_ptr(), out.data_ptr(), T, N, eps,
-                        _threads(num_threads))
+        _functions()[0](
+            rows.data_ptr(), rows.stride()[0], weight.data_ptr(), out.data_ptr(), T, N, eps, _threads(num_threads)
+        )
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -80,8 +81,9 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads:
     if T == 0 or H == 0:
         return
     cos, sin = cos.contiguous(), sin.contiguous()
-    _functions()[1](qk.data_ptr(), row_stride, head_stride, cos.data_ptr(), sin.data_ptr(), T, H, D,
-                    _threads(num_threads))
+    _functions()[1](
+        qk.data_ptr(), row_stride, head_stride, cos.data_ptr(), sin.data_ptr(), T, H, D, _threads(num_threads)
+    )
 
 
 def silu_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:

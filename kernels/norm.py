@@ -9,10 +9,19 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, summed_ptr,
-    stride_x, stride_r, stride_o, stride_s,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    summed_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
     eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -41,9 +50,18 @@ def add_rms_norm(
     summed = torch.empty_like(x) if residual is not None else x
     hidden = x.shape[1]
     _add_rms_norm_kernel[(x.shape[0],)](
-        x, residual if residual is not None else x, weight, out, summed,
-        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), summed.stride(0),
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        summed,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        summed.stride(0),
         eps,
-        N=hidden, BLOCK=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
+        N=hidden,
+        BLOCK=triton.next_power_of_2(hidden),
+        HAS_RESIDUAL=residual is not None,
     )
     return out, summed

@@ -2,7 +2,7 @@
 
 Each function has exactly the signature of its Triton twin, so tests compare
 the two on the same inputs and the engine can swap one for the other. They are
-written for clarity, not speed; the CPU fast path lives in ``engine/attention.py``.
+written for clarity, not speed; the CPU fast path lives in ``engine/execution/backends/cpu.py``.
 
 Shapes: the KV cache of one layer is ``[num_pages, page_size, kv_heads, head_dim]``;
 token ``p`` of a sequence lives in slot ``table[p // page_size] * page_size + p % page_size``.

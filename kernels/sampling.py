@@ -48,8 +48,17 @@ def _smallest_at_least(base, vocab, t, bound, BLOCK: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(
-    logits_ptr, stride_row, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, uniform_ptr, out_ptr,
-    vocab, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+    logits_ptr,
+    stride_row,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    min_p_ptr,
+    uniform_ptr,
+    out_ptr,
+    vocab,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     base = logits_ptr + row * stride_row
@@ -132,7 +141,16 @@ def sample_top_k_top_p(
         raise ValueError("logits must be float32 with contiguous rows")
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     _sample_kernel[(logits.shape[0],)](
-        logits, logits.stride(0), temperature, top_k, top_p, min_p, uniform, out,
-        logits.shape[1], BLOCK=1024, STEPS=BISECTION_STEPS,
+        logits,
+        logits.stride(0),
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        uniform,
+        out,
+        logits.shape[1],
+        BLOCK=1024,
+        STEPS=BISECTION_STEPS,
     )
     return out

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine, load_model
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
+
 from tests.helpers import all_tasks, make_engine, wait_idle
 
 

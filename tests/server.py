@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import AsyncIterator
 
 import attrs
 import openai
@@ -15,6 +15,7 @@ from hypercorn.trio import serve
 from trillm.api.app import create_app
 from trillm.api.settings import ServerConfig
 from trillm.engine.engine import Engine
+
 from tests.helpers import all_tasks, make_engine, wait_idle
 
 
@@ -30,7 +31,9 @@ class Server:
 
 
 @asynccontextmanager
-async def running_server(model_parts, request_timeout: float | None = None, **engine_overrides) -> AsyncIterator[Server]:
+async def running_server(
+    model_parts, request_timeout: float | None = None, **engine_overrides
+) -> AsyncIterator[Server]:
     """Serve until the block ends; then the engine must be idle and everything stops."""
     engine = make_engine(model_parts, **engine_overrides)
     app = create_app(engine=engine, server=ServerConfig(request_timeout=request_timeout))

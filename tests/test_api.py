@@ -9,8 +9,9 @@ import openai
 import pytest
 import trio
 
-from tests.helpers import wait_idle
 from trillm.bench.prometheus import scrape
+
+from tests.helpers import wait_idle
 from tests.server import MODEL, QUESTION, client, in_thread
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +28,9 @@ async def test_models_health_version(server):
 async def test_streaming_answer_is_sensible_and_matches_non_streaming(server):
     def run():
         c = client(server)
-        chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0, stream=True))
+        chunks = list(
+            c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0, stream=True)
+        )
         whole = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30, temperature=0)
         return chunks, whole
 
@@ -53,14 +56,18 @@ async def test_streaming_answer_is_sensible_and_matches_non_streaming(server):
 async def test_raw_prompt_length_finish_and_default_max_tokens(server):
     def run():
         return client(server).chat.completions.create(
-            model=MODEL, messages=[], extra_body={"prompt": "The first ten prime numbers are", "ignore_eos": True},
+            model=MODEL,
+            messages=[],
+            extra_body={"prompt": "The first ten prime numbers are", "ignore_eos": True},
             temperature=0.7,
         )
 
     # The openai client always sends messages; a raw prompt goes through httpx instead.
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        r = await http.post("/v1/chat/completions", json={"model": MODEL, "prompt": "The first ten prime numbers are",
-                                                           "ignore_eos": True, "temperature": 0.7})
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "prompt": "The first ten prime numbers are", "ignore_eos": True, "temperature": 0.7},
+        )
     body = r.json()
     assert r.status_code == 200, body
     assert body["usage"]["completion_tokens"] == 16  # the default max_tokens
@@ -72,9 +79,17 @@ async def test_raw_prompt_length_finish_and_default_max_tokens(server):
 
 async def test_stream_include_usage(server):
     def run():
-        return list(client(server).chat.completions.create(
-            model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        return list(
+            client(server).chat.completions.create(
+                model=MODEL,
+                messages=QUESTION,
+                max_tokens=5,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
 
     chunks = await in_thread(run)
     assert all(ch.usage is None for ch in chunks[:-1])
@@ -88,8 +103,11 @@ BAD_REQUESTS = [
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-     "messages[0].content"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages[0].content",
+    ),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": "ten"}, 400, "max_tokens"),
     ({"model": MODEL, "messages": QUESTION, "temperature": -1}, 400, "temperature"),
@@ -120,9 +138,18 @@ BAD_REQUESTS = [
 
 async def test_bad_input_gets_openai_shaped_errors_and_does_not_disturb_a_stream(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        async with http.stream("POST", "/v1/chat/completions", json={
-            "model": MODEL, "messages": QUESTION, "max_tokens": 40, "ignore_eos": True, "stream": True, "temperature": 0,
-        }) as stream:
+        async with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": QUESTION,
+                "max_tokens": 40,
+                "ignore_eos": True,
+                "stream": True,
+                "temperature": 0,
+            },
+        ) as stream:
             lines = stream.aiter_lines()
             first = await lines.__anext__()
             assert first.startswith("data: ")
@@ -132,8 +159,12 @@ async def test_bad_input_gets_openai_shaped_errors_and_does_not_disturb_a_stream
                 err = r.json()["error"]
                 assert set(err) == {"message", "type", "param", "code"} and err["message"]
                 assert err["param"] == param, (body, err)
-            for raw in (b"{not json", b"[" * 100_000 + b"]" * 100_000, b'{"max_tokens": ' + b"9" * 5000 + b"}",
-                        b"\xff\xfe"):
+            for raw in (
+                b"{not json",
+                b"[" * 100_000 + b"]" * 100_000,
+                b'{"max_tokens": ' + b"9" * 5000 + b"}",
+                b"\xff\xfe",
+            ):
                 r = await http.post("/v1/chat/completions", content=raw)
                 assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", raw[:20]
             assert await _oversized_body_status(server) == 413
@@ -152,7 +183,7 @@ async def test_bad_input_gets_openai_shaped_errors_and_does_not_disturb_a_stream
             rest = [line async for line in lines if line]
         events = [first, *rest]
     assert events[-1] == "data: [DONE]"
-    final = json.loads(events[-2][len("data: "):])
+    final = json.loads(events[-2][len("data: ") :])
     assert final["choices"][0]["finish_reason"] == "length"
     content = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events[:-1]]
     assert len([c for c in content if c]) >= 30  # the stream carried on to its 40 tokens
@@ -162,8 +193,10 @@ async def _oversized_body_status(server) -> int:
     """Announce a 9 MiB body and send none of it: the 413 must come back at once."""
     stream = await trio.open_tcp_stream("127.0.0.1", server.port)
     async with stream:
-        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                              b"Content-Type: application/json\r\nContent-Length: 9437184\r\n\r\n")
+        await stream.send_all(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 9437184\r\n\r\n"
+        )
         reply = b""
         with trio.fail_after(10):
             while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
@@ -235,8 +268,11 @@ async def test_metrics_report_the_weight_bytes_a_decode_step_reads(server):
 async def test_non_streaming_client_that_gives_up_frees_its_request(server):
     async with httpx.AsyncClient(base_url=server.url) as http:
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/chat/completions", timeout=1.0, json={
-                "model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True})
+            await http.post(
+                "/v1/chat/completions",
+                timeout=1.0,
+                json={"model": MODEL, "messages": QUESTION, "max_tokens": 2000, "ignore_eos": True},
+            )
     await wait_idle(server.engine, timeout=10)
     assert server.engine.stats().num_aborted == 1
 
@@ -251,18 +287,26 @@ async def test_tokenize_detokenize_round_trip(server):
         chat = (await http.post("/tokenize", json={"model": MODEL, "messages": QUESTION})).json()
         reply = await in_thread(client(server).chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=1)
         assert chat["count"] == reply.usage.prompt_tokens
-        for path, body, status in [("/tokenize", {"model": "nope", "prompt": "x"}, 404),
-                                   ("/tokenize", {"prompt": 5}, 400),
-                                   ("/detokenize", {"tokens": [-1]}, 400),
-                                   ("/detokenize", {"tokens": "abc"}, 400)]:
+        for path, body, status in [
+            ("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+            ("/tokenize", {"prompt": 5}, 400),
+            ("/detokenize", {"tokens": [-1]}, 400),
+            ("/detokenize", {"tokens": "abc"}, 400),
+        ]:
             r = await http.post(path, json=body)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_unknown_fields_are_ignored_and_extra_paths_work_through_the_openai_client(server):
     c = client(server)
-    reply = await in_thread(c.chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=3, user="u1",
-                            extra_body={"best_of": 1, "some_future_field": {"x": 1}, "use_beam_search": False})
+    reply = await in_thread(
+        c.chat.completions.create,
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=3,
+        user="u1",
+        extra_body={"best_of": 1, "some_future_field": {"x": 1}, "use_beam_search": False},
+    )
     assert reply.usage.completion_tokens >= 1
     # The docs show the openai client reaching the non-/v1 endpoints by absolute URL.
     tokens = await in_thread(c.post, server.url + "/tokenize", body={"prompt": "Hello"}, cast_to=object)
@@ -275,8 +319,9 @@ async def test_unknown_fields_are_ignored_and_extra_paths_work_through_the_opena
 
 async def test_metrics_report_request_timings_and_outcomes(server):
     c = client(server)
-    await in_thread(c.chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=5,
-                    extra_body={"ignore_eos": True})
+    await in_thread(
+        c.chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     async with httpx.AsyncClient(base_url=server.url) as http:
         text = (await http.get("/metrics")).text
     label = f'model_name="{MODEL}"'

@@ -76,7 +76,8 @@ async def test_bad_completion_requests_are_400s(server, body, param):
     c = client(server)
     with pytest.raises(openai.BadRequestError) as err:
         await in_thread(c.completions.create, model=MODEL, **body) if "prompt" in body else await in_thread(
-            c.post, "/completions", cast_to=object, body={"model": MODEL, **body})
+            c.post, "/completions", cast_to=object, body={"model": MODEL, **body}
+        )
     assert err.value.body["param"] == param
 
 
@@ -84,8 +85,9 @@ async def test_leaving_a_multi_prompt_stream_frees_every_choice(server):
     c = client(server)
 
     def read_a_little():
-        stream = c.completions.create(model=MODEL, prompt=PROMPTS * 3, max_tokens=500, stream=True,
-                                      extra_body={"ignore_eos": True})
+        stream = c.completions.create(
+            model=MODEL, prompt=PROMPTS * 3, max_tokens=500, stream=True, extra_body={"ignore_eos": True}
+        )
         for i, _ in enumerate(stream):
             if i == 8:
                 stream.close()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 
 import httpx
+import pytest
 import trio
 
 from tests.helpers import wait_idle
@@ -26,9 +25,17 @@ async def test_deadline_ends_requests_cleanly_and_frees_their_pages(model_parts)
             assert trio.current_time() - started < 5
             await wait_idle(server.engine)
 
-            async with http.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": ["Once upon", "a time"], "max_tokens": 3000, "ignore_eos": True,
-                "stream": True}) as response:
+            async with http.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": ["Once upon", "a time"],
+                    "max_tokens": 3000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as response:
                 events = [line async for line in response.aiter_lines() if line]
             assert events[-1] == "data: [DONE]"
             finals = [json.loads(e[6:])["choices"][0] for e in events[:-1]]

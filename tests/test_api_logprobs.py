@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trillm.api.logprobs import token_bytes
+
 from tests.server import MODEL, QUESTION, client, in_thread
 
 pytestmark = pytest.mark.e2e
@@ -25,8 +26,15 @@ def _ids_from_bytes(tokenizer, entries) -> list[int]:
 
 
 async def test_greedy_top1_is_the_chosen_token_and_bytes_spell_the_text(server):
-    reply = await in_thread(client(server).chat.completions.create, model=MODEL, messages=QUESTION, max_tokens=20,
-                            temperature=0, logprobs=True, top_logprobs=5)
+    reply = await in_thread(
+        client(server).chat.completions.create,
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=20,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
     choice = reply.choices[0]
     content = choice.logprobs.content
     assert len(content) == reply.usage.completion_tokens
@@ -44,8 +52,16 @@ async def test_greedy_top1_is_the_chosen_token_and_bytes_spell_the_text(server):
 
 async def test_sum_of_logprobs_equals_the_models_score(server, hf_model):
     tok = server.engine.tokenizer
-    reply = await in_thread(client(server).chat.completions.create, model=MODEL, messages=STORY, max_tokens=24,
-                            temperature=1.0, seed=11, logprobs=True, extra_body={"ignore_eos": True})
+    reply = await in_thread(
+        client(server).chat.completions.create,
+        model=MODEL,
+        messages=STORY,
+        max_tokens=24,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
     content = reply.choices[0].logprobs.content
     output_ids = _ids_from_bytes(tok, content)
     prompt_text = tok.apply_chat_template(STORY, add_generation_prompt=True, tokenize=False)
@@ -71,12 +87,20 @@ async def test_streamed_logprobs_equal_the_one_shot_ones(server):
     entries = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in whole.choices[0].logprobs.content]
     # The second run reuses cached prompt KV computed in another batch shape: equal up to float noise.
-    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in whole.choices[0].logprobs.content], abs=1e-4)
+    assert [e.logprob for e in entries] == pytest.approx(
+        [e.logprob for e in whole.choices[0].logprobs.content], abs=1e-4
+    )
 
 
 async def test_legacy_completion_logprobs_shape(server):
-    reply = await in_thread(client(server).completions.create, model=MODEL, prompt="The capital of France is",
-                            max_tokens=6, temperature=0, logprobs=3)
+    reply = await in_thread(
+        client(server).completions.create,
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=6,
+        temperature=0,
+        logprobs=3,
+    )
     lp = reply.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert "".join(lp.tokens) == reply.choices[0].text

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import httpx
+import pytest
 
 from tests.helpers import wait_idle
 from tests.server import MODEL, client, in_thread
@@ -30,8 +29,16 @@ async def test_stop_then_resend_hits_the_cache_with_identical_greedy_output(serv
     assert server.engine.stats().evictable_pages > 0  # the cancelled request left its KV behind
 
     def stream_with_usage():
-        return list(c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True,
-                                              stream_options={"include_usage": True}))
+        return list(
+            c.chat.completions.create(
+                model=MODEL,
+                messages=CHAT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
 
     chunks = await in_thread(stream_with_usage)
     streamed_usage = chunks[-1].usage
@@ -53,6 +60,7 @@ async def test_completions_report_cached_tokens_per_prompt(server):
     prompt = SYSTEM + " The end."
     first = await in_thread(c.completions.create, model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    both = await in_thread(c.completions.create, model=MODEL, prompt=[prompt, prompt + " Again"], max_tokens=2,
-                           temperature=0)
+    both = await in_thread(
+        c.completions.create, model=MODEL, prompt=[prompt, prompt + " Again"], max_tokens=2, temperature=0
+    )
     assert both.usage.prompt_tokens_details.cached_tokens >= 2 * (first.usage.prompt_tokens - 16)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from trillm.api.schemas.chat import parse_chat_request
-from trillm.api.schemas.completion import parse_completion_request
 from trillm.api.errors import ApiError
 from trillm.api.openapi import openapi_document
 from trillm.api.schemas import PUBLISHED
+from trillm.api.schemas.chat import parse_chat_request
+from trillm.api.schemas.completion import parse_completion_request
 from trillm.api.schemas.docs import DOCS, field_names, render
 
 MODEL = "m"
@@ -24,39 +24,76 @@ def _error(parse, body) -> ApiError:
     return err.value
 
 
-@pytest.mark.parametrize("body, param, words", [
-    ({"model": MODEL, "messages": [*Q, {"role": "user", "content": [{"type": "text", "text": 3}]}]},
-     "messages[1].content", "a string or an array of objects with 'type' and 'text'"),
-    ({"model": MODEL, "messages": [*Q, "hi"]}, "messages[1]", "an object with 'role' and 'content'"),
-    ({"model": MODEL, "messages": [{"content": "hi"}]}, "messages[0].role", "is required"),
-    ({"model": MODEL, "messages": Q, "stream": True, "stream_options": {"include_usage": "yes"}},
-     "stream_options.include_usage", "a boolean"),
-    ({"model": MODEL, "messages": Q, "response_format": {"type": "json_object"}}, "response_format.type", '"text"'),
-    ({"model": MODEL, "messages": Q, "tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
-    ({"model": MODEL, "messages": Q, "temperature": 5}, "temperature", "a number in [0.0, 2.0], got 5"),
-    ({"model": MODEL, "messages": Q, "top_k": 0}, "top_k", "an integer >= -1, not 0"),
-    ({"model": MODEL, "messages": Q, "logit_bias": {"7": 101}}, "logit_bias", "numbers in [-100.0, 100.0]"),
-    ({"model": MODEL, "messages": Q, "max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens",
-     "disagrees with max_tokens"),
-    ({"model": MODEL, "messages": Q, "prompt": "x"}, "messages", "exactly one of"),
-])
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (
+            {"model": MODEL, "messages": [*Q, {"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "messages[1].content",
+            "a string or an array of objects with 'type' and 'text'",
+        ),
+        ({"model": MODEL, "messages": [*Q, "hi"]}, "messages[1]", "an object with 'role' and 'content'"),
+        ({"model": MODEL, "messages": [{"content": "hi"}]}, "messages[0].role", "is required"),
+        (
+            {"model": MODEL, "messages": Q, "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "a boolean",
+        ),
+        ({"model": MODEL, "messages": Q, "response_format": {"type": "json_object"}}, "response_format.type", '"text"'),
+        ({"model": MODEL, "messages": Q, "tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
+        ({"model": MODEL, "messages": Q, "temperature": 5}, "temperature", "a number in [0.0, 2.0], got 5"),
+        ({"model": MODEL, "messages": Q, "top_k": 0}, "top_k", "an integer >= -1, not 0"),
+        ({"model": MODEL, "messages": Q, "logit_bias": {"7": 101}}, "logit_bias", "numbers in [-100.0, 100.0]"),
+        (
+            {"model": MODEL, "messages": Q, "max_tokens": 5, "max_completion_tokens": 6},
+            "max_completion_tokens",
+            "disagrees with max_tokens",
+        ),
+        ({"model": MODEL, "messages": Q, "prompt": "x"}, "messages", "exactly one of"),
+    ],
+)
 def test_errors_name_the_path_and_what_the_field_accepts(body, param, words):
     err = _error(parse_chat_request, body)
     assert err.param == param and words in err.message and err.message.startswith(f"'{param}': ")
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", "1"), ("max_tokens", 1.5), ("max_tokens", 1.0), ("max_tokens", True), ("n", True),
-    ("temperature", "0.5"), ("temperature", False), ("stream", 1), ("stream", "true"), ("seed", 1.0),
-    ("stop", 5), ("stop_token_ids", [True]), ("logit_bias", {"1": True}), ("ignore_eos", 0),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", "1"),
+        ("max_tokens", 1.5),
+        ("max_tokens", 1.0),
+        ("max_tokens", True),
+        ("n", True),
+        ("temperature", "0.5"),
+        ("temperature", False),
+        ("stream", 1),
+        ("stream", "true"),
+        ("seed", 1.0),
+        ("stop", 5),
+        ("stop_token_ids", [True]),
+        ("logit_bias", {"1": True}),
+        ("ignore_eos", 0),
+    ],
+)
 def test_types_are_strict(field, value):
     assert _error(parse_chat_request, {"model": MODEL, "messages": Q, field: value}).param == field
 
 
 def test_null_means_default_and_unknown_fields_are_ignored():
-    req = parse_chat_request({"model": MODEL, "messages": Q, "temperature": None, "max_tokens": None, "top_k": None,
-                              "stop": None, "user": "u", "future": {"x": 1}, "tool_choice": "none"})
+    req = parse_chat_request(
+        {
+            "model": MODEL,
+            "messages": Q,
+            "temperature": None,
+            "max_tokens": None,
+            "top_k": None,
+            "stop": None,
+            "user": "u",
+            "future": {"x": 1},
+            "tool_choice": "none",
+        }
+    )
     assert req.common.params.temperature == 1.0 and req.common.params.top_k == -1
     assert req.common.params.max_tokens == 16 and not req.common.max_tokens_given
 
@@ -70,17 +107,35 @@ def test_max_tokens_semantics():
 
 
 def test_messages_for_the_template():
-    req = parse_chat_request({"model": MODEL, "messages": [
-        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "user", "content": "q", "name": "ignored"}]})
+    req = parse_chat_request(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "user", "content": "q", "name": "ignored"},
+            ],
+        }
+    )
     assert req.messages == ({"role": "system", "content": "ab"}, {"role": "user", "content": "q"})
     assert req.prompt is None
 
 
 def test_shared_fields_reach_sampling_params():
-    req = parse_chat_request({"model": MODEL, "prompt": "x", "stop": ["a", ""], "stop_token_ids": [3],
-                              "logit_bias": {"5": -2}, "seed": 4, "n": 2, "stream": True,
-                              "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 3})
+    req = parse_chat_request(
+        {
+            "model": MODEL,
+            "prompt": "x",
+            "stop": ["a", ""],
+            "stop_token_ids": [3],
+            "logit_bias": {"5": -2},
+            "seed": 4,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 3,
+        }
+    )
     p = req.common.params
     assert (p.stop, p.stop_token_ids, p.logit_bias, p.seed, p.logprobs) == (("a",), (3,), ((5, -2.0),), 4, 3)
     assert req.common.include_usage and req.common.stream and req.common.n == 2
@@ -90,8 +145,10 @@ def test_shared_fields_reach_sampling_params():
 def test_completion_prompts_in_four_forms():
     forms = {"x": ("x",), ("a", "b"): ("a", "b"), (1, 2): ((1, 2),), ((1,), (2, 3)): ((1,), (2, 3))}
     for given, prompts in forms.items():
-        body = {"model": MODEL, "prompt": given if isinstance(given, str) else [list(p) if isinstance(p, tuple)
-                                                                                  else p for p in given]}
+        body = {
+            "model": MODEL,
+            "prompt": given if isinstance(given, str) else [list(p) if isinstance(p, tuple) else p for p in given],
+        }
         assert parse_completion_request(body).prompts == prompts
     req = parse_completion_request({"model": MODEL, "prompt": "x", "logprobs": 2, "echo": False})
     assert req.common.params.logprobs == 2 and not req.echo
@@ -109,8 +166,11 @@ def test_openapi_request_schemas_are_the_declarations():
     good = {"model": MODEL, "messages": Q, "temperature": None, "stop": ["x"], "extra": 1}
     assert validator.is_valid(good)
     parse_chat_request(good)
-    for bad in ({"model": MODEL, "messages": Q, "top_k": 0}, {"model": MODEL, "messages": Q, "n": 33},
-                {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}):
+    for bad in (
+        {"model": MODEL, "messages": Q, "top_k": 0},
+        {"model": MODEL, "messages": Q, "n": 33},
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+    ):
         assert not validator.is_valid(bad)
         _error(parse_chat_request, bad)
 

@@ -12,6 +12,7 @@ from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.kernels import cpu_matmul
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize, pack_exact, pack_q4_1, pack_q8_0
+
 from tests.test_kernel_engine import TINY
 
 
@@ -57,11 +58,14 @@ def test_q8_0_matrices_pack_exactly():
     assert isinstance(pack_exact(w), Q8_0Weight)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(16, 64),  # ordinary float32 weights
-    lambda: q4_1_matrix(16, 64)[:, :40],  # K not a multiple of 32
-    lambda: q4_1_matrix(16, 64).to(torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(16, 64),  # ordinary float32 weights
+        lambda: q4_1_matrix(16, 64)[:, :40],  # K not a multiple of 32
+        lambda: q4_1_matrix(16, 64).to(torch.bfloat16),
+    ],
+)
 def test_anything_not_exactly_blocks_stays_dense(make):
     assert pack_exact(make()) is None
 

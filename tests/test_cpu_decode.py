@@ -32,7 +32,7 @@ def paged_inputs(lens: list[int], heads: int, kv_heads: int, dim: int, page_size
     pool = torch.randperm(num_pages, generator=gen)[: len(lens) * max_pages]
     tables = pool.view(len(lens), max_pages).to(torch.int32)
     for row, n in zip(tables, lens):
-        row[-(-n // page_size):] = -1  # padding past a sequence's pages is never read
+        row[-(-n // page_size) :] = -1  # padding past a sequence's pages is never read
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
 

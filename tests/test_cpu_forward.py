@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.kernels import cpu_forward
@@ -18,11 +18,14 @@ from trillm.kernels import cpu_forward
 def fusing_model(model_parts, monkeypatch):
     """The default model (block weights), counting the steps that took the C loop."""
     model = model_parts[0]
-    assert model.backend.fuse_decode and model.backend.fusable(model), \
+    assert model.backend.fuse_decode and model.backend.fusable(model), (
         "the default model on this CPU should run decode steps in C"
+    )
     calls = []
     real = cpu_forward.DecodeLayers.run
-    monkeypatch.setattr(cpu_forward.DecodeLayers, "run", lambda self, h, *a: (calls.append(h.shape[0]), real(self, h, *a))[1])
+    monkeypatch.setattr(
+        cpu_forward.DecodeLayers, "run", lambda self, h, *a: (calls.append(h.shape[0]), real(self, h, *a))[1]
+    )
     yield model, calls
     model.backend.fuse_decode = True
 
@@ -33,9 +36,16 @@ def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
     sched = Scheduler(PageAllocator(40), 16, 8, 256)
     # Seven sequences of ragged lengths (some crossing page boundaries while decoding),
     # finishing one after another: decode batches of 7 down to 1 rows.
-    seqs = [Sequence(f"s{i}", list(range(100 + 13 * i, 100 + 13 * i + 5 + 6 * i)),
-                     SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True), 10_000, frozenset())
-            for i in range(7)]
+    seqs = [
+        Sequence(
+            f"s{i}",
+            list(range(100 + 13 * i, 100 + 13 * i + 5 + 6 * i)),
+            SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True),
+            10_000,
+            frozenset(),
+        )
+        for i in range(7)
+    ]
     for seq in seqs:
         sched.add(seq)
     decode_rows = []
@@ -62,8 +72,9 @@ def test_bad_slots_and_layouts_are_refused(fusing_model):
     with pytest.raises(ValueError, match="layers but"):
         cpu_forward.DecodeLayers(layers, runner.kv_cache[:-1], model.shape.num_heads, 1e-5, 0.125)
     with pytest.raises(ValueError, match="layer shapes"):
-        cpu_forward.DecodeLayers([layers[0][:1] + (layers[0][5],) + layers[0][2:]], runner.kv_cache[:1],
-                                 model.shape.num_heads, 1e-5, 0.125)
+        cpu_forward.DecodeLayers(
+            [layers[0][:1] + (layers[0][5],) + layers[0][2:]], runner.kv_cache[:1], model.shape.num_heads, 1e-5, 0.125
+        )
     loop = cpu_forward.DecodeLayers(layers, runner.kv_cache, model.shape.num_heads, 1e-5, 0.125)
     h = torch.randn(1, model.shape.hidden_size)
     cos, sin = model.cos[:1].contiguous(), model.sin[:1].contiguous()

@@ -169,8 +169,16 @@ def build_variant(tmp_path: Path, name: str, flags: list[str]) -> ctypes.CDLL:
     lib_path = tmp_path / f"cpu_matmul_{name}.so"
     compiler = shlex.split(os.environ.get("CC") or "cc")
     source = cpu_build.KERNELS_DIR / "cpu_matmul.c"
-    command = [*compiler, *cpu_build.FLAGS, *cpu_matmul._EXTRA_FLAGS, *flags, "-o", str(lib_path), str(source),
-               *cpu_build.LIBS]
+    command = [
+        *compiler,
+        *cpu_build.FLAGS,
+        *cpu_matmul._EXTRA_FLAGS,
+        *flags,
+        "-o",
+        str(lib_path),
+        str(source),
+        *cpu_build.LIBS,
+    ]
     subprocess.run(command, check=True, capture_output=True)
     lib = ctypes.CDLL(str(lib_path))
     cpu_matmul._KERNEL.declare(lib)
@@ -189,8 +197,10 @@ def check_variant(lib: ctypes.CDLL, shapes: list[tuple[int, int]], Ms: list[int]
             w = dequantize(weight)
             # also with float32 scales (a GGUF file's are float16), for which d * q rounds too
             gen = torch.Generator().manual_seed(N * K)
-            scaled = [s * (1 + torch.rand(s.shape, generator=gen)) for s in ([weight.d, weight.m] if kind == "q4_1"
-                                                                            else [weight.d])]
+            scaled = [
+                s * (1 + torch.rand(s.shape, generator=gen))
+                for s in ([weight.d, weight.m] if kind == "q4_1" else [weight.d])
+            ]
             for decode_me in (weight, type(weight)(weight.qs, *scaled)):
                 _, _, decode_layout = cpu_matmul._layout(decode_me)
                 for path in (0, 1):
@@ -204,8 +214,16 @@ def check_variant(lib: ctypes.CDLL, shapes: list[tuple[int, int]], Ms: list[int]
                     wide = torch.randn(M, N + 5, generator=gen)
                     before = wide.clone()
                     out = wide[:, 2 : 2 + N]
-                    rc = lib.trillm_matmul(x.data_ptr(), x.stride(0), layout, out.data_ptr(), out.stride(0), M,
-                                           cpu_matmul._ACCUMULATE, threads)
+                    rc = lib.trillm_matmul(
+                        x.data_ptr(),
+                        x.stride(0),
+                        layout,
+                        out.data_ptr(),
+                        out.stride(0),
+                        M,
+                        cpu_matmul._ACCUMULATE,
+                        threads,
+                    )
                     assert rc == 0
                     assert_matches(out, x, w, before[:, 2 : 2 + N])
                     assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, 2 + N :], before[:, 2 + N :])

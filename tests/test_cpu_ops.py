@@ -72,11 +72,11 @@ def test_rotary_in_place_on_fused_qkv(T: int, heads: int, kv_heads: int, D: int)
     want = apply_rotary(qk.clone(), cos, sin)
     cpu_ops.rotary_(qk, cos, sin)
     torch.testing.assert_close(qk, want, atol=1e-6, rtol=1e-6)
-    assert torch.equal(qkv[:, (heads + kv_heads) * D:], before[:, (heads + kv_heads) * D:])
+    assert torch.equal(qkv[:, (heads + kv_heads) * D :], before[:, (heads + kv_heads) * D :])
     # Q and K separately, as views with different offsets, give the same
     separate = before.clone()
     q = separate[:, : heads * D].view(T, heads, D)
-    k = separate[:, heads * D: (heads + kv_heads) * D].view(T, kv_heads, D)
+    k = separate[:, heads * D : (heads + kv_heads) * D].view(T, kv_heads, D)
     cpu_ops.rotary_(q, cos, sin)
     cpu_ops.rotary_(k, cos, sin)
     assert torch.equal(separate, qkv)
@@ -140,3 +140,20 @@ def test_unbuildable_gives_none_and_a_warning(monkeypatch, tmp_path, caplog):
     assert [r.getMessage().startswith("CPU kernel cpu_ops unavailable") for r in caplog.records] == [True]
     with pytest.raises(RuntimeError):
         cpu_ops.silu_mul(torch.randn(2, 8))
+
+
+def test_the_build_key_covers_the_shared_header(monkeypatch, tmp_path):
+    """A change to cpu_common.h must rebuild every kernel, not reuse a stale library."""
+    import shutil
+
+    from trillm.kernels import cpu_build
+
+    kernels = tmp_path / "kernels"
+    shutil.copytree(cpu_build.KERNELS_DIR, kernels, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(cpu_build, "KERNELS_DIR", kernels)
+    monkeypatch.setattr(cpu_build, "_cache_root", [tmp_path / "cache"])
+    first = cpu_build._build("cpu_ops", ("-fno-math-errno",))
+    assert cpu_build._build("cpu_ops", ("-fno-math-errno",)) == first  # unchanged: the same library
+    with open(kernels / "cpu_common.h", "a") as header:
+        header.write("/* changed */\n")
+    assert cpu_build._build("cpu_ops", ("-fno-math-errno",)) != first

@@ -8,16 +8,16 @@ captures real CUDA graphs of the Triton forward.
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from trillm.engine.execution.cuda_graphs import batch_buckets
-from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.execution.llama import LlamaModel, LlamaShape
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
+
 from tests.test_kernel_engine import TINY, _weights
 
 pytestmark = pytest.mark.gpu
@@ -34,8 +34,9 @@ def test_buckets_cover_every_batch_size():
 def test_replayed_decode_steps_match_eager_ones():
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    model = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256, device,
-                       "triton" if cuda else "reference")
+    model = LlamaModel(
+        LlamaShape.from_config(TINY), _weights(), torch.float32, 256, device, "triton" if cuda else "reference"
+    )
     eager = ModelRunner(model, 60, 4)
     graphed = ModelRunner(model, 60, 4, graph_batch=6, max_model_len=256)
     assert graphed.graphs is not None and graphed.graphs.buckets == [1, 2, 4, 6]
@@ -46,9 +47,16 @@ def test_replayed_decode_steps_match_eager_ones():
     allocator = PageAllocator(60)
     sched = Scheduler(allocator, 4, 8, 64)
     # Five sequences that finish one by one: the batch shrinks 5 -> 1 through the buckets.
-    seqs = [Sequence(f"s{i}", list(range(10 + 7 * i, 13 + 9 * i)),
-                     SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True), 256, frozenset())
-            for i in range(5)]
+    seqs = [
+        Sequence(
+            f"s{i}",
+            list(range(10 + 7 * i, 13 + 9 * i)),
+            SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True),
+            256,
+            frozenset(),
+        )
+        for i in range(5)
+    ]
     for seq in seqs:
         sched.add(seq)
     decode_steps = 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 import os
 import signal
@@ -12,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from trillm.bench.run import wait_healthy
 
@@ -30,7 +29,8 @@ def test_hypercorn_cli_with_environment_settings():
     port = _free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}", "trillm.api.app:create_app()"], env=env
+        [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}", "trillm.api.app:create_app()"],
+        env=env,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -38,8 +38,11 @@ def test_hypercorn_cli_with_environment_settings():
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "smol"
         metrics = httpx.get(url + "/metrics").text
         assert 'trillm:kv_cache_total_pages{model_name="smol"} 64.0' in metrics
-        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            "model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         proc.send_signal(signal.SIGINT)

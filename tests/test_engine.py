@@ -7,6 +7,7 @@ import trio
 
 from trillm.engine.engine import EngineNotRunning, RequestRejected
 from trillm.engine.sampling_params import SamplingParams
+
 from tests.helpers import make_engine, wait_idle
 
 
@@ -177,7 +178,9 @@ async def test_shutdown_ends_open_streams_and_frees_everything(model_parts, toke
 
 
 async def test_choices_of_one_prompt_share_its_pages_and_match_a_lone_run(engine, tokenizer):
-    ids = tokenizer("Describe in detail how a steam engine works, step by step, for a curious child who " * 3)["input_ids"]
+    ids = tokenizer("Describe in detail how a steam engine works, step by step, for a curious child who " * 3)[
+        "input_ids"
+    ]
     assert len(ids) > 2 * 16  # at least two full pages to share
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     lone = [t for o in await _drain(engine, ids, params) for t in o.token_ids]

@@ -18,24 +18,35 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
-from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.execution.backends import CpuBackend
 from trillm.engine.execution.llama import LlamaModel, LlamaShape, dummy_weights
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner
-from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
+
 from tests.helpers import wait_idle
 
 pytestmark = pytest.mark.gpu
 
 TINY = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 4096,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 VARIANTS = ["cpu", "reference", "triton"]
 PROMPTS = [list(range(5, 45)), [7, 8, 9], list(range(100, 119)), list(range(5, 37))]  # the last shares 32 tokens
@@ -53,10 +64,7 @@ def _weights() -> dict[str, torch.Tensor]:
 
 def _models() -> dict[str, LlamaModel]:
     shape, weights = LlamaShape.from_config(TINY), _weights()
-    return {
-        name: LlamaModel(shape, weights, torch.float32, 256, _device(name), name)
-        for name in VARIANTS
-    }
+    return {name: LlamaModel(shape, weights, torch.float32, 256, _device(name), name) for name in VARIANTS}
 
 
 def _hf_model() -> LlamaForCausalLM:
@@ -78,8 +86,10 @@ def test_every_step_matches_across_kernels_and_transformers():
     cpu, cpu_torch = models["cpu"].backend, models["cpu-torch"].backend
     assert isinstance(cpu, CpuBackend) and isinstance(cpu_torch, CpuBackend)
     assert cpu.c_decode and cpu.c_ops and not cpu_torch.c_decode and not cpu_torch.c_ops
-    seqs = [Sequence(f"p{i}", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), 256, frozenset())
-            for i, ids in enumerate(PROMPTS)]
+    seqs = [
+        Sequence(f"p{i}", ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), 256, frozenset())
+        for i, ids in enumerate(PROMPTS)
+    ]
     for seq in seqs[:3]:
         sched.add(seq)
     steps = mixed = 0
@@ -126,19 +136,31 @@ def tiny_config(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-    SamplingParams(max_tokens=4, temperature=0.9, top_k=50, top_p=0.9, seed=3, ignore_eos=True),
-], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0.9, top_k=50, top_p=0.9, seed=3, ignore_eos=True),
+    ],
+    ids=["greedy", "sampled"],
+)
 async def test_engines_give_the_same_tokens_with_every_kernel_choice(tiny_config, params):
     """Dummy weights from a config.json alone; Triton (interpreted here) as the
     engine's kernels give the same tokens as the references (greedy: also as the CPU path)."""
     outputs = {}
     names = VARIANTS if params.greedy else ["reference", "triton"]
     for name in names:
-        config = EngineConfig(model=str(tiny_config), load_format="dummy", kernels=name, dtype="float32",
-                              device=_device(name).type,
-                              num_pages=64, page_size=4, max_num_seqs=8, max_batch_tokens=32)
+        config = EngineConfig(
+            model=str(tiny_config),
+            load_format="dummy",
+            kernels=name,
+            dtype="float32",
+            device=_device(name).type,
+            num_pages=64,
+            page_size=4,
+            max_num_seqs=8,
+            max_batch_tokens=32,
+        )
         engine = Engine(config, *load_model(config))
         assert engine.runner.model.backend.name == name
         async with trio.open_nursery() as nursery:

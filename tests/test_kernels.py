@@ -24,7 +24,10 @@ DTYPES = [torch.float32, torch.float16]
 
 def _paged_cache(num_pages: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen):
     shape = (num_pages, page_size, kv_heads, head_dim)
-    return (torch.randn(shape, generator=gen).to(dtype).to(DEVICE), torch.randn(shape, generator=gen).to(dtype).to(DEVICE))
+    return (
+        torch.randn(shape, generator=gen).to(dtype).to(DEVICE),
+        torch.randn(shape, generator=gen).to(dtype).to(DEVICE),
+    )
 
 
 def _tables(lengths: list[int], page_size: int, num_pages: int, gen) -> torch.Tensor:
@@ -40,7 +43,9 @@ def _tables(lengths: list[int], page_size: int, num_pages: int, gen) -> torch.Te
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        actual.float().cpu(), expected.float().cpu(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,7 +92,9 @@ def test_extend_attention_matches_reference(dtype, page_size, heads, kv_heads, h
     pages = sum(-(-n // page_size) for n in lengths) + 2
     k_cache, v_cache = _paged_cache(pages, page_size, kv_heads, head_dim, dtype, gen)
     tables = _tables(lengths, page_size, pages, gen)
-    starts = torch.tensor([0] + torch.tensor([n for _, n in shapes]).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor(
+        [0] + torch.tensor([n for _, n in shapes]).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE
+    )
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
     q = torch.randn(int(starts[-1]), heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     scale = head_dim**-0.5

@@ -7,10 +7,10 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.execution.backends.cpu import decode_groups
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 
@@ -29,7 +29,9 @@ def hf_model(model_dir):
 
 def _greedy(tokenizer, prompt: str, max_tokens: int) -> Sequence:
     ids = tokenizer(prompt)["input_ids"]
-    return Sequence(prompt, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), 4096, frozenset())
+    return Sequence(
+        prompt, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), 4096, frozenset()
+    )
 
 
 @pytest.mark.parametrize("chunk", [512, 5])
@@ -46,7 +48,9 @@ def test_logits_match_transformers(model_parts, tokenizer, hf_model, chunk):
             batch = sched.schedule()
             inputs = runner.prepare(batch)
             with torch.inference_mode():
-                logits = model.forward(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta, inputs.logits_rows)
+                logits = model.forward(
+                    inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta, inputs.logits_rows
+                )
             sched.complete(batch, [int(row.argmax()) for row in logits])
         with torch.inference_mode():
             ref = hf_model(torch.tensor([seq.prompt_ids])).logits[0, -1]
@@ -62,7 +66,7 @@ async def test_greedy_tokens_match_generate_alone_and_in_a_busy_batch(engine, to
         ids = tokenizer(prompt)["input_ids"]
         with torch.inference_mode():
             out = hf_model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-        tokens = out[0, len(ids):].tolist()
+        tokens = out[0, len(ids) :].tolist()
         eos = [i for i, t in enumerate(tokens) if t in engine.eos_ids]
         expected[prompt] = tokens[: eos[0] + 1] if eos else tokens
     assert any(len(v) < new_tokens for v in expected.values()), "one prompt should end on EOS"

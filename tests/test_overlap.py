@@ -18,14 +18,15 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.execution.backends.base import note_pending, sample_row
 from trillm.engine.execution.model_runner import StepInputs, _fill_pending
-from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Batch, Scheduler
 from trillm.engine.scheduling.sequence import PENDING, Sequence
 from trillm.engine.scheduling.step_loop import Step, StepLoop
+
 from tests.helpers import make_engine, wait_idle
 
 VOCAB, EOS = 6, 0
@@ -76,8 +77,15 @@ class Driver:
             ids += chunk.seq.token_ids(chunk.start, chunk.end)
             if chunk.samples:
                 rows.append(sample_row(chunk.seq))
-        inputs = StepInputs(torch.tensor(ids, dtype=torch.long), torch.empty(0), None, torch.empty(0),  # type: ignore[arg-type]
-                            tuple(rows), tuple(pending_inputs), tuple(pending_history))
+        inputs = StepInputs(
+            torch.tensor(ids, dtype=torch.long),
+            torch.empty(0),
+            None,
+            torch.empty(0),  # type: ignore[arg-type]
+            tuple(rows),
+            tuple(pending_inputs),
+            tuple(pending_history),
+        )
         return inputs, [list(c.seq.pages) for c in batch.chunks]
 
     def _execute(self, batch: Batch, inputs: StepInputs, pages: list[list[int]]) -> list[int]:
@@ -123,14 +131,21 @@ def make_requests(rng: random.Random) -> list[tuple[int, Sequence]]:
     requests = []
     for i in range(rng.randint(1, 14)):
         prompt = rng.choice(stems)[: rng.randint(1, 14)] + [rng.randint(1, VOCAB - 1) for _ in range(rng.randint(0, 3))]
-        params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=rng.random() < 0.3,
-                                min_tokens=rng.choice([0, 0, 2]), presence_penalty=rng.choice([0.0, 0.5]))
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 12),
+            ignore_eos=rng.random() < 0.3,
+            min_tokens=rng.choice([0, 0, 2]),
+            presence_penalty=rng.choice([0.0, 0.5]),
+        )
         arrival = rng.randint(0, 12)
-        first = Sequence(f"r{i}", prompt, params, rng.choice([10_000, len(prompt) + 4]), frozenset({EOS}),
-                         arrival_time=arrival)
+        first = Sequence(
+            f"r{i}", prompt, params, rng.choice([10_000, len(prompt) + 4]), frozenset({EOS}), arrival_time=arrival
+        )
         requests.append((arrival, first))
         for j in range(rng.choice([0, 0, 0, 2])):
-            follower = Sequence(f"r{i}.{j}", list(prompt), params, first.max_len, frozenset({EOS}), arrival_time=arrival)
+            follower = Sequence(
+                f"r{i}.{j}", list(prompt), params, first.max_len, frozenset({EOS}), arrival_time=arrival
+            )
             follower.leader = first
             requests.append((arrival, follower))
     return requests
@@ -152,8 +167,14 @@ def expected(seq: Sequence) -> tuple[list[int], str]:
 def run(rng: random.Random, requests: list[tuple[int, Sequence]], depth: int, aborts: dict[int, str]) -> None:
     page_size = rng.choice([1, 2, 4])
     longest = max((len(q.prompt_ids) + (q.params.max_tokens or 0) for _, q in requests), default=1)
-    d = Driver(depth, num_pages=-(-longest // page_size) + rng.randint(0, 12), page_size=page_size,
-               max_seqs=rng.randint(1, 6), budget=rng.randint(8, 40), cache=rng.random() < 0.7)
+    d = Driver(
+        depth,
+        num_pages=-(-longest // page_size) + rng.randint(0, 12),
+        page_size=page_size,
+        max_seqs=rng.randint(1, 6),
+        budget=rng.randint(8, 40),
+        cache=rng.random() < 0.7,
+    )
     arrivals = sorted(requests, key=lambda r: r[0])
     live: set[str] = set()
     step = 0
@@ -186,10 +207,12 @@ def fresh(requests: list[tuple[int, Sequence]]) -> list[tuple[int, Sequence]]:
 
 def without_early_eos(requests: list[tuple[int, Sequence]]) -> list[tuple[int, Sequence]]:
     """The stand-in cannot honour min_tokens bans; drop requests that would need one."""
+
     def needs_ban(q: Sequence) -> bool:
         if q.params.ignore_eos:
             return False
         return any(model_token(q.request_id, len(q.prompt_ids) + i) == EOS for i in range(q.params.min_tokens))
+
     kept = {q.request_id for _, q in requests if not needs_ban(q)}
     return [(a, q) for a, q in requests if q.request_id in kept and (q.leader is None or q.leader.request_id in kept)]
 
@@ -273,8 +296,14 @@ def reference_parts(model_dir):
 async def test_the_engine_gives_the_same_greedy_outputs_with_and_without_overlap(request, tokenizer, kernels):
     """A tiny pool (preemption), stop strings and stop ids found a step late, penalties that
     read the history, n = 2, and uneven lengths: identical tokens, text, reasons, counts."""
-    texts = ["The capital of France is", "List three colours:", "def fibonacci(n):", "Once upon a time",
-             "1, 2, 3, 4,", "Write a haiku about the sea."]
+    texts = [
+        "The capital of France is",
+        "List three colours:",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "1, 2, 3, 4,",
+        "Write a haiku about the sea.",
+    ]
     prompts = [tokenizer.encode(t) for t in texts]
     params_list: list = [
         SamplingParams(max_tokens=24, temperature=0),
@@ -288,8 +317,9 @@ async def test_the_engine_gives_the_same_greedy_outputs_with_and_without_overlap
     for overlap in (False, True):
         parts = request.getfixturevalue("model_parts" if kernels == "default" else "reference_parts")
         assert (parts[0].backend.name == "reference") == (kernels == "reference")
-        engine = make_engine(parts, num_pages=14, page_size=4, max_num_seqs=6, max_batch_tokens=32,
-                             overlap_schedule=overlap)
+        engine = make_engine(
+            parts, num_pages=14, page_size=4, max_num_seqs=6, max_batch_tokens=32, overlap_schedule=overlap
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
             results[overlap] = await _collect(engine, prompts, params_list)

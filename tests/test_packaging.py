@@ -23,14 +23,32 @@ def test_the_wheel_holds_only_the_trillm_package(tmp_path):
         shutil.copy(ROOT / name, source / name)
     for folder in ("api", "bench", "engine", "kernels"):
         shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(source)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+    )
     (wheel,) = (tmp_path / "dist").glob("trillm-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"trillm"}
-    for module in ("trillm/api/app.py", "trillm/engine/engine.py", "trillm/kernels/cpu_decode.c",
-                   "trillm/bench/run.py", "trillm/engine/configs/llama-3-8b.json"):
+    for module in (
+        "trillm/api/app.py",
+        "trillm/engine/engine.py",
+        "trillm/kernels/cpu_decode.c",
+        "trillm/bench/run.py",
+        "trillm/engine/configs/llama-3-8b.json",
+    ):
         assert module in names, module
     for init in ROOT.glob("*/**/__init__.py"):  # every subpackage of the source tree is in the wheel
         relative = init.relative_to(ROOT)
@@ -38,3 +56,13 @@ def test_the_wheel_holds_only_the_trillm_package(tmp_path):
             assert f"trillm/{relative.as_posix()}" in names, relative
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "trillm = trillm.api.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_the_readme_layout_table_names_every_package_folder():
+    readme = (ROOT / "README.md").read_text()
+    folders = [p.parent.relative_to(ROOT) for p in ROOT.glob("*/__init__.py")]
+    folders += [p.parent.relative_to(ROOT) for p in ROOT.glob("engine/*/__init__.py")]
+    assert len(folders) >= 6
+    for folder in folders:
+        if folder.parts[0] != "tests":
+            assert f"| `{folder.as_posix()}/` |" in readme, folder

@@ -8,15 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.engine.scheduling.kv_pages import OutOfPages, PageAllocator, pages_needed
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import OutOfPages, PageAllocator, pages_needed
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 8, t: float = 0.0) -> Sequence:
-    return Sequence(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 10_000,
-                    frozenset(), arrival_time=t)
+    return Sequence(
+        name,
+        list(range(prompt_len)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        10_000,
+        frozenset(),
+        arrival_time=t,
+    )
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -156,7 +162,11 @@ def test_followers_share_the_leaders_full_prompt_pages():
     assert [c.seq.request_id for c in first.chunks] == ["a"]  # followers wait for the prefill
     second = run_step(s)
     # Positions 0-7 (two full pages) are shared; each follower computes positions 8-9 itself.
-    assert [(c.seq.request_id, c.start, c.length) for c in second.chunks] == [("a", 10, 1), ("a.0", 8, 2), ("a.1", 8, 2)]
+    assert [(c.seq.request_id, c.start, c.length) for c in second.chunks] == [
+        ("a", 10, 1),
+        ("a.0", 8, 2),
+        ("a.1", 8, 2),
+    ]
     for f in followers:
         assert f.pages[:2] == leader.pages[:2] and f.pages[2] != leader.pages[2]
         assert s.allocator.refcount(f.pages[0]) == 3
@@ -180,8 +190,12 @@ def test_engine_config_and_environment_settings_are_validated():
     from trillm.api.settings import config_from_env, server_config_from_env
     from trillm.engine.config import EngineConfig
 
-    env = {"TRILLM_NUM_PAGES": "64", "TRILLM_KV_CACHE_MB": "1.5", "TRILLM_SERVED_MODEL_NAME": "m",
-           "TRILLM_REQUEST_TIMEOUT": "2.5"}
+    env = {
+        "TRILLM_NUM_PAGES": "64",
+        "TRILLM_KV_CACHE_MB": "1.5",
+        "TRILLM_SERVED_MODEL_NAME": "m",
+        "TRILLM_REQUEST_TIMEOUT": "2.5",
+    }
     config = config_from_env(env, max_num_seqs=8)
     assert (config.num_pages, config.kv_cache_bytes, config.max_num_seqs) == (64, 1572864, 8)
     server = server_config_from_env(env)
@@ -220,8 +234,14 @@ def test_prefix_cache_never_leaks_and_never_serves_a_stale_prefix(seed):
         action = rng.random()
         if action < 0.3:
             prompt = rng.choice(stems)[: rng.randint(1, 12)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 4))]
-            q = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True), 10_000,
-                         frozenset(), arrival_time=i)
+            q = Sequence(
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True),
+                10_000,
+                frozenset(),
+                arrival_time=i,
+            )
             try:
                 s.add(q)
                 live.append(q.request_id)
@@ -263,7 +283,9 @@ def test_a_finished_or_cancelled_request_leaves_its_prefix_for_the_next():
     run_step(s)
     s.abort("first")  # cancelled after its prefill: positions 0-7 are two full cached pages
     assert s.evictable_pages == 2 and allocator.free_pages == 14
-    again = Sequence("again", list(range(10)) + [99], SamplingParams(max_tokens=2, ignore_eos=True), 10_000, frozenset())
+    again = Sequence(
+        "again", list(range(10)) + [99], SamplingParams(max_tokens=2, ignore_eos=True), 10_000, frozenset()
+    )
     s.add(again)
     batch = run_step(s)
     assert [(c.start, c.length) for c in batch.chunks] == [(8, 3)]  # only the new tail is computed

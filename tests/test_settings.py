@@ -37,14 +37,26 @@ def test_every_field_is_a_setting_with_a_flag_a_variable_and_a_readme_row(cls):
 def test_readme_table_is_the_generated_one():
     text = README.read_text()
     begin, end = "<!-- settings:begin -->\n", "\n<!-- settings:end -->"
-    assert text[text.index(begin) + len(begin): text.index(end)] == settings_table()
+    assert text[text.index(begin) + len(begin) : text.index(end)] == settings_table()
 
 
 def test_flags_and_variables_reach_the_same_fields():
-    args = _serve().parse_args(["--kv-cache-mb", "2", "--no-prefix-cache", "--disable-overlap-schedule",
-                                "--enforce-eager", "--request-timeout", "3", "--served-model-name", "x"])
-    engine = from_env(EngineConfig, {"TRILLM_KV_CACHE_MB": "9", "TRILLM_PAGE_SIZE": "8"},
-                      **overrides_from(args, EngineConfig))
+    args = _serve().parse_args(
+        [
+            "--kv-cache-mb",
+            "2",
+            "--no-prefix-cache",
+            "--disable-overlap-schedule",
+            "--enforce-eager",
+            "--request-timeout",
+            "3",
+            "--served-model-name",
+            "x",
+        ]
+    )
+    engine = from_env(
+        EngineConfig, {"TRILLM_KV_CACHE_MB": "9", "TRILLM_PAGE_SIZE": "8"}, **overrides_from(args, EngineConfig)
+    )
     assert (engine.kv_cache_bytes, engine.page_size) == (2 * 1024 * 1024, 8)  # the flag wins, the variable fills
     assert not engine.prefix_cache and not engine.overlap_schedule and engine.enforce_eager
     server = server_config_from_env({}, **overrides_from(args, ServerConfig))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
 from trillm.engine.execution.rope import inverse_frequencies
 from trillm.engine.execution.sampler import sample
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! Ça va? naïve café — 東京タワー 🎉🧑‍💻 emoji",
@@ -70,10 +70,19 @@ def test_llama3_rope_scaling_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
-                         rope_parameters={"rope_theta": 500000.0, **scaling})
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_theta": 500000.0, **scaling},
+    )
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = inverse_frequencies(128, 500000.0, scaling)
     torch.testing.assert_close(ours, ref.float(), rtol=1e-5, atol=0)
@@ -83,8 +92,9 @@ def test_penalties_bias_and_bans_follow_their_formulas():
     from trillm.engine.execution.sampler import SampleRow, _adjust
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
-    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0,
-                            logit_bias=((4, 10.0),))
+    params = SamplingParams(
+        temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((4, 10.0),)
+    )
     row = SampleRow(params, None, prompt_ids=(0,), output_ids=(1, 1, 2), banned_ids=(3,))
     out = _adjust(logits, [row])[0].tolist()
     # token 0: prompt only -> repetition 2.0 / 2; token 1: -1 * 2 then -(0.25 * 2 + 0.5); token 2: 0.5 / 2 - 0.75
@@ -108,7 +118,9 @@ def test_seeded_rows_draw_the_same_whatever_the_batch():
         return SampleRow(seeded, torch.Generator().manual_seed(7))
 
     alone = [sample(logits[:1], [seeded_row()])[0] for _ in range(20)]
-    crowded = [sample(logits, [seeded_row(), SampleRow(other), SampleRow(other), SampleRow(other)])[0] for _ in range(20)]
+    crowded = [
+        sample(logits, [seeded_row(), SampleRow(other), SampleRow(other), SampleRow(other)])[0] for _ in range(20)
+    ]
     assert alone == crowded
     unseeded = {sample(logits[:1], [SampleRow(other)])[0] for _ in range(20)}
     assert len(unseeded) > 1  # without a seed the draws do vary

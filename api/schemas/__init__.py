@@ -21,6 +21,15 @@ PUBLISHED = {
 }
 
 __all__ = [
-    "PUBLISHED", "ChatCompletionBody", "ChatRequest", "CommonFields", "CompletionBody", "CompletionRequest",
-    "DetokenizeBody", "GenerationBody", "TokenizeBody", "parse_chat_request", "parse_completion_request",
+    "PUBLISHED",
+    "ChatCompletionBody",
+    "ChatRequest",
+    "CommonFields",
+    "CompletionBody",
+    "CompletionRequest",
+    "DetokenizeBody",
+    "GenerationBody",
+    "TokenizeBody",
+    "parse_chat_request",
+    "parse_completion_request",
 ]

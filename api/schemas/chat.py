@@ -28,14 +28,18 @@ class ChatCompletionBody(GenerationBody):
     """The body of ``POST /v1/chat/completions`` (published as ``ChatCompletionRequest``)."""
 
     messages: list[Message] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION)
-    prompt: str | None = Field(None, description="raw text, no chat template; give exactly one of `messages` / "
-                                                 "`prompt`")
+    prompt: str | None = Field(
+        None, description="raw text, no chat template; give exactly one of `messages` / `prompt`"
+    )
     logprobs: bool = Field(
-        False, description="return log-probabilities: `choices[].logprobs.content[]` = `{token, logprob, bytes, "
-                           "top_logprobs[]}`, one entry per generated token (the EOS token included, although it "
-                           "adds no text); streamed chunks carry the entries of their tokens")
-    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS,
-                              description="alternatives per token; only with `logprobs: true`")
+        False,
+        description="return log-probabilities: `choices[].logprobs.content[]` = `{token, logprob, bytes, "
+        "top_logprobs[]}`, one entry per generated token (the EOS token included, although it "
+        "adds no text); streamed chunks carry the entries of their tokens",
+    )
+    top_logprobs: int = Field(
+        0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token; only with `logprobs: true`"
+    )
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionBody:

@@ -30,18 +30,27 @@ class CompletionRequest:
 class CompletionBody(GenerationBody):
     """The body of ``POST /v1/completions`` (published as ``CompletionRequest``)."""
 
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | _Tokens
-             | Annotated[list[_Tokens], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | _Tokens
+        | Annotated[list[_Tokens], Field(min_length=1, max_length=MAX_PROMPTS)]
+    ) = Field(
         description=f"a string, strings, token ids, or lists of token ids; up to {MAX_PROMPTS} prompts; `n` choices "
-                    f"per prompt, `index` = prompt position x n + j; prompts x n <= {MAX_CHOICES}")
+        f"per prompt, `index` = prompt position x n + j; prompts x n <= {MAX_CHOICES}"
+    )
     echo: bool = Field(False, description="the prompt text is prepended to each choice (streaming: sent first)")
     suffix: Annotated[str, Unsupported("suffix (fill-in-the-middle) is not supported")] | None = Field(
-        None, description="not supported: a non-empty value is a 400")
+        None, description="not supported: a non-empty value is a 400"
+    )
     logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS,
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
         description="legacy log-probabilities with this many alternatives: `choices[].logprobs = {tokens, "
-                    "token_logprobs, top_logprobs, text_offset}`; not together with `echo` (prompt logprobs are not "
-                    "supported)")
+        "token_logprobs, top_logprobs, text_offset}`; not together with `echo` (prompt logprobs are not "
+        "supported)",
+    )
     best_of: int = Field(1, ge=1, le=1, description="only 1")
 
     @model_validator(mode="after")
@@ -60,7 +69,7 @@ class CompletionBody(GenerationBody):
             return (p,)
         if all(isinstance(t, int) for t in p):
             return (tuple(p),)  # type: ignore[arg-type]
-        return tuple(x if isinstance(x, str) else tuple(x) for x in p)  # type: ignore[union-attr, arg-type]
+        return tuple(x if isinstance(x, str) else tuple(x) for x in p)  # type: ignore[arg-type]
 
     def request(self) -> CompletionRequest:
         common = self.common()

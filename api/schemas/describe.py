@@ -119,7 +119,8 @@ def locate(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str | No
     """
     root = json_schema(model)
     defs = root.get("$defs", {})
-    node, path, kept = root, "", []
+    node, path = root, ""
+    kept: list[int | str] = []
     for step in loc:
         alternatives = branches(node, defs)
         if isinstance(step, int):

@@ -46,57 +46,79 @@ class ResponseFormat(RequestModel):
 class GenerationBody(RequestModel):
     """The model, sampling parameters and streaming options of any generation request."""
 
-    model: str = Field(min_length=1, description="must equal the served model id (see `/v1/models`), "
-                                                 "else 404 `model_not_found`")
+    model: str = Field(
+        min_length=1, description="must equal the served model id (see `/v1/models`), else 404 `model_not_found`"
+    )
     max_tokens: int = Field(
-        DEFAULT_MAX_TOKENS, ge=1,
+        DEFAULT_MAX_TOKENS,
+        ge=1,
         description="most tokens to generate. If you set it and prompt + `max_tokens` exceeds the context, that is "
-                    "a 400 (`code: \"context_length_exceeded\"`, both numbers in the message); the default is "
-                    "clamped instead: generation stops at the context limit with `finish_reason: \"length\"`")
+        'a 400 (`code: "context_length_exceeded"`, both numbers in the message); the default is '
+        'clamped instead: generation stops at the context limit with `finish_reason: "length"`',
+    )
     max_completion_tokens: int | None = Field(
-        None, ge=1, description="modern name of `max_tokens`; if both are given they must agree")
+        None, ge=1, description="modern name of `max_tokens`; if both are given they must agree"
+    )
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
     top_k: Annotated[int, Not(0)] = Field(-1, ge=-1, description="-1 is off; 1 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass")
-    min_p: float = Field(0.0, ge=0.0, le=1.0,
-                         description="drop tokens less likely than `min_p` x the most likely one")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than `min_p` x the most likely one")
     ignore_eos: bool = Field(False, description="keep generating past the model's end-of-sequence tokens")
     min_tokens: int = Field(0, ge=0, description="EOS and `stop_token_ids` cannot be sampled before this many tokens")
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
-        None, description="generation ends when one appears; the stop text is not returned, `finish_reason` is "
-                          "`\"stop\"`. If several could match, the one that completes first wins. Streaming holds "
-                          "back only the characters that could still start a stop string")
-    stop_token_ids: list[TokenId] | None = Field(None, description="generation ends (`\"stop\"`) on any of these")
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
-                                    description="OpenAI: subtracted once from every token already generated")
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
-                                     description="OpenAI: subtracted per occurrence of a token in the generated text")
+        None,
+        description="generation ends when one appears; the stop text is not returned, `finish_reason` is "
+        '`"stop"`. If several could match, the one that completes first wins. Streaming holds '
+        "back only the characters that could still start a stop string",
+    )
+    stop_token_ids: list[TokenId] | None = Field(None, description='generation ends (`"stop"`) on any of these')
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI: subtracted once from every token already generated"
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI: subtracted per occurrence of a token in the generated text"
+    )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=10.0,
-        description="vLLM semantics over prompt and generated tokens: positive logits divided, negative multiplied")
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="vLLM semantics over prompt and generated tokens: positive logits divided, negative multiplied",
+    )
     logit_bias: dict[_TokenKey, _Bias] | None = Field(
-        None, description="token id (a string key) -> bias added to its logit")
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1,
-                             description="per-request generator: same seed and parameters give the same text "
-                                         "whatever else is in the batch")
-    n: int = Field(1, ge=1, le=MAX_N,
-                   description="choices per prompt, `index` 0 ... n-1; with a `seed`, choice j samples with seed + j. "
-                               "The prompt is prefilled once: the other choices share its full KV pages and compute "
-                               "only the last partial page themselves")
+        None, description="token id (a string key) -> bias added to its logit"
+    )
+    seed: int | None = Field(
+        None,
+        ge=-(2**63),
+        le=2**64 - 1,
+        description="per-request generator: same seed and parameters give the same text whatever else is in the batch",
+    )
+    n: int = Field(
+        1,
+        ge=1,
+        le=MAX_N,
+        description="choices per prompt, `index` 0 ... n-1; with a `seed`, choice j samples with seed + j. "
+        "The prompt is prefilled once: the other choices share its full KV pages and compute "
+        "only the last partial page themselves",
+    )
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(
-        None, description="`{\"include_usage\": true}` adds a usage chunk; only with `stream: true`")
+        None, description='`{"include_usage": true}` adds a usage chunk; only with `stream: true`'
+    )
     tools: Annotated[list[dict[str, Any]], Unsupported("tool calling is not supported")] | None = Field(
-        None, description="not supported yet: a non-empty list is a 400")
-    response_format: ResponseFormat | None = Field(None, description="only `{\"type\": \"text\"}`")
+        None, description="not supported yet: a non-empty list is a 400"
+    )
+    response_format: ResponseFormat | None = Field(None, description='only `{"type": "text"}`')
 
     @model_validator(mode="after")
     def _check_common(self) -> GenerationBody:
         if self.stream_options is not None and not self.stream:
             raise invalid("is only allowed when 'stream' is true", "stream_options")
         if "max_tokens" in self.model_fields_set and self.max_completion_tokens not in (None, self.max_tokens):
-            raise invalid(f"disagrees with max_tokens ({self.max_completion_tokens} != {self.max_tokens})",
-                          "max_completion_tokens")
+            raise invalid(
+                f"disagrees with max_tokens ({self.max_completion_tokens} != {self.max_tokens})",
+                "max_completion_tokens",
+            )
         return self
 
     def common(self) -> CommonFields:

@@ -29,7 +29,7 @@ class Message(RequestModel):
 
 
 MESSAGES_DESCRIPTION = (
-    "the conversation, each `{\"role\", \"content\"}`; role `system`, `user`, `assistant` (or `developer`, treated "
-    "as `system`); content a string or a list of `{\"type\": \"text\", \"text\"}` parts (other part types, e.g. "
+    'the conversation, each `{"role", "content"}`; role `system`, `user`, `assistant` (or `developer`, treated '
+    'as `system`); content a string or a list of `{"type": "text", "text"}` parts (other part types, e.g. '
     "images, are a 400)"
 )

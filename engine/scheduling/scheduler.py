@@ -33,7 +33,7 @@ class ScheduledChunk:
     generation: int = 0
 
     @classmethod
-    def next_for(cls, seq: Sequence, length: int) -> "ScheduledChunk":
+    def next_for(cls, seq: Sequence, length: int) -> ScheduledChunk:
         return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens, seq.num_preemptions)
 
     @property

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import attrs
-
 from typing import Any
+
+import attrs
 
 from trillm.engine.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ class Sequence:
     generator: Any = None  # the request's own torch.Generator when it has a seed
     # Another choice of the same prompt: this one waits for its prefill and
     # then shares its full prompt pages instead of computing them again.
-    leader: "Sequence | None" = attrs.field(default=None, repr=False)
+    leader: Sequence | None = attrs.field(default=None, repr=False)
 
     @property
     def banned_ids(self) -> tuple[int, ...]:
@@ -89,7 +89,9 @@ class Sequence:
     def reaches_length(self, num_outputs: int) -> bool:
         """Whether the sequence ends by length once it has ``num_outputs`` output tokens."""
         max_tokens = self.params.max_tokens
-        return (max_tokens is not None and num_outputs >= max_tokens) or len(self.prompt_ids) + num_outputs >= self.max_len
+        return (max_tokens is not None and num_outputs >= max_tokens) or len(
+            self.prompt_ids
+        ) + num_outputs >= self.max_len
 
     @property
     def awaits_last_token(self) -> bool:

@@ -9,7 +9,8 @@ in flight returns (its tokens are ``PENDING`` until then); with 1, one step at a
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import attrs
 
@@ -30,8 +31,13 @@ class Step(Generic[Inputs]):
 class StepLoop(Generic[Inputs]):
     """At most ``depth`` steps in flight, resolved in the order they were launched."""
 
-    def __init__(self, scheduler: Scheduler, prepare: Callable[[Batch], Inputs], depth: int,
-                 on_scheduled: Callable[[Batch], None] = lambda batch: None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        prepare: Callable[[Batch], Inputs],
+        depth: int,
+        on_scheduled: Callable[[Batch], None] = lambda batch: None,
+    ) -> None:
         if depth not in (1, 2):
             raise ValueError("depth must be 1 (one step at a time) or 2 (one step ahead)")
         self.scheduler = scheduler
@@ -71,9 +77,7 @@ class StepLoop(Generic[Inputs]):
         """The oldest step failed: drop it; the caller ends its requests."""
         return self.in_flight.popleft().batch
 
-    def run_once(
-        self, execute: Callable[[Step[Inputs]], list[int]]
-    ) -> tuple[Batch, list[tuple[Sequence, int]]] | None:
+    def run_once(self, execute: Callable[[Step[Inputs]], list[int]]) -> tuple[Batch, list[tuple[Sequence, int]]] | None:
         """One turn of the loop with a synchronous worker: schedule (and launch) a step, then,
         when one is due, execute the oldest and resolve it. Returns what was resolved, if anything."""
         scheduled = self.schedule() is not None

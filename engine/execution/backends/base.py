@@ -11,7 +11,7 @@ which backend it holds. After mini-sglang's ``python/minisgl/attention/base.py``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 
 import attrs
 import torch
@@ -30,9 +30,11 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 class StepMetadata(Protocol):
     """What every backend's metadata offers the runner; the rest is the backend's own."""
 
-    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[T]: where each new token's K/V is written."""
 
-    def to(self, device: torch.device) -> StepMetadata: ...
+    def to(self, device: torch.device) -> Self: ...
 
 
 @attrs.frozen

@@ -75,7 +75,8 @@ class CpuBackend(Backend):
         if not self.fusable(model):
             return None
         layers = [(la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down) for la in model.layers]
-        return cpu_forward.DecodeLayers(layers, kv_cache, model.shape.num_heads, model.shape.rms_norm_eps, model.scale)
+        s = model.shape  # fusable: every projection is a BlockWeight
+        return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale)  # type: ignore[arg-type]
 
     def prepare(self, batch: Batch, page_size: int) -> StepInputs:
         ps = page_size
