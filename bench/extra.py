@@ -54,16 +54,6 @@ def memory_bandwidth(device: torch.device, megabytes: int = 1024) -> float:
     return 2 * n * 4 / best
 
 
-def weight_bytes(config: dict[str, Any], dtype: torch.dtype) -> int:
-    """Bytes one decode step reads for the weights (embeddings only by row, so left out unless tied)."""
-    from trillm.engine.execution.llama import LlamaShape
-
-    s = LlamaShape.from_config(config)
-    d, h = s.head_dim, s.hidden_size
-    per_layer = h * (s.num_heads + 2 * s.num_kv_heads) * d + s.num_heads * d * h + 3 * h * s.intermediate_size
-    return (s.num_layers * per_layer + s.vocab_size * h) * torch.finfo(dtype).bits // 8
-
-
 def plot(rows: list[Any], path: Path, title: str) -> None:
     """Output tokens/s against concurrency, one line per kind of run."""
     import matplotlib

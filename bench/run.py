@@ -271,10 +271,10 @@ def run_bench(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot, weight_bytes
+    from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot
     from trillm.engine.config import EngineConfig
     from trillm.engine.execution.llama import LlamaShape
-    from trillm.engine.execution.model_runner import choose_dtype
+    from trillm.engine.execution.loading import resolve_dtype
     from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf, resolve_model
     from trillm.engine.settings import from_env
 
@@ -286,8 +286,7 @@ def run_bench(args: argparse.Namespace) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    auto_dtype = torch.bfloat16 if device.type == "cuda" else None
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype) or auto_dtype or choose_dtype()
+    dtype = resolve_dtype(args.dtype, device)  # the engine's own choice, so both sides use the same dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
@@ -303,7 +302,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
     # A KV pool that holds every client's whole sequence: measure batching, not preemption.
     shape = LlamaShape.from_config(model_config)
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * torch.finfo(dtype).bits // 8
+    per_token = shape.kv_bytes_per_token(dtype)
     tokens = (max(levels) + 1) * (args.shared_prefix_len + args.prompt_len + args.output_len + 32)
     kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))
     rows: list[RunResult] = []
@@ -386,7 +385,7 @@ def run_bench(args: argparse.Namespace) -> None:
         rows.append(RunResult("llama.cpp (llama-cpp-python, Q4_1 GGUF)", 1, tokens, seconds))
         print(f"[bench] llama.cpp c=1: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
     bandwidth = memory_bandwidth(device)
-    step_bytes = weight_bytes(model_config, dtype)
+    step_bytes = shape.dense_projection_bytes(dtype)
     print(
         f"[bench] device={device} copy bandwidth {bandwidth / 1e9:.1f} GB/s; one decode step reads "
         f">= {step_bytes / 1e6:.0f} MB of weights",

@@ -171,3 +171,13 @@ async def test_engines_give_the_same_tokens_with_every_kernel_choice(tiny_config
     assert all(len(tokens) == params.max_tokens for tokens in outputs["reference"])
     for name in names:
         assert outputs[name] == outputs["reference"], name
+
+
+def test_shape_byte_counts_match_a_built_model():
+    """The bench sizes the KV pool and the weight traffic from the shape alone; a built model must agree."""
+    from trillm.engine.execution.model_runner import kv_bytes_per_token
+
+    shape = LlamaShape.from_config(TINY)
+    model = LlamaModel(shape, _weights(), torch.float32, 256, torch.device("cpu"), "reference")
+    assert model.projection_bytes == shape.dense_projection_bytes(torch.float32)
+    assert kv_bytes_per_token(model) == shape.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4

@@ -42,6 +42,19 @@ class LlamaShape:
     tie_word_embeddings: bool
     attention_bias: bool
 
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token over every layer: what the KV pool is sized by."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+    def dense_projection_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of every projection (and the LM head) as dense ``dtype`` matrices: what one decode
+        step reads of the weights unless they are kept in blocks (``LlamaModel.projection_bytes``)."""
+        d, h = self.head_dim, self.hidden_size
+        per_layer = (
+            h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + 3 * h * self.intermediate_size
+        )
+        return (self.num_layers * per_layer + self.vocab_size * h) * torch.finfo(dtype).bits // 8
+
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> LlamaShape:
         archs = set(cfg.get("architectures") or ["LlamaForCausalLM"])

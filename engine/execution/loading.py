@@ -33,6 +33,17 @@ def _eos_ids(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[
     return frozenset(ids)
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The ``dtype`` setting as a torch dtype; ``auto``: bfloat16 on CUDA, else whichever this CPU
+    multiplies faster (measured)."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
+    if dtype is not None:
+        return dtype
+    if name != "auto":
+        raise ValueError(f"dtype must be auto, float32 or bfloat16, not {name!r}")
+    return torch.bfloat16 if device.type == "cuda" else choose_dtype()
+
+
 def choose_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,11 +103,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(config.dtype)
-    if dtype is None:
-        if config.dtype != "auto":
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, not {config.dtype!r}")
-        dtype = torch.bfloat16 if device.type == "cuda" else choose_dtype()
+    dtype = resolve_dtype(config.dtype, device)
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     backend = create_backend(config.kernels, device, dtype)
     blocks = _use_block_weights(config, backend)

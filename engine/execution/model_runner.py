@@ -34,8 +34,7 @@ __all__ = ["ModelRunner", "StepInputs", "choose_dtype", "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
-    s = model.shape
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.finfo(model.dtype).bits // 8
+    return model.shape.kv_bytes_per_token(model.dtype)
 
 
 def choose_dtype() -> torch.dtype:
