@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
+
+if TYPE_CHECKING:
+    from trillm.engine.structured import CompiledGrammar
 
 
 @attrs.frozen
@@ -29,6 +34,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    # Every output token must keep the text inside this grammar; it ends the sequence ("stop")
+    # when complete. ``min_tokens`` and ``ignore_eos`` do not hold back its end.
+    grammar: CompiledGrammar | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

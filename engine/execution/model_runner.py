@@ -27,6 +27,7 @@ from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.sampler import Sampled, SampleRow, sample_with_logprobs
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.engine.scheduling.sequence import PENDING
+from trillm.engine.structured.matcher import GrammarMasks, advance
 
 log = logging.getLogger("trillm.engine")
 
@@ -145,8 +146,12 @@ class ModelRunner:
         previous, self._last_sampled = self._last_sampled, None
         rows = _fill_pending(inputs, previous)
         logits = self.execute_logits(inputs)
+        # On a GPU the forward is still running: the grammar masks are filled meanwhile.
+        matchers = [row.matcher for row in rows]
+        masks = GrammarMasks.fill(matchers, logits.shape[-1])
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
-            sampled = sample_with_logprobs(logits, list(rows), kernel) if rows else Sampled([], [])
+            sampled = sample_with_logprobs(logits, list(rows), kernel, masks) if rows else Sampled([], [])
+        advance(matchers, sampled.tokens)
         self._last_sampled = sampled.tokens
         return sampled
