@@ -17,7 +17,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from trillm.api import chat, completions, tokenize
-from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
@@ -79,6 +79,7 @@ def create_app(
     app.extensions["trillm_host"] = host
     app.extensions["trillm_model_name"] = model_name
     created = int(time.time())
+    context = ServerContext(tool_call_parser=server.tool_call_parser)
 
     @app.before_serving
     async def start_engine() -> None:
@@ -146,6 +147,7 @@ def create_app(
         req = endpoint.parse(await json_body())
         check_model(req.common.model)
         check_serving()
+        req = endpoint.bind(engine, req, context)
         prompts = endpoint.prompt_ids(engine, req)
         for ids in prompts:
             check_prompt(engine, ids, endpoint.prompt_param(req), req.common)

@@ -12,24 +12,61 @@ from typing import Any
 import attrs
 
 from trillm.api import logprobs
-from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
+from trillm.api.tools.formats import ToolFormat, choose
+from trillm.api.tools.prompt import template_messages
+from trillm.api.tools.stream import ToolStream
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+
+
+def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequest:
+    """Choose the tool-call format (setting, else the chat template) and, with tools, the
+    grammar that forces or constrains calls (it takes the place of ``response_format``)."""
+    if req.tools is None:
+        return req
+    fmt = choose(ctx.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+    if req.common.grammar is not None:
+        raise ApiError(
+            "cannot be combined with 'tools' (they constrain the output themselves)", param=req.common.grammar[1]
+        )
+    common = attrs.evolve(req.common, grammar=(fmt.grammar(req.tools), "tools"))
+    return attrs.evolve(req, common=common, tool_format=fmt)
 
 
 def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
     tok = engine.tokenizer
     if req.messages is not None:
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise ApiError("this model has no chat template; send 'prompt' instead", param="messages")
-        text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=False)
+        fmt = req.tool_format or choose("auto", template)
+        messages, tools = template_messages(template, list(req.messages), req.tools, fmt)
+        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
         return [tok(text, add_special_tokens=False)["input_ids"]]
     return [tok(req.prompt)["input_ids"]]
+
+
+def _message(req: ChatRequest, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice, with its calls parsed out when tools are on."""
+    if req.tool_format is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = req.tool_format.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.calls and req.tools is not None and req.tools.legacy:  # OpenAI's older shape: one function_call
+        message["function_call"] = {"name": parsed.calls[0].name, "arguments": parsed.calls[0].arguments}
+        if finish_reason == "stop":
+            finish_reason = "function_call"
+    elif parsed.calls:
+        message["tool_calls"] = [call.openai() for call in parsed.calls]
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
 
 
 def _logprobs(engine: EngineHandle, params: SamplingParams, items: Any) -> dict[str, Any] | None:
@@ -57,11 +94,12 @@ async def complete(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": done.texts[i]},
+                "message": message,
                 "logprobs": _logprobs(engine, params, done.logprobs[i]),
-                "finish_reason": done.last[i].finish_reason,
+                "finish_reason": finish_reason,
             }
             for i in range(n)
+            for message, finish_reason in [_message(req, done.texts[i], done.last[i].finish_reason)]
         ],
         "usage": usage(len(prompts[0]), sum(o.num_output_tokens for o in done.last), done.last[0].num_cached_tokens),
     }
@@ -74,7 +112,9 @@ class ChatChunks:
     engine: EngineHandle
     params: SamplingParams
     n: int
+    tool_format: ToolFormat | None = None
     object: str = "chat.completion.chunk"
+    streams: dict[int, ToolStream] = attrs.field(factory=dict)  # per choice, with tools
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
         return {
@@ -88,10 +128,30 @@ class ChatChunks:
         return [self._choice(index, {"role": "assistant", "content": ""}, None) for index in range(self.n)]
 
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
+        if self.tool_format is not None:
+            yield from self._tool_pieces(out)
+            return
         if out.text or out.logprobs:
             yield self._choice(out.index, {"content": out.text}, None, out.logprobs)
         if out.finish_reason:
             yield self._choice(out.index, {}, out.finish_reason)
+
+    def _tool_pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
+        """Content until a call may start, then the calls as ``tool_calls`` deltas."""
+        assert self.tool_format is not None
+        stream = self.streams.setdefault(out.index, ToolStream(self.tool_format))
+        deltas = stream.feed(out.text)
+        finish_reason = out.finish_reason
+        if finish_reason:
+            deltas += stream.finish()
+            if stream.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if out.logprobs and not deltas:
+            deltas = [{"content": ""}]  # the tokens' logprobs, without their text (markup) yet
+        for i, delta in enumerate(deltas):
+            yield self._choice(out.index, delta, None, out.logprobs if i == 0 else ())
+        if finish_reason:
+            yield self._choice(out.index, {}, finish_reason)
 
     def cut(self, index: int) -> dict[str, Any]:
         return self._choice(index, {}, "length")
@@ -102,5 +162,6 @@ ENDPOINT = GenerationEndpoint(
     prompt_ids=prompt_ids,
     prompt_param=lambda req: "messages" if req.messages is not None else "prompt",
     complete=complete,
-    renderer=lambda engine, req, prompts: ChatChunks(engine, req.common.params, req.common.n),
+    renderer=lambda engine, req, prompts: ChatChunks(engine, req.common.params, req.common.n, req.tool_format),
+    bind=bind,
 )

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from trillm.api.tools.formats import PARSER_CHOICES
 from trillm.engine.config import EngineConfig
 from trillm.engine.settings import from_env, markdown_table, setting
 
@@ -34,6 +35,14 @@ class ServerConfig:
         '`finish_reason: "length"` (streaming), and its pages are freed; 0: none',
         doc_default="none",
         validator=_not_negative,
+    )
+
+    tool_call_parser: str = setting(
+        "auto",
+        "how the model writes tool calls: `hermes` (`<tool_call>`, Qwen/Hermes), `llama3_json`, `mistral` "
+        "(`[TOOL_CALLS]`), or `generic` (tools described in the system prompt, replies in JSON; any model); "
+        "`auto`: from the chat template",
+        choices=PARSER_CHOICES,
     )
 
     @property

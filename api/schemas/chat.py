@@ -7,10 +7,14 @@ from typing import Any
 import attrs
 from pydantic import Field, model_validator
 
+from trillm.api.errors import ApiError
 from trillm.api.schemas.base import invalid
 from trillm.api.schemas.describe import parse
 from trillm.api.schemas.generation import CommonFields, GenerationBody
-from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, Message
+from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, AnyMessage
+from trillm.api.schemas.tools import ToolFields
+from trillm.api.tools.formats import ToolFormat
+from trillm.api.tools.spec import ToolSet
 
 MAX_TOP_LOGPROBS = 20
 
@@ -20,14 +24,16 @@ class ChatRequest:
     """A validated chat request in the terms the handler uses."""
 
     common: CommonFields
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     prompt: str | None
+    tools: ToolSet | None = None
+    tool_format: ToolFormat | None = None  # decided by ``chat.bind`` from the template and the settings
 
 
-class ChatCompletionBody(GenerationBody):
+class ChatCompletionBody(GenerationBody, ToolFields):
     """The body of ``POST /v1/chat/completions`` (published as ``ChatCompletionRequest``)."""
 
-    messages: list[Message] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION)
+    messages: list[AnyMessage] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION)
     prompt: str | None = Field(
         None, description="raw text, no chat template; give exactly one of `messages` / `prompt`"
     )
@@ -54,7 +60,10 @@ class ChatCompletionBody(GenerationBody):
         if self.logprobs:
             common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=self.top_logprobs))
         messages = None if self.messages is None else tuple(m.for_template() for m in self.messages)
-        return ChatRequest(common, messages, self.prompt)
+        tools = self.tool_set()
+        if tools is not None and self.prompt is not None:
+            raise ApiError("'tools' need 'messages' (a raw 'prompt' has no template)", param="tools")
+        return ChatRequest(common, messages, self.prompt, tools)
 
 
 def parse_chat_request(body: Any) -> ChatRequest:

@@ -11,6 +11,7 @@ masks. Preemption keeps a sequence's output tokens, so it keeps its matcher too.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -51,12 +52,13 @@ class Matcher:
             log.error("token %d is outside the grammar (%s); the rest is unconstrained", token, self.grammar.spec.kind)
 
 
-@attrs.frozen
+@attrs.define
 class GrammarMasks:
     """The allowed tokens of the constrained rows of one step, as xgrammar bitmasks (int32 words)."""
 
     bitmask: torch.Tensor  # [rows of the step, ceil(vocab / 32)], CPU
     rows: list[int]  # which rows are constrained
+    apply_seconds: float = 0.0
 
     @classmethod
     def fill(cls, matchers: Sequence[Matcher | None], vocab_size: int) -> GrammarMasks | None:
@@ -79,8 +81,10 @@ class GrammarMasks:
         """Set the logits of disallowed tokens to -inf, in place."""
         import xgrammar
 
+        started = time.perf_counter()
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=self.rows)
+        self.apply_seconds += time.perf_counter() - started
 
 
 def advance(matchers: Sequence[Matcher | None], tokens: Sequence[int]) -> None:
