@@ -162,7 +162,7 @@ class ModelRunner:
         # On a GPU the forward is still running: the grammar masks are filled meanwhile.
         matchers = [row.matcher for row in rows]
         started = time.perf_counter()
-        masks = GrammarMasks.fill(matchers, logits.shape[-1])
+        masks = GrammarMasks.fill(matchers, logits.shape[-1], self.num_threads)
         mask_seconds = time.perf_counter() - started
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
