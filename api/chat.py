@@ -10,11 +10,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import attrs
+from jinja2 import TemplateError
 
 from trillm.api import logprobs
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
+from trillm.api.reasoning import ChoiceSplitter, request_style
 from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
@@ -27,7 +29,16 @@ def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
     if req.messages is not None:
         if not getattr(tok, "chat_template", None):
             raise ApiError("this model has no chat template; send 'prompt' instead", param="messages")
-        text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=False)
+        extra = req.chat_template_kwargs or {}
+        try:
+            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=False, **extra)
+        except TemplateError as exc:  # the template's own raise_exception, or a variable it cannot use
+            param = "chat_template_kwargs" if extra else "messages"
+            raise ApiError(f"the chat template failed: {exc}", param=param) from None
+        except TypeError as exc:  # a name of apply_chat_template's own that a newer transformers added
+            if not extra:
+                raise
+            raise ApiError(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         return [tok(text, add_special_tokens=False)["input_ids"]]
     return [tok(req.prompt)["input_ids"]]
 
@@ -39,7 +50,12 @@ def _logprobs(engine: EngineHandle, params: SamplingParams, items: Any) -> dict[
 
 
 async def complete(
-    engine: EngineHandle, model: str, req: ChatRequest, prompts: list[list[int]], deadline: float
+    engine: EngineHandle,
+    model: str,
+    req: ChatRequest,
+    prompts: list[list[int]],
+    deadline: float,
+    reasoning_parser: str | None = None,
 ) -> dict[str, Any]:
     """Run every choice to its end and return the ``chat.completion`` body.
 
@@ -49,6 +65,7 @@ async def complete(
     params, n = req.common.params, req.common.n
     request_ids, outputs = submit_choices(engine, prompts, params, n)
     done = await collect(engine, request_ids, outputs, [""] * n, deadline)
+    split = _splitter(reasoning_parser, req)
     return {
         "id": new_completion_id(),
         "object": "chat.completion",
@@ -57,7 +74,7 @@ async def complete(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": done.texts[i]},
+                "message": {"role": "assistant", **split.message(done.texts[i])},
                 "logprobs": _logprobs(engine, params, done.logprobs[i]),
                 "finish_reason": done.last[i].finish_reason,
             }
@@ -74,6 +91,7 @@ class ChatChunks:
     engine: EngineHandle
     params: SamplingParams
     n: int
+    split: ChoiceSplitter = attrs.field(factory=lambda: ChoiceSplitter(None))  # thinking vs answer
     object: str = "chat.completion.chunk"
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
@@ -88,19 +106,30 @@ class ChatChunks:
         return [self._choice(index, {"role": "assistant", "content": ""}, None) for index in range(self.n)]
 
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
-        if out.text or out.logprobs:
-            yield self._choice(out.index, {"content": out.text}, None, out.logprobs)
+        delta = self.split.delta(out.index, out.text, bool(out.finish_reason))
+        if any(delta.values()) or out.logprobs:
+            yield self._choice(out.index, delta, None, out.logprobs)
         if out.finish_reason:
             yield self._choice(out.index, {}, out.finish_reason)
 
     def cut(self, index: int) -> dict[str, Any]:
-        return self._choice(index, {}, "length")
+        return self._choice(index, self.split.flush(index), "length")
 
 
-ENDPOINT = GenerationEndpoint(
-    parse=parse_chat_request,
-    prompt_ids=prompt_ids,
-    prompt_param=lambda req: "messages" if req.messages is not None else "prompt",
-    complete=complete,
-    renderer=lambda engine, req, prompts: ChatChunks(engine, req.common.params, req.common.n),
-)
+def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
+    """The chat endpoint; ``reasoning_parser`` (the server's setting) splits thinking from the answer."""
+    return GenerationEndpoint(
+        parse=parse_chat_request,
+        prompt_ids=prompt_ids,
+        prompt_param=lambda req: "messages" if req.messages is not None else "prompt",
+        complete=lambda engine, model, req, prompts, deadline: complete(
+            engine, model, req, prompts, deadline, reasoning_parser
+        ),
+        renderer=lambda engine, req, prompts: ChatChunks(
+            engine, req.common.params, req.common.n, _splitter(reasoning_parser, req)
+        ),
+    )
+
+
+def _splitter(reasoning_parser: str | None, req: ChatRequest) -> ChoiceSplitter:
+    return ChoiceSplitter(request_style(reasoning_parser, req.chat_template_kwargs))

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from trillm.api.reasoning import REASONING_PARSERS
 from trillm.engine.config import EngineConfig
 from trillm.engine.settings import from_env, markdown_table, setting
 
@@ -34,6 +35,15 @@ class ServerConfig:
         '`finish_reason: "length"` (streaming), and its pages are freed; 0: none',
         doc_default="none",
         validator=_not_negative,
+    )
+
+    reasoning_parser: str | None = setting(
+        None,
+        "split chat replies into `reasoning_content` (the `<think>` part) and `content`: `deepseek_r1` (thinking "
+        "until `</think>`, the opening tag optional) or `qwen3` (thinking only when the reply opens with `<think>`)",
+        choices=REASONING_PARSERS,
+        doc_default="none",
+        validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)),
     )
 
     @property

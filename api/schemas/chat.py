@@ -13,6 +13,29 @@ from trillm.api.schemas.generation import CommonFields, GenerationBody
 from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, Message
 
 MAX_TOP_LOGPROBS = 20
+# apply_chat_template's own parameters (and the template's ``messages``): template variables
+# of these names would override what the server passes, or change what the call returns.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "self",
+        "conversation",
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "chat_template",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 @attrs.frozen
@@ -22,6 +45,7 @@ class ChatRequest:
     common: CommonFields
     messages: tuple[dict[str, str], ...] | None
     prompt: str | None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatCompletionBody(GenerationBody):
@@ -40,6 +64,11 @@ class ChatCompletionBody(GenerationBody):
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token; only with `logprobs: true`"
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='extra variables for the chat template, e.g. `{"enable_thinking": false}`; only with '
+        "`messages`; names the server passes itself (`add_generation_prompt`, `tokenize`, `tools`, ...) are a 400",
+    )
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionBody:
@@ -47,6 +76,12 @@ class ChatCompletionBody(GenerationBody):
             raise invalid("give exactly one of 'messages' or 'prompt'", "messages")
         if "top_logprobs" in self.model_fields_set and not self.logprobs:
             raise invalid("needs 'logprobs': true", "top_logprobs")
+        if self.chat_template_kwargs is not None:
+            if self.messages is None:
+                raise invalid("needs 'messages' (a raw 'prompt' has no chat template)", "chat_template_kwargs")
+            taken = sorted(RESERVED_TEMPLATE_KWARGS & self.chat_template_kwargs.keys())
+            if taken:
+                raise invalid(f"{', '.join(taken)} cannot be set here: the server passes it", "chat_template_kwargs")
         return self
 
     def request(self) -> ChatRequest:
@@ -54,7 +89,7 @@ class ChatCompletionBody(GenerationBody):
         if self.logprobs:
             common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=self.top_logprobs))
         messages = None if self.messages is None else tuple(m.for_template() for m in self.messages)
-        return ChatRequest(common, messages, self.prompt)
+        return ChatRequest(common, messages, self.prompt, self.chat_template_kwargs)
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
