@@ -117,10 +117,6 @@ async def test_without_the_setting_nothing_is_split_and_kwargs_are_checked(serve
             )
         error = info.value.body
         assert error["param"] == "chat_template_kwargs" and next(iter(kwargs)) in error["message"], error
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        body = {"model": MODEL, "prompt": "Hi", "chat_template_kwargs": {"a": 1}}
-        r = await http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
 
 
 class _Handle:

@@ -66,8 +66,9 @@ class ChatCompletionBody(GenerationBody):
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
-        description='extra variables for the chat template, e.g. `{"enable_thinking": false}`; only with '
-        "`messages`; names the server passes itself (`add_generation_prompt`, `tokenize`, `tools`, ...) are a 400",
+        description='extra variables for the chat template, e.g. `{"enable_thinking": false}` (with a raw `prompt` '
+        "there is no template, but `enable_thinking: false` still turns the reasoning parser off); names the "
+        "server passes itself (`add_generation_prompt`, `tokenize`, `tools`, ...) are a 400",
     )
 
     @model_validator(mode="after")
@@ -77,8 +78,6 @@ class ChatCompletionBody(GenerationBody):
         if "top_logprobs" in self.model_fields_set and not self.logprobs:
             raise invalid("needs 'logprobs': true", "top_logprobs")
         if self.chat_template_kwargs is not None:
-            if self.messages is None:
-                raise invalid("needs 'messages' (a raw 'prompt' has no chat template)", "chat_template_kwargs")
             taken = sorted(RESERVED_TEMPLATE_KWARGS & self.chat_template_kwargs.keys())
             if taken:
                 raise invalid(f"{', '.join(taken)} cannot be set here: the server passes it", "chat_template_kwargs")
