@@ -95,10 +95,16 @@ def test_shape_reads_head_dim_norms_and_no_bias(qwen3_dir):
     assert all(layer.q_norm is not None and layer.q_norm.shape == (32,) for layer in model.layers)
 
 
+def _device(backend: str) -> torch.device:
+    """The kernel backends run on the GPU when there is one (Triton compiled, not interpreted)."""
+    return torch.device("cuda" if torch.cuda.is_available() and backend != "cpu" else "cpu")
+
+
 def _models(folder) -> dict[str, LlamaModel]:
     cfg = _config(folder)
     models = {
-        name: LlamaModel.load(folder, cfg, torch.float32, 256, backend=name) for name in ("cpu", "reference", "triton")
+        name: LlamaModel.load(folder, cfg, torch.float32, 256, _device(name), name)
+        for name in ("cpu", "reference", "triton")
     }
     # The CPU path without its C kernels (no compiler): torch ops, gather + SDPA for decodes.
     no_c = CpuBackend(torch.device("cpu"), torch.float32, c_kernels=False)
@@ -108,6 +114,7 @@ def _models(folder) -> dict[str, LlamaModel]:
     return models
 
 
+@pytest.mark.gpu
 def test_every_step_matches_transformers_on_every_backend(qwen3_dir, hf_qwen3):
     """Chunked prefills beside decodes and a cached prefix, step by step: every backend's
     logits equal transformers' within float32 tolerance, and their greedy tokens agree."""
