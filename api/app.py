@@ -80,6 +80,7 @@ def create_app(
     app.extensions["trillm_model_name"] = model_name
     created = int(time.time())
     context = ServerContext(tool_call_parser=server.tool_call_parser)
+    chat_endpoint = chat.endpoint(server.reasoning_parser)
 
     @app.before_serving
     async def start_engine() -> None:
@@ -174,7 +175,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await generation(chat.ENDPOINT)
+        return await generation(chat_endpoint)
 
     @app.post("/v1/completions")
     async def completions_endpoint() -> Response:

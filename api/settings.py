@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from trillm.api.reasoning import REASONING_PARSERS
 from trillm.api.tools.formats import PARSER_CHOICES
 from trillm.engine.config import EngineConfig
 from trillm.engine.settings import from_env, markdown_table, setting
@@ -43,6 +44,14 @@ class ServerConfig:
         "(`[TOOL_CALLS]`), or `generic` (tools described in the system prompt, replies in JSON; any model); "
         "`auto`: from the chat template",
         choices=PARSER_CHOICES,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split chat replies into `reasoning_content` (the `<think>` part) and `content`: `deepseek_r1` (thinking "
+        "until `</think>`, the opening tag optional) or `qwen3` (thinking only when the reply opens with `<think>`)",
+        choices=REASONING_PARSERS,
+        doc_default="none",
+        validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)),
     )
 
     @property

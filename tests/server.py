@@ -32,11 +32,12 @@ class Server:
 
 @asynccontextmanager
 async def running_server(
-    model_parts, request_timeout: float | None = None, **engine_overrides
+    model_parts, request_timeout: float | None = None, reasoning_parser: str | None = None, **engine_overrides
 ) -> AsyncIterator[Server]:
     """Serve until the block ends; then the engine must be idle and everything stops."""
     engine = make_engine(model_parts, **engine_overrides)
-    app = create_app(engine=engine, server=ServerConfig(request_timeout=request_timeout))
+    settings = ServerConfig(request_timeout=request_timeout, reasoning_parser=reasoning_parser)
+    app = create_app(engine=engine, server=settings)
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None

@@ -17,6 +17,29 @@ from trillm.api.tools.formats import ToolFormat
 from trillm.api.tools.spec import ToolSet
 
 MAX_TOP_LOGPROBS = 20
+# apply_chat_template's own parameters (and the template's ``messages``): template variables
+# of these names would override what the server passes, or change what the call returns.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "self",
+        "conversation",
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "chat_template",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 @attrs.frozen
@@ -26,6 +49,7 @@ class ChatRequest:
     common: CommonFields
     messages: tuple[dict[str, Any], ...] | None
     prompt: str | None
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: ToolSet | None = None
     tool_format: ToolFormat | None = None  # decided by ``chat.bind`` from the template and the settings
 
@@ -46,6 +70,12 @@ class ChatCompletionBody(GenerationBody, ToolFields):
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token; only with `logprobs: true`"
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='extra variables for the chat template, e.g. `{"enable_thinking": false}` (with a raw `prompt` '
+        "there is no template, but `enable_thinking: false` still turns the reasoning parser off); names the "
+        "server passes itself (`add_generation_prompt`, `tokenize`, `tools`, ...) are a 400",
+    )
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionBody:
@@ -53,6 +83,10 @@ class ChatCompletionBody(GenerationBody, ToolFields):
             raise invalid("give exactly one of 'messages' or 'prompt'", "messages")
         if "top_logprobs" in self.model_fields_set and not self.logprobs:
             raise invalid("needs 'logprobs': true", "top_logprobs")
+        if self.chat_template_kwargs is not None:
+            taken = sorted(RESERVED_TEMPLATE_KWARGS & self.chat_template_kwargs.keys())
+            if taken:
+                raise invalid(f"{', '.join(taken)} cannot be set here: the server passes it", "chat_template_kwargs")
         return self
 
     def request(self) -> ChatRequest:
@@ -63,7 +97,7 @@ class ChatCompletionBody(GenerationBody, ToolFields):
         tools = self.tool_set()
         if tools is not None and self.prompt is not None:
             raise ApiError("'tools' need 'messages' (a raw 'prompt' has no template)", param="tools")
-        return ChatRequest(common, messages, self.prompt, tools)
+        return ChatRequest(common, messages, self.prompt, self.chat_template_kwargs, tools)
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
