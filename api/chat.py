@@ -50,7 +50,7 @@ async def complete(
     request_ids, outputs = submit_choices(engine, prompts, params, n)
     done = await collect(engine, request_ids, outputs, [""] * n, deadline)
     return {
-        "id": new_completion_id(),
+        "id": new_completion_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
@@ -75,6 +75,8 @@ class ChatChunks:
     params: SamplingParams
     n: int
     object: str = "chat.completion.chunk"
+    id_prefix: str = "chatcmpl"
+    generates: bool = True
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
         return {

@@ -29,6 +29,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    # None: off; k: each prompt token's logprob given the tokens before it, and the top k there
+    # (``RequestOutput.prompt_logprobs``). Costs logits for every prompt row, and such a
+    # request reuses no prefix-cache pages nor another choice's prompt: those rows are computed.
+    prompt_logprobs: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -45,6 +49,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
 

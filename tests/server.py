@@ -32,11 +32,13 @@ class Server:
 
 @asynccontextmanager
 async def running_server(
-    model_parts, request_timeout: float | None = None, **engine_overrides
+    model_parts, request_timeout: float | None = None, server: ServerConfig | None = None, **engine_overrides
 ) -> AsyncIterator[Server]:
-    """Serve until the block ends; then the engine must be idle and everything stops."""
+    """Serve until the block ends; then the engine must be idle and everything stops.
+
+    ``server``: the HTTP settings (default: only ``request_timeout``)."""
     engine = make_engine(model_parts, **engine_overrides)
-    app = create_app(engine=engine, server=ServerConfig(request_timeout=request_timeout))
+    app = create_app(engine=engine, server=server or ServerConfig(request_timeout=request_timeout))
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
