@@ -1,5 +1,6 @@
-"""Prompt logprobs (``/v1/completions`` with ``echo`` and ``logprobs``), as lm-eval's
-``local-completions`` scores likelihoods: checked against transformers on the same weights."""
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``; ``/v1/completions`` with ``echo`` and
+``logprobs``), as lm-eval's ``local-completions`` scores likelihoods: checked against transformers
+on the same weights, through the HTTP API, and in the engine under preemption."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import math
 
 import pytest
 import torch
+import trio
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import wait_idle
-from tests.server import MODEL, client, in_thread, running_server
+from trillm.engine.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.e2e
+from tests.helpers import make_engine, wait_idle
+from tests.server import MODEL, client, in_thread, running_server
 
 PROMPTS = ["The capital of France is Paris, and the capital of Italy is", "def add(a, b):\n    return a + b"]
 TOP = 3
@@ -47,6 +49,7 @@ def check_prompt_entries(lp, ids: list[int], logp: torch.Tensor, tokenizer, top:
     assert lp.text_offset == offsets
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("max_batch_tokens", [256, 8], ids=["whole", "chunked"])
 async def test_prompt_logprobs_equal_transformers_and_free_their_pages(
     model_parts, tokenizer, hf_model, max_batch_tokens
@@ -166,3 +169,48 @@ async def test_streamed_echo_carries_the_prompt_logprobs_first(server, tokenizer
         for v in ch.choices[0].logprobs.token_logprobs
         if v is not None
     )
+
+
+async def test_prompt_logprobs_survive_preemption_and_skip_the_prefix_cache(model_parts, tokenizer):
+    """Under a pool so small that requests are preempted and recomputed, every request still gets
+    its prompt's logprobs once, on its first output, equal to those of a roomy engine."""
+    prompts = [f"Story {i}: the old wizard and the young dragon met" for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2)
+
+    async def run_all(eng) -> dict[str, list]:
+        out: dict[str, list] = {}
+
+        async def one(p: str) -> None:
+            async with eng.generate(tokenizer(p)["input_ids"], params) as outputs:
+                out[p] = [o async for o in outputs]
+
+        async with trio.open_nursery() as n:
+            for p in prompts:
+                n.start_soon(one, p)
+        return out
+
+    roomy = make_engine(model_parts, num_pages=256, page_size=4)
+    tight = make_engine(model_parts, num_pages=30, page_size=4)
+    async with trio.open_nursery() as n:
+        await n.start(roomy.run)
+        await n.start(tight.run)
+        expected = await run_all(roomy)
+        got = await run_all(tight)
+        again = await run_all(roomy)  # its prefix cache holds these prompts now; they are computed anyway
+        await wait_idle(roomy)
+        await wait_idle(tight)
+        n.cancel_scope.cancel()
+    assert tight.stats().num_preemptions > 0
+    for p in prompts:
+        n_prompt = len(tokenizer(p)["input_ids"])
+        for outputs in (expected[p], got[p], again[p]):
+            assert outputs[0].prompt_logprobs is not None and len(outputs[0].prompt_logprobs) == n_prompt - 1
+            assert all(o.prompt_logprobs is None for o in outputs[1:])
+            assert len(outputs) == 30 and outputs[0].num_cached_tokens == 0
+        for mine, theirs in zip(got[p][0].prompt_logprobs, expected[p][0].prompt_logprobs):
+            assert mine.token_id == theirs.token_id and len(mine.top) == 2
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [o.token_ids for o in got[p]] == [o.token_ids for o in expected[p]]
+        assert [e.logprob for e in again[p][0].prompt_logprobs] == pytest.approx(
+            [e.logprob for e in expected[p][0].prompt_logprobs], abs=1e-4
+        )
