@@ -102,6 +102,10 @@ class CompletionChunks:
     object: str = "text_completion"
     id_prefix: str = "cmpl"
     offsets: dict[int, int] = attrs.field(factory=dict)  # characters sent so far per choice, for text_offset
+    echoes: list[str] = attrs.field(init=False)  # per prompt
+
+    def __attrs_post_init__(self) -> None:
+        self.echoes = _echo_texts(self.engine, self.req, self.prompts)
 
     @property
     def generates(self) -> bool:
@@ -119,7 +123,7 @@ class CompletionChunks:
         if self.req.common.params.prompt_logprobs is not None:
             return  # sent with each choice's first output
         n = self.req.common.n
-        for index, text in enumerate(_echo_texts(self.engine, self.req, self.prompts)):
+        for index, text in enumerate(self.echoes):
             for j in range(n):
                 if text:
                     yield self._choice(index * n + j, text, None)
@@ -127,8 +131,8 @@ class CompletionChunks:
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
         if out.prompt_logprobs is not None:
             p = out.index // self.req.common.n
-            echo = _echo_texts(self.engine, self.req, self.prompts)[p]
-            yield self._choice(out.index, echo, None, prompt=_Scored(self.prompts[p][0], out.prompt_logprobs))
+            scored = _Scored(self.prompts[p][0], out.prompt_logprobs)
+            yield self._choice(out.index, self.echoes[p], None, prompt=scored)
         if self.req.echo_only:
             if out.finish_reason:
                 yield self._choice(out.index, "", _finish(self.req, out.finish_reason))
