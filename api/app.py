@@ -24,7 +24,7 @@ from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.api.streaming import stream_choices
-from trillm.api.submission import check_prompt
+from trillm.api.submission import check_prompt, with_grammar
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
@@ -157,6 +157,8 @@ def create_app(
         prompts = endpoint.prompt_ids(engine, req)
         for ids in prompts:
             check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
+        if req.common.grammar is not None:
+            req = await with_grammar(engine, req)
         deadline = trio.current_time() + request_timeout
         if not req.common.stream:
             return _json(await endpoint.complete(engine, model_name, req, prompts, deadline))

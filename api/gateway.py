@@ -14,6 +14,7 @@ import trio
 
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.structured import CompiledGrammar, GrammarSpec
 
 
 class EngineHandle(Protocol):
@@ -36,6 +37,9 @@ class EngineHandle(Protocol):
         self, requests: list[tuple[list[int], SamplingParams]]
     ) -> tuple[list[str], trio.MemoryReceiveChannel[RequestOutput]]:
         """Queue requests whose outputs share one channel; closing it cancels them."""
+
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile a structured-output constraint; raises ``GrammarError``."""
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its pages; idempotent, synchronous."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import trio
 
@@ -12,6 +14,7 @@ from trillm.engine.errors import PromptTooLong, RequestRejected
 from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.structured import GrammarError
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -39,6 +42,19 @@ def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: Commo
         raise RequestRejected(str(exc), param, exc.code) from None
     if wanted is not None and len(ids) + wanted > engine.max_model_len:
         raise context_length_error(engine.max_model_len, len(ids), wanted, where, "max_tokens")
+
+
+async def with_grammar(engine: EngineHandle, req: Any) -> Any:
+    """``req`` with its output constraint compiled into its sampling parameters (in a worker
+    thread, cached, time-limited); an invalid one is a 400 naming the field that held it."""
+    spec, param = req.common.grammar
+    try:
+        grammar = await engine.compile_grammar(spec)
+    except GrammarError as exc:
+        what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar"}.get(spec.kind, "constraint")
+        raise ApiError(f"'{param}': invalid {what}: {exc}", param=param, code="invalid_grammar") from None
+    params = attrs.evolve(req.common.params, grammar=grammar)
+    return attrs.evolve(req, common=attrs.evolve(req.common, params=params))
 
 
 def submit_choices(

@@ -90,6 +90,16 @@ class EngineConfig:
         "schedule step N+1 while step N runs; off: one step at a time (debugging)",
         flag="--disable-overlap-schedule",
     )
+    grammar_cache_size: int = setting(
+        256,
+        "compiled grammars (JSON schemas, regexes, ...) kept for reuse; a repeated one compiles once",
+        validator=attrs.validators.ge(1),
+    )
+    grammar_compile_timeout: float = setting(
+        10.0,
+        "seconds a grammar may take to compile before the request gets a 400",
+        validator=attrs.validators.gt(0),
+    )
     cache_dir: str = setting(
         str(cpu_build.DEFAULT_CACHE_DIR),
         "where converted weights and the compiled CPU kernels live",

@@ -39,6 +39,7 @@ from trillm.engine.scheduling.scheduler import Batch, Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.step_loop import Step, StepLoop
 from trillm.engine.scheduling.telemetry import EngineObserver
+from trillm.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
 
 __all__ = [
     "Engine",
@@ -93,6 +94,13 @@ class Engine:
             max_model_len=self.max_model_len,
         )
         self.router = OutputRouter(tokenizer)
+        self.grammars = GrammarCompiler(
+            tokenizer,
+            model.shape.vocab_size,
+            eos_ids,
+            cache_size=config.grammar_cache_size,
+            timeout=config.grammar_compile_timeout,
+        )
         self.loop: StepLoop[StepInputs] = StepLoop(
             self.scheduler, self.runner.prepare, 2 if config.overlap_schedule else 1, self._on_scheduled
         )
@@ -188,6 +196,8 @@ class Engine:
                 )
                 if params.seed is not None:
                     seq.generator = torch.Generator().manual_seed(params.seed)
+                if params.grammar is not None:
+                    seq.matcher = Matcher(params.grammar)
                 if params.prompt_logprobs is None:  # else each choice computes (and scores) its prompt
                     seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
                     if seq.leader is seq:
@@ -195,6 +205,11 @@ class Engine:
                 self._inbox_tx.send_nowait(_Submit(self.router.open(seq, send.clone(), index)))
                 ids.append(request_id)
         return ids, receive
+
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """``spec`` compiled for this tokenizer, for ``SamplingParams.grammar``; off the event
+        loop, cached, time-limited. Raises ``GrammarError``."""
+        return await self.grammars.compile(spec)
 
     def abort(self, request_id: str) -> None:
         """Ask the scheduler to drop a request and free its pages; idempotent, never blocks."""
@@ -266,6 +281,8 @@ class Engine:
                 except Exception as exc:  # a failed step fails its batch, not the server
                     log.exception("model step failed")
                     result = exc
+                # An idle engine holds no finished step (nor its sequences' grammar state).
+                del step, started, execute
                 await result_tx.send(result)
 
     async def _scheduler_actor(
@@ -296,6 +313,7 @@ class Engine:
                     self._drain_inbox()  # aborts that arrived during the step: freed now
                 elif step is None and self.scheduler.has_work:  # nothing fits yet; wait for news
                     self._handle(await self._inbox_rx.receive())
+                step = None  # an idle engine holds no finished step (nor its sequences' grammar state)
 
     def _on_scheduled(self, batch: Batch) -> None:
         self.router.on_scheduled([chunk.seq for chunk in batch.chunks], time.monotonic())

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
+
+if TYPE_CHECKING:
+    from trillm.engine.structured import CompiledGrammar
 
 
 @attrs.frozen
@@ -33,6 +38,9 @@ class SamplingParams:
     # (``RequestOutput.prompt_logprobs``). Costs logits for every prompt row, and such a
     # request reuses no prefix-cache pages nor another choice's prompt: those rows are computed.
     prompt_logprobs: int | None = None
+    # Every output token must keep the text inside this grammar; it ends the sequence ("stop")
+    # when complete. ``min_tokens`` and ``ignore_eos`` do not hold back its end.
+    grammar: CompiledGrammar | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

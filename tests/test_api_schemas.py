@@ -39,7 +39,7 @@ def _error(parse, body) -> ApiError:
             "stream_options.include_usage",
             "a boolean",
         ),
-        ({"model": MODEL, "messages": Q, "response_format": {"type": "json_object"}}, "response_format.type", '"text"'),
+        ({"model": MODEL, "messages": Q, "response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
         ({"model": MODEL, "messages": Q, "tools": [{"type": "function"}]}, "tools", "tool calling is not supported"),
         ({"model": MODEL, "messages": Q, "temperature": 5}, "temperature", "a number in [0.0, 2.0], got 5"),
         ({"model": MODEL, "messages": Q, "top_k": 0}, "top_k", "an integer >= -1, not 0"),

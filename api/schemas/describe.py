@@ -31,8 +31,10 @@ def resolve(schema: Schema, defs: Schema) -> Schema:
 def branches(schema: Schema, defs: Schema) -> list[Schema]:
     """The alternatives of a union (null left out: it always means "the default"), or the schema itself."""
     schema = resolve(schema, defs)
-    alternatives = schema.get("anyOf") or schema.get("oneOf") or [schema]
-    return [b for b in (resolve(a, defs) for a in alternatives) if b.get("type") != "null"]
+    alternatives = schema.get("anyOf") or schema.get("oneOf")
+    if not alternatives:
+        return [] if schema.get("type") == "null" else [schema]
+    return [b for a in alternatives for b in branches(a, defs)]  # unions nest (a tagged union, or null)
 
 
 def _num(x: Any) -> str:
@@ -93,6 +95,8 @@ def _one(s: Schema, defs: Schema, plural: bool) -> str:
         keys = "token ids" if s.get("patternProperties", {}).keys() == {"^[0-9]+$"} else "strings"
         inner = " or ".join(_one(b, defs, True) for v in values if isinstance(v, dict) for b in branches(v, defs))
         return head + (f" mapping {keys} to {inner}" if inner else "")
+    if kind == "string" and "pattern" in s:
+        return f"{head} matching {s['pattern']}"
     if kind == "string" and s.get("minLength") == 1 and "maxLength" not in s:
         return "non-empty strings" if plural else "a non-empty string"
     if kind == "string" and (s.get("minLength") or "maxLength" in s):
@@ -102,7 +106,7 @@ def _one(s: Schema, defs: Schema, plural: bool) -> str:
 
 def phrase(schema: Schema, defs: Schema) -> str:
     """What a value must be, e.g. ``a string or an array of at most 4 strings``."""
-    parts = [_one(b, defs, False) for b in branches(schema, defs)]
+    parts = list(dict.fromkeys(_one(b, defs, False) for b in branches(schema, defs)))
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
@@ -166,6 +170,10 @@ def api_error(model: type[BaseModel], exc: ValidationError, body: Any) -> ApiErr
         message = ctx["message"]
     elif error["type"] == "missing":
         message = "is required"
+    elif error["type"] == "union_tag_invalid":  # a tagged union (``response_format``): name the tag
+        tag = ctx["discriminator"].strip("'")
+        param = f"{param}.{tag}" if param else tag
+        message = f"must be one of {ctx['expected_tags']}, got {_got(ctx['tag'])}"
     else:
         allowed = phrase(schema, json_schema(model).get("$defs", {}))
         message = f"must be {allowed}, got {_got(_at(body, steps, error['input']))}"

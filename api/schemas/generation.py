@@ -6,13 +6,15 @@ tables of ``docs/api.md`` print it as is.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import attrs
 from pydantic import Field, model_validator
 
 from trillm.api.schemas.base import Not, RequestModel, Unsupported, invalid
+from trillm.api.schemas.structured import StructuredFields
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 4
 MAX_N = 32
@@ -32,6 +34,7 @@ class CommonFields:
     include_usage: bool
     n: int
     max_tokens_given: bool  # False: the default, clamped to the context instead of rejected
+    grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
 
     def capped(self, cap: int | None) -> CommonFields:
         """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:
@@ -47,11 +50,7 @@ class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="add a final chunk with `choices: []` and the usage totals")
 
 
-class ResponseFormat(RequestModel):
-    type: Literal["text"] = Field(description="only `text`; JSON modes are not supported yet")
-
-
-class GenerationBody(RequestModel):
+class GenerationBody(StructuredFields):
     """The model, sampling parameters and streaming options of any generation request."""
 
     model: str = Field(
@@ -118,7 +117,6 @@ class GenerationBody(RequestModel):
     tools: Annotated[list[dict[str, Any]], Unsupported("tool calling is not supported")] | None = Field(
         None, description="not supported yet: a non-empty list is a 400"
     )
-    response_format: ResponseFormat | None = Field(None, description='only `{"type": "text"}`')
 
     @model_validator(mode="after")
     def _check_common(self) -> GenerationBody:
@@ -147,7 +145,9 @@ class GenerationBody(RequestModel):
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
         )
         include_usage = self.stream_options is not None and self.stream_options.include_usage
-        return CommonFields(self.model, SamplingParams(**values), self.stream, include_usage, self.n, given)
+        return CommonFields(
+            self.model, SamplingParams(**values), self.stream, include_usage, self.n, given, self.grammar()
+        )
 
 
 # Every shared field named like a SamplingParams attribute goes straight into it.

@@ -28,6 +28,7 @@ from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.sampler import Sampled, SampleRow, TokenLogprobs, sample_with_logprobs
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.engine.scheduling.sequence import PENDING
+from trillm.engine.structured.matcher import GrammarMasks, advance
 
 log = logging.getLogger("trillm.engine")
 
@@ -183,10 +184,14 @@ class ModelRunner:
         previous, self._last_sampled = self._last_sampled, None
         rows = _fill_pending(inputs, previous)
         logits = self.execute_logits(inputs)
+        # On a GPU the forward is still running: the grammar masks are filled meanwhile.
+        matchers = [row.matcher for row in rows]
+        masks = GrammarMasks.fill(matchers, logits.shape[-1])
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
             n = len(rows)
-            sampled = sample_with_logprobs(logits[:n], list(rows), kernel) if rows else Sampled([], [])
+            sampled = sample_with_logprobs(logits[:n], list(rows), kernel, masks) if rows else Sampled([], [])
             prompt = prompt_logprobs(logits[n:], inputs.prompt_spans) if inputs.prompt_spans else ()
+        advance(matchers, sampled.tokens)
         self._last_sampled = sampled.tokens
         return StepResult(sampled.tokens, sampled.logprobs, prompt)

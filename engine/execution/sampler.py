@@ -2,7 +2,7 @@
 temperature, min-p, top-k, top-p, and per-request seeded generators.
 
 Order (as vLLM): logit_bias -> suppress EOS/stop ids before min_tokens ->
-repetition, frequency and presence penalties -> greedy argmax, or
+repetition, frequency and presence penalties -> grammar masks -> greedy argmax, or
 temperature -> min_p/top_k/top_p -> one draw per row.
 """
 
@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.structured.matcher import GrammarMasks, Matcher
 
 # ``kernels.reference.sample_top_k_top_p``'s signature: logits, temperature, top_k,
 # top_p, min_p, uniforms -> tokens (a backend's ``sampling_kernel``).
 SamplingKernel = Callable[..., torch.Tensor]
+LOGPROB_FLOOR = -9999.0
 
 
 @attrs.frozen
@@ -30,6 +32,7 @@ class SampleRow:
     prompt_ids: tuple[int, ...] | list[int] = ()
     output_ids: tuple[int, ...] = ()
     banned_ids: tuple[int, ...] = ()  # EOS and stop ids while min_tokens is not reached
+    matcher: Matcher | None = None  # the row's grammar state, when it has one
 
 
 @attrs.frozen
@@ -53,7 +56,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -
 
 
 def sample_with_logprobs(
-    logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams], kernel: SamplingKernel | None = None
+    logits: torch.Tensor,
+    rows: list[SampleRow] | list[SamplingParams],
+    kernel: SamplingKernel | None = None,
+    masks: GrammarMasks | None = None,
 ) -> Sampled:
     """Sample, and report log-probabilities where a row asks for them.
 
@@ -61,9 +67,12 @@ def sample_with_logprobs(
     after logit_bias, bans and penalties, divided by the temperature (1 for
     greedy rows), and before min_p/top_k/top_p. With ``kernel`` (the backend's
     ``sampling_kernel``) the truncation and the draw run in it, on the logits' device.
+    ``masks`` (the grammars' allowed tokens) apply after the penalties, in place.
     """
     rows = [r if isinstance(r, SampleRow) else SampleRow(r) for r in rows]
     logits = _adjust(logits, rows)
+    if masks is not None:
+        masks.apply(logits)
     tokens = _choose(logits, rows, kernel)
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     for i, row in enumerate(rows):
@@ -76,7 +85,8 @@ def sample_with_logprobs(
         logprobs[i] = TokenLogprobs(
             tokens[i],
             float(logp[tokens[i]]),
-            tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (),
+            # A token a grammar forbids has logprob -inf, which JSON cannot carry: OpenAI's floor.
+            tuple(zip(top.indices.tolist(), top.values.clamp(min=LOGPROB_FLOOR).tolist())) if top is not None else (),
         )
     return Sampled(tokens, logprobs)
 

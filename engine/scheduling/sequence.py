@@ -44,6 +44,7 @@ class Sequence:
     admitted: bool = False  # has it ever been scheduled (preemption does not reset this)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     generator: Any = None  # the request's own torch.Generator when it has a seed
+    matcher: Any = None  # its grammar state (``structured.Matcher``), advanced by the runner thread only
     # Another choice of the same prompt: this one waits for its prefill and
     # then shares its full prompt pages instead of computing them again.
     leader: Sequence | None = attrs.field(default=None, repr=False)
@@ -52,8 +53,8 @@ class Sequence:
     def banned_ids(self) -> tuple[int, ...]:
         """Tokens the sampler must not pick yet: stops before ``min_tokens`` is reached."""
         p = self.params
-        if len(self.output_ids) >= p.min_tokens:
-            return ()
+        if len(self.output_ids) >= p.min_tokens or p.grammar is not None:
+            return ()  # a grammar decides where the output ends
         eos = () if p.ignore_eos else tuple(sorted(self.eos_ids))
         return eos + p.stop_token_ids
 
@@ -103,8 +104,9 @@ class Sequence:
         sequence is done; a done sequence drops the tokens scheduled after it."""
         self.output_ids[index] = token
         p = self.params
-        may_stop = index >= p.min_tokens
-        if may_stop and (token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos)):
+        constrained = p.grammar is not None  # its mask allows EOS only where the grammar is complete
+        may_stop = index >= p.min_tokens or constrained
+        if may_stop and (token in p.stop_token_ids or (token in self.eos_ids and (constrained or not p.ignore_eos))):
             self.finish_reason = "stop"
         elif self.reaches_length(index + 1):
             self.finish_reason = "length"

@@ -180,4 +180,5 @@ def sample_row(seq: Sequence) -> SampleRow:
         seq.prompt_ids if p.repetition_penalty != 1.0 else (),
         tuple(seq.output_ids) if p.needs_history else (),
         seq.banned_ids,
+        seq.matcher,
     )
