@@ -18,7 +18,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from trillm.api import chat, completions, tokenize
-from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
@@ -81,6 +81,8 @@ def create_app(
     app.extensions["trillm_host"] = host
     app.extensions["trillm_model_name"] = model_name
     created = int(time.time())
+    context = ServerContext(tool_call_parser=server.tool_call_parser)
+    chat_endpoint = chat.endpoint(server.reasoning_parser)
 
     @app.before_serving
     async def start_engine() -> None:
@@ -154,6 +156,7 @@ def create_app(
         req = attrs.evolve(req, common=req.common.capped(default_max_tokens))
         check_model(req.common.model)
         check_serving()
+        req = endpoint.bind(engine, req, context)
         prompts = endpoint.prompt_ids(engine, req)
         for ids in prompts:
             check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
@@ -180,7 +183,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
-        return await generation(chat.ENDPOINT)
+        return await generation(chat_endpoint)
 
     @app.post("/v1/completions")
     async def completions_endpoint() -> Response:

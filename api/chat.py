@@ -10,26 +10,75 @@ from collections.abc import Iterable
 from typing import Any
 
 import attrs
+from jinja2 import TemplateError
 
 from trillm.api import logprobs
-from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
+from trillm.api.reasoning import ChoiceSplitter, request_style
 from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
+from trillm.api.tools.formats import ToolFormat, choose
+from trillm.api.tools.prompt import template_messages
+from trillm.api.tools.stream import ToolStream
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+
+
+def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequest:
+    """Choose the tool-call format (setting, else the chat template) and, with tools, the
+    grammar that forces or constrains calls (it takes the place of ``response_format``)."""
+    if req.tools is None:
+        return req
+    fmt = choose(ctx.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+    if req.common.grammar is not None:
+        raise ApiError(
+            "cannot be combined with 'tools' (they constrain the output themselves)", param=req.common.grammar[1]
+        )
+    common = attrs.evolve(req.common, grammar=(fmt.grammar(req.tools), "tools"))
+    return attrs.evolve(req, common=common, tool_format=fmt)
 
 
 def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
     tok = engine.tokenizer
     if req.messages is not None:
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise ApiError("this model has no chat template; send 'prompt' instead", param="messages")
-        text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True, tokenize=False)
+        fmt = req.tool_format or choose("auto", template)
+        messages, tools = template_messages(template, list(req.messages), req.tools, fmt)
+        extra = req.chat_template_kwargs or {}
+        try:
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False, **extra)
+        except TemplateError as exc:  # the template's own raise_exception, or a variable it cannot use
+            param = "chat_template_kwargs" if extra else "messages"
+            raise ApiError(f"the chat template failed: {exc}", param=param) from None
+        except TypeError as exc:  # a name of apply_chat_template's own that a newer transformers added
+            if not extra:
+                raise
+            raise ApiError(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         return [tok(text, add_special_tokens=False)["input_ids"]]
     return [tok(req.prompt)["input_ids"]]
+
+
+def _message(req: ChatRequest, parts: dict[str, Any], finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice from its split ``parts`` (content, and
+    reasoning_content with a reasoning parser), with calls parsed out of the content when tools are on."""
+    if req.tool_format is None:
+        return {"role": "assistant", **parts}, finish_reason
+    parsed = req.tool_format.parse(parts["content"] or "")
+    message: dict[str, Any] = {"role": "assistant", **parts, "content": parsed.content}
+    if parsed.calls and req.tools is not None and req.tools.legacy:  # OpenAI's older shape: one function_call
+        message["function_call"] = {"name": parsed.calls[0].name, "arguments": parsed.calls[0].arguments}
+        if finish_reason == "stop":
+            finish_reason = "function_call"
+    elif parsed.calls:
+        message["tool_calls"] = [call.openai() for call in parsed.calls]
+        if finish_reason == "stop":
+            finish_reason = "tool_calls"
+    return message, finish_reason
 
 
 def _logprobs(engine: EngineHandle, params: SamplingParams, items: Any) -> dict[str, Any] | None:
@@ -39,7 +88,12 @@ def _logprobs(engine: EngineHandle, params: SamplingParams, items: Any) -> dict[
 
 
 async def complete(
-    engine: EngineHandle, model: str, req: ChatRequest, prompts: list[list[int]], deadline: float
+    engine: EngineHandle,
+    model: str,
+    req: ChatRequest,
+    prompts: list[list[int]],
+    deadline: float,
+    reasoning_parser: str | None = None,
 ) -> dict[str, Any]:
     """Run every choice to its end and return the ``chat.completion`` body.
 
@@ -49,6 +103,7 @@ async def complete(
     params, n = req.common.params, req.common.n
     request_ids, outputs = submit_choices(engine, prompts, params, n)
     done = await collect(engine, request_ids, outputs, [""] * n, deadline)
+    split = _splitter(reasoning_parser, req)
     return {
         "id": new_completion_id("chatcmpl"),
         "object": "chat.completion",
@@ -57,11 +112,12 @@ async def complete(
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": done.texts[i]},
+                "message": message,
                 "logprobs": _logprobs(engine, params, done.logprobs[i]),
-                "finish_reason": done.last[i].finish_reason,
+                "finish_reason": finish_reason,
             }
             for i in range(n)
+            for message, finish_reason in [_message(req, split.message(done.texts[i]), done.last[i].finish_reason)]
         ],
         "usage": usage(len(prompts[0]), sum(o.num_output_tokens for o in done.last), done.last[0].num_cached_tokens),
     }
@@ -74,7 +130,10 @@ class ChatChunks:
     engine: EngineHandle
     params: SamplingParams
     n: int
+    split: ChoiceSplitter = attrs.field(factory=lambda: ChoiceSplitter(None))  # thinking vs answer
+    tool_format: ToolFormat | None = None
     object: str = "chat.completion.chunk"
+    streams: dict[int, ToolStream] = attrs.field(factory=dict)  # per choice, with tools
     id_prefix: str = "chatcmpl"
     generates: bool = True
 
@@ -90,19 +149,52 @@ class ChatChunks:
         return [self._choice(index, {"role": "assistant", "content": ""}, None) for index in range(self.n)]
 
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
-        if out.text or out.logprobs:
-            yield self._choice(out.index, {"content": out.text}, None, out.logprobs)
+        delta = self.split.delta(out.index, out.text, bool(out.finish_reason))
+        if self.tool_format is not None:
+            yield from self._tool_pieces(out, delta)
+            return
+        if any(delta.values()) or out.logprobs:
+            yield self._choice(out.index, delta, None, out.logprobs)
         if out.finish_reason:
             yield self._choice(out.index, {}, out.finish_reason)
 
+    def _tool_pieces(self, out: RequestOutput, split: dict[str, str]) -> Iterable[dict[str, Any]]:
+        """Reasoning as it comes; content until a call may start, then the calls as ``tool_calls`` deltas."""
+        assert self.tool_format is not None
+        stream = self.streams.setdefault(out.index, ToolStream(self.tool_format))
+        deltas = [{"reasoning_content": split["reasoning_content"]}] if split.get("reasoning_content") else []
+        deltas += stream.feed(split.get("content", ""))
+        finish_reason = out.finish_reason
+        if finish_reason:
+            deltas += stream.finish()
+            if stream.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if out.logprobs and not deltas:
+            deltas = [{"content": ""}]  # the tokens' logprobs, without their text (markup) yet
+        for i, delta in enumerate(deltas):
+            yield self._choice(out.index, delta, None, out.logprobs if i == 0 else ())
+        if finish_reason:
+            yield self._choice(out.index, {}, finish_reason)
+
     def cut(self, index: int) -> dict[str, Any]:
-        return self._choice(index, {}, "length")
+        return self._choice(index, self.split.flush(index), "length")
 
 
-ENDPOINT = GenerationEndpoint(
-    parse=parse_chat_request,
-    prompt_ids=prompt_ids,
-    prompt_param=lambda req: "messages" if req.messages is not None else "prompt",
-    complete=complete,
-    renderer=lambda engine, req, prompts: ChatChunks(engine, req.common.params, req.common.n),
-)
+def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
+    """The chat endpoint; ``reasoning_parser`` (the server's setting) splits thinking from the answer."""
+    return GenerationEndpoint(
+        parse=parse_chat_request,
+        prompt_ids=prompt_ids,
+        prompt_param=lambda req: "messages" if req.messages is not None else "prompt",
+        complete=lambda engine, model, req, prompts, deadline: complete(
+            engine, model, req, prompts, deadline, reasoning_parser
+        ),
+        renderer=lambda engine, req, prompts: ChatChunks(
+            engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format
+        ),
+        bind=bind,
+    )
+
+
+def _splitter(reasoning_parser: str | None, req: ChatRequest) -> ChoiceSplitter:
+    return ChoiceSplitter(request_style(reasoning_parser, req.chat_template_kwargs))

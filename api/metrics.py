@@ -46,6 +46,14 @@ class EngineCollector:
             "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+            "grammar_compiles": ("Structured-output grammars compiled (cache misses).", s.grammar_compiles),
+            "grammar_compile_seconds": ("Seconds spent compiling grammars.", s.grammar_compile_seconds),
+            "grammar_cache_hits": ("Grammars found compiled in the cache.", s.grammar_cache_hits),
+            "grammar_masked_steps": ("Steps with at least one grammar-constrained row.", s.grammar_masked_steps),
+            "grammar_mask_seconds": (
+                "Seconds the model-runner thread spent filling, applying and advancing grammar masks.",
+                s.grammar_mask_seconds,
+            ),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(f"trillm:{name}", doc, labels=["model_name"])

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from trillm.api.reasoning import REASONING_PARSERS
+from trillm.api.tools.formats import PARSER_CHOICES
 from trillm.engine.config import EngineConfig
 from trillm.engine.settings import from_env, markdown_table, setting
 
@@ -41,6 +43,21 @@ class ServerConfig:
         validator=_not_negative,
     )
 
+    tool_call_parser: str = setting(
+        "auto",
+        "how the model writes tool calls: `hermes` (`<tool_call>`, Qwen/Hermes), `llama3_json`, `mistral` "
+        "(`[TOOL_CALLS]`), or `generic` (tools described in the system prompt, replies in JSON; any model); "
+        "`auto`: from the chat template",
+        choices=PARSER_CHOICES,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split chat replies into `reasoning_content` (the `<think>` part) and `content`: `deepseek_r1` (thinking "
+        "until `</think>`, the opening tag optional) or `qwen3` (thinking only when the reply opens with `<think>`)",
+        choices=REASONING_PARSERS,
+        doc_default="none",
+        validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)),
+    )
     default_max_tokens: int | None = setting(
         None,
         "caps the default length of a generation request that sets no `max_tokens`: chat otherwise generates "

@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from trillm.bench.prometheus import scrape
+from trillm.bench.report import RunResult, table
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,35 +73,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="on",
         help="comma-separated on/off: one server run each, with or without --disable-overlap-schedule",
     )
+    p.add_argument(
+        "--structured",
+        default="off",
+        help="comma-separated off/on: one pass each per concurrency on the same server; on: every client "
+        "asks for the same json_schema (reports the ratio to off, the mask cost per step, compile times)",
+    )
+    p.add_argument("--json-schema", type=Path, help="the schema for --structured on (default: a long records array)")
     p.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
     p.add_argument(
         "--llama-cpp",
         metavar="PYTHON",
         help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF",
     )
-
-
-@attrs.frozen
-class RunResult:
-    label: str
-    concurrency: int
-    output_tokens: int
-    seconds: float
-    ttft: tuple[float, ...] = ()
-    itl: tuple[float, ...] = ()
-    probe_ttft: float | None = None
-    step_bytes: int | None = None  # weight bytes per decode step, as the server reports them
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-def _pct(values: tuple[float, ...], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
@@ -115,12 +100,11 @@ def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
 
 
 async def _stream_one(
-    http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None
+    http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None, extra: dict[str, Any]
 ) -> tuple[float, list[float], int]:
     """One streaming request: (ttft, inter-token gaps, completion tokens)."""
-    import json
-
     body = {
+        **extra,
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -151,7 +135,10 @@ async def _stream_one(
     return ttft, gaps, tokens
 
 
-async def _serving_run(url: str, model: str, prompts: list[str], output_len: int, probe_prompt: str) -> RunResult:
+async def _serving_run(
+    url: str, model: str, prompts: list[str], output_len: int, probe_prompt: str, extra: dict[str, Any]
+) -> RunResult:
+    """Every client at once (each with ``extra`` in its body), plus one newcomer once all stream."""
     import httpx
 
     results: list[tuple[float, list[float], int]] = []
@@ -161,12 +148,12 @@ async def _serving_run(url: str, model: str, prompts: list[str], output_len: int
         all_started = [trio.Event() for _ in prompts]
 
         async def client(i: int) -> None:
-            results.append(await _stream_one(http, model, prompts[i], output_len, all_started[i]))
+            results.append(await _stream_one(http, model, prompts[i], output_len, all_started[i], extra))
 
         async def prober() -> None:
             for event in all_started:
                 await event.wait()
-            ttft, _, _ = await _stream_one(http, model, probe_prompt, 8, None)
+            ttft, _, _ = await _stream_one(http, model, probe_prompt, 8, None, {})
             probe.append(ttft)
 
         t0 = time.perf_counter()
@@ -246,32 +233,12 @@ def _server_step_bytes(url: str) -> int | None:
     return None if value is None else int(value)
 
 
-def _table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: int, bandwidth: float) -> str:
-    """``step_bytes / ITL p50`` over ``bandwidth``: how close decode runs to the memory-bandwidth limit
-    (each run's own bytes where the server reported them, else float32 weights of ``step_bytes``)."""
-    lines = [
-        "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 / max (ms) "
-        "| TTFT of a newcomer (s) | decode: share of memory bandwidth |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        base = baselines.get(r.concurrency)
-        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base and base is not r else ""
-        ttft = f"{_pct(r.ttft, 0.5):.3f} / {_pct(r.ttft, 0.99):.3f}" if r.ttft else ""
-        itl = f"{_pct(r.itl, 0.5) * 1e3:.1f} / {_pct(r.itl, 0.99) * 1e3:.1f} / {max(r.itl) * 1e3:.0f}" if r.itl else ""
-        probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
-        share = f"{(r.step_bytes or step_bytes) / _pct(r.itl, 0.5) / bandwidth:.0%}" if r.itl else ""
-        lines.append(
-            f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} |"
-        )
-    return "\n".join(lines)
-
-
 def run_bench(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer
 
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot
+    from trillm.bench.structured import compile_report, load_schema, mask_counters, mask_report, response_format
     from trillm.engine.config import EngineConfig
     from trillm.engine.execution.llama import LlamaShape
     from trillm.engine.execution.loading import resolve_dtype
@@ -285,6 +252,10 @@ def run_bench(args: argparse.Namespace) -> None:
     model_config = json.loads((config_path if dummy else model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
+    structured = args.structured.split(",")
+    if not set(structured) <= {"on", "off"} or ("on" in structured and structured[0] != "off" and len(structured) > 1):
+        raise SystemExit(f"--structured takes off, on or off,on, not {args.structured!r}")
+    schema = load_schema(args.json_schema)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(args.dtype, device)  # the engine's own choice, so both sides use the same dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
@@ -357,10 +328,19 @@ def run_bench(args: argparse.Namespace) -> None:
                 + (f", overlap {overlap}" if len(overlaps) > 1 else "")
             )
             for level in levels:
-                result = trio.run(partial(_serving_run, url, args.model, prompts[:level], args.output_len, prompts[-1]))
-                result = attrs.evolve(result, label=label, step_bytes=server_bytes)
-                print(f"[bench] {label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
-                rows.append(result)
+                for mode in structured:
+                    extra = {"response_format": response_format(schema)} if mode == "on" else {}
+                    name = label + (", json_schema" if mode == "on" else "")
+                    before = mask_counters(url)
+                    result = trio.run(
+                        partial(_serving_run, url, args.model, prompts[:level], args.output_len, prompts[-1], extra)
+                    )
+                    result = attrs.evolve(result, label=name, step_bytes=server_bytes)
+                    print(f"[bench] {name} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+                    rows.append(result)
+                    if mode == "on":
+                        plain = next(r for r in reversed(rows) if r.label == label and r.concurrency == level)
+                        print(mask_report(url, before, level, result, plain), file=sys.stderr, flush=True)
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGINT)
@@ -384,6 +364,8 @@ def run_bench(args: argparse.Namespace) -> None:
         )
         rows.append(RunResult("llama.cpp (llama-cpp-python, Q4_1 GGUF)", 1, tokens, seconds))
         print(f"[bench] llama.cpp c=1: {tokens / seconds:.1f} tok/s", file=sys.stderr, flush=True)
+    if "on" in structured:
+        print(compile_report(tokenizer, model_dir, model_config, schema), file=sys.stderr, flush=True)
     bandwidth = memory_bandwidth(device)
     step_bytes = shape.dense_projection_bytes(dtype)
     print(
@@ -392,7 +374,7 @@ def run_bench(args: argparse.Namespace) -> None:
         file=sys.stderr,
         flush=True,
     )
-    print(_table(rows, baselines, step_bytes, bandwidth))
+    print(table(rows, baselines, step_bytes, bandwidth))
     if args.plot:
         plot(
             rows,

@@ -136,6 +136,11 @@ class Engine:
             generation_tokens_total=self.router.generation_tokens_total,
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
+            grammar_compiles=self.grammars.stats.compiled,
+            grammar_compile_seconds=self.grammars.stats.compile_seconds_total,
+            grammar_cache_hits=self.grammars.stats.cache_hits,
+            grammar_masked_steps=self.runner.mask_stats.steps,
+            grammar_mask_seconds=self.runner.mask_stats.seconds,
         )
 
     def flush_cache(self) -> int:

@@ -39,3 +39,8 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_masked_steps: int = 0  # steps with at least one constrained row
+    grammar_mask_seconds: float = 0.0  # filling, applying and advancing their masks

@@ -85,7 +85,7 @@ class DecodeLayers:
         if len(kv_cache) != len(layers):
             raise ValueError(f"{len(layers)} layers but {len(kv_cache)} caches")
         matmul = cpu_matmul._functions()[0]
-        rms_norm, rotary, silu_mul = cpu_ops._functions()
+        rms_norm, rotary, silu_mul = cpu_ops._functions()[:3]
         (decode,) = cpu_decode._KERNEL.functions()
         self.model = _Model(
             _address(matmul),

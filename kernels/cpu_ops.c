@@ -103,3 +103,32 @@ void trillm_silu_mul(const float *restrict gu, int64_t gu_stride, float *restric
             o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* Grammar masks (structured outputs): for each listed row, every logit whose bit in the
+ * row's int32 bitmask is 0 becomes -inf. A word of 32 allowed tokens is skipped, a word
+ * of none is 32 stores the compiler vectorises; masks of JSON grammars are mostly whole
+ * words of none, so this is a store-bound pass over the forbidden part of each row. */
+void trillm_apply_bitmask(float *logits, int64_t logits_stride, const int32_t *restrict bitmask,
+                          int64_t bitmask_stride, const int64_t *restrict rows, int64_t num_rows, int64_t vocab)
+{
+    const float ninf = -INFINITY;
+    for (int64_t r = 0; r < num_rows; r++) {
+        float *restrict row = logits + rows[r] * logits_stride;
+        const int32_t *restrict bits = bitmask + rows[r] * bitmask_stride;
+        int64_t words = (vocab + 31) / 32;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t word = (uint32_t)bits[w];
+            if (word == 0xFFFFFFFFu)
+                continue;
+            int64_t base = w * 32, n = MIN(32, vocab - base);
+            if (word == 0 && n == 32) {
+                for (int k = 0; k < 32; k++)
+                    row[base + k] = ninf;
+                continue;
+            }
+            for (int64_t k = 0; k < n; k++)
+                if (!((word >> k) & 1u))
+                    row[base + k] = ninf;
+        }
+    }
+}

@@ -20,13 +20,14 @@ _SIGNATURES = {
     "trillm_rms_norm": [_P, _I64, _P, _P, _I64, _I64, _F, _INT],
     "trillm_rotary": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT],
     "trillm_silu_mul": [_P, _I64, _P, _I64, _I64, _INT],
+    "trillm_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
 }
 # Lets GCC call glibc's vector expf in silu_mul (errno is never read); not -ffast-math.
 _EXTRA_FLAGS = ("-fno-math-errno",)
 _F32, _CPU = torch.float32, torch.device("cpu")
 
 _KERNEL = cpu_build.CKernel("cpu_ops", _SIGNATURES, None, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul)
+_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask)
 available = _KERNEL.available
 
 
@@ -99,3 +100,25 @@ def silu_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Ten
     if T and I:
         _functions()[2](gate_up.data_ptr(), gate_up.stride()[0], out.data_ptr(), T, I, _threads(num_threads))
     return out
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set ``logits[r, t]`` to -inf wherever bit ``t`` of ``bitmask[r]`` is 0, for each ``r`` in
+    ``rows`` (xgrammar's bitmask layout: int32 words, bit k of word w is token 32w + k)."""
+    if logits.dtype is not _F32 or bitmask.dtype is not torch.int32 or not (logits.is_cpu and bitmask.is_cpu):
+        raise ValueError("cpu_ops.apply_bitmask takes float32 logits and int32 bitmasks on the CPU")
+    if logits.dim() != 2 or bitmask.dim() != 2 or logits.stride()[1] != 1 or bitmask.stride()[1] != 1:
+        raise ValueError("logits and bitmask must be 2-D with unit column stride")
+    vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+    if rows and (min(rows) < 0 or max(rows) >= min(logits.shape[0], bitmask.shape[0])):
+        raise ValueError("a row index is out of range")
+    index = torch.tensor(rows, dtype=torch.int64)
+    _functions()[3](
+        logits.data_ptr(),
+        logits.stride()[0],
+        bitmask.data_ptr(),
+        bitmask.stride()[0],
+        index.data_ptr(),
+        len(rows),
+        vocab,
+    )

@@ -157,3 +157,22 @@ def test_the_build_key_covers_the_shared_header(monkeypatch, tmp_path):
     with open(kernels / "cpu_common.h", "a") as header:
         header.write("/* changed */\n")
     assert cpu_build._build("cpu_ops", ("-fno-math-errno",)) != first
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 33])
+def test_apply_bitmask_matches_xgrammar(vocab: int):
+    import xgrammar
+
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, words), dtype=torch.int32, generator=gen)
+    bitmask[1] = 0  # nothing allowed
+    bitmask[2] = -1  # everything allowed
+    bitmask[3, : words // 2] = 0  # whole words of none, then mixed words
+    logits = torch.randn(6, vocab, generator=gen)
+    rows = [0, 1, 2, 3, 5]
+    expected = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(expected, bitmask, indices=rows)
+    cpu_ops.apply_bitmask(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+    assert torch.isfinite(logits[4]).all()  # a row not listed is untouched

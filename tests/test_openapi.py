@@ -13,7 +13,7 @@ from tests.server import MODEL, QUESTION, client, in_thread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-EXAMPLES_PER_OPERATION = 12
+EXAMPLES_PER_OPERATION = 20
 
 
 def _cap_lengths(body: object) -> None:

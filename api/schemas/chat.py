@@ -7,12 +7,39 @@ from typing import Any
 import attrs
 from pydantic import Field, model_validator
 
+from trillm.api.errors import ApiError
 from trillm.api.schemas.base import invalid
 from trillm.api.schemas.describe import parse
 from trillm.api.schemas.generation import CommonFields, GenerationBody
-from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, Message
+from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, AnyMessage
+from trillm.api.schemas.tools import ToolFields
+from trillm.api.tools.formats import ToolFormat
+from trillm.api.tools.spec import ToolSet
 
 MAX_TOP_LOGPROBS = 20
+# apply_chat_template's own parameters (and the template's ``messages``): template variables
+# of these names would override what the server passes, or change what the call returns.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "self",
+        "conversation",
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "chat_template",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+    }
+)
 
 
 @attrs.frozen
@@ -20,14 +47,17 @@ class ChatRequest:
     """A validated chat request in the terms the handler uses."""
 
     common: CommonFields
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     prompt: str | None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: ToolSet | None = None
+    tool_format: ToolFormat | None = None  # decided by ``chat.bind`` from the template and the settings
 
 
-class ChatCompletionBody(GenerationBody):
+class ChatCompletionBody(GenerationBody, ToolFields):
     """The body of ``POST /v1/chat/completions`` (published as ``ChatCompletionRequest``)."""
 
-    messages: list[Message] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION)
+    messages: list[AnyMessage] | None = Field(None, min_length=1, description=MESSAGES_DESCRIPTION)
     prompt: str | None = Field(
         None, description="raw text, no chat template; give exactly one of `messages` / `prompt`"
     )
@@ -40,6 +70,12 @@ class ChatCompletionBody(GenerationBody):
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token; only with `logprobs: true`"
     )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description='extra variables for the chat template, e.g. `{"enable_thinking": false}` (with a raw `prompt` '
+        "there is no template, but `enable_thinking: false` still turns the reasoning parser off); names the "
+        "server passes itself (`add_generation_prompt`, `tokenize`, `tools`, ...) are a 400",
+    )
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionBody:
@@ -47,6 +83,10 @@ class ChatCompletionBody(GenerationBody):
             raise invalid("give exactly one of 'messages' or 'prompt'", "messages")
         if "top_logprobs" in self.model_fields_set and not self.logprobs:
             raise invalid("needs 'logprobs': true", "top_logprobs")
+        if self.chat_template_kwargs is not None:
+            taken = sorted(RESERVED_TEMPLATE_KWARGS & self.chat_template_kwargs.keys())
+            if taken:
+                raise invalid(f"{', '.join(taken)} cannot be set here: the server passes it", "chat_template_kwargs")
         return self
 
     def request(self) -> ChatRequest:
@@ -54,7 +94,10 @@ class ChatCompletionBody(GenerationBody):
         if self.logprobs:
             common = attrs.evolve(common, params=attrs.evolve(common.params, logprobs=self.top_logprobs))
         messages = None if self.messages is None else tuple(m.for_template() for m in self.messages)
-        return ChatRequest(common, messages, self.prompt)
+        tools = self.tool_set()
+        if tools is not None and self.prompt is not None:
+            raise ApiError("'tools' need 'messages' (a raw 'prompt' has no template)", param="tools")
+        return ChatRequest(common, messages, self.prompt, self.chat_template_kwargs, tools)
 
 
 def parse_chat_request(body: Any) -> ChatRequest:

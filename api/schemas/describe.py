@@ -106,7 +106,14 @@ def _one(s: Schema, defs: Schema, plural: bool) -> str:
 
 def phrase(schema: Schema, defs: Schema) -> str:
     """What a value must be, e.g. ``a string or an array of at most 4 strings``."""
-    parts = list(dict.fromkeys(_one(b, defs, False) for b in branches(schema, defs)))
+    alternatives = branches(schema, defs)
+    if len(alternatives) > 1 and all(b.get("type") == "object" and "properties" in b for b in alternatives):
+        # A tagged union of objects (messages, response_format): the keys every member requires.
+        common = [
+            r for r in alternatives[0].get("required", []) if all(r in b.get("required", []) for b in alternatives)
+        ]
+        return "an object" + (" with " + " and ".join(repr(r) for r in common) if common else "")
+    parts = list(dict.fromkeys(_one(b, defs, False) for b in alternatives))
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
 
 
@@ -169,6 +176,10 @@ def api_error(model: type[BaseModel], exc: ValidationError, body: Any) -> ApiErr
         param = ctx.get("param") or param
         message = ctx["message"]
     elif error["type"] == "missing":
+        message = "is required"
+    elif error["type"] == "union_tag_not_found":
+        tag = ctx["discriminator"].strip("'")
+        param = f"{param}.{tag}" if param else tag
         message = "is required"
     elif error["type"] == "union_tag_invalid":  # a tagged union (``response_format``): name the tag
         tag = ctx["discriminator"].strip("'")

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import attrs
 from pydantic import Field, model_validator
 
-from trillm.api.schemas.base import Not, RequestModel, Unsupported, invalid
+from trillm.api.schemas.base import Not, RequestModel, invalid
 from trillm.api.schemas.structured import StructuredFields
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarSpec
@@ -113,9 +113,6 @@ class GenerationBody(StructuredFields):
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(
         None, description='`{"include_usage": true}` adds a usage chunk; only with `stream: true`'
-    )
-    tools: Annotated[list[dict[str, Any]], Unsupported("tool calling is not supported")] | None = Field(
-        None, description="not supported yet: a non-empty list is a 400"
     )
 
     @model_validator(mode="after")

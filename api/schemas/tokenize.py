@@ -6,7 +6,7 @@ from pydantic import Field, model_validator
 
 from trillm.api.schemas.base import RequestModel, invalid
 from trillm.api.schemas.generation import TokenId
-from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, Message
+from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, AnyMessage
 
 _MODEL = "if given, must be the served model (else 404)"
 
@@ -16,7 +16,7 @@ class TokenizeBody(RequestModel):
 
     model: str | None = Field(None, description=_MODEL)
     prompt: str | None = Field(None, description="text to tokenize; give exactly one of `prompt` / `messages`")
-    messages: list[Message] | None = Field(
+    messages: list[AnyMessage] | None = Field(
         None,
         min_length=1,
         description=MESSAGES_DESCRIPTION + "; tokenized with "

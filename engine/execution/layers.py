@@ -7,6 +7,7 @@ backend's layer loop never ask which.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeAlias
 
 import attrs
@@ -18,6 +19,8 @@ from trillm.kernels.block_weights import BlockWeight, pack_exact
 
 # A projection: dense and transposed, [in, out], or exact GGUF blocks, [out, in].
 Weight: TypeAlias = torch.Tensor | BlockWeight
+# An RMSNorm over the last dimension: (x, weight, eps) -> normed x of x's shape.
+Norm: TypeAlias = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @attrs.define
@@ -31,6 +34,9 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Weight  # hidden -> 2 * intermediate
     down: Weight
+    # Qwen3: RMSNorm of each Q and K head ([head_dim] weights) after the projection, before RoPE.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
@@ -63,6 +69,15 @@ def project_add(h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return torch.addmm(h, x, w)
     return cpu_matmul.matmul(x, w, out=h, accumulate=True)
+
+
+def qk_norm_(qk: torch.Tensor, num_heads: int, layer: LayerWeights, eps: float, norm: Norm) -> None:
+    """Qwen3's per-head RMSNorm, in place, of ``qk`` [T, heads + kv_heads, head_dim] (Q heads
+    first), a view into the fused QKV output: rotary then runs on it as on any model's."""
+    if layer.q_norm is None or layer.k_norm is None:
+        return
+    qk[:, :num_heads] = norm(qk[:, :num_heads], layer.q_norm, eps)
+    qk[:, num_heads:] = norm(qk[:, num_heads:], layer.k_norm, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Our Llama-family model (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+"""Our Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
 
 Weights are plain tensors held by the model; Q/K/V and gate/up projections are
 fused into one matmul each at load time. ``transformers`` supplies only the config.
@@ -21,7 +21,7 @@ from trillm.engine.execution.backends import Backend, KVCache, StepMetadata, cre
 from trillm.engine.execution.layers import LayerWeights, Weight, make_weight, project
 from trillm.engine.execution.rope import cos_sin_table
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
 @attrs.frozen
@@ -41,6 +41,7 @@ class LlamaShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # Qwen3: RMSNorm over each Q and K head before RoPE
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over every layer: what the KV pool is sized by."""
@@ -80,6 +81,7 @@ class LlamaShape:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+            qk_norm="Qwen3ForCausalLM" in archs,
         )
 
 
@@ -115,6 +117,8 @@ def dummy_weights(
                 p + "mlp.down_proj.weight": rand(h, inter),
             }
         )
+        if shape.qk_norm:
+            w.update({a + "q_norm.weight": ones(d), a + "k_norm.weight": ones(d)})
         if shape.attention_bias:
             w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
     return w
@@ -174,6 +178,8 @@ class LlamaModel:
                         torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), block_weights
                     ),
                     down=make_weight(w[p + "mlp.down_proj.weight"], block_weights),
+                    q_norm=w[a + "q_norm.weight"] if shape.qk_norm else None,
+                    k_norm=w[a + "k_norm.weight"] if shape.qk_norm else None,
                 )
             )
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)

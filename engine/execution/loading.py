@@ -19,7 +19,7 @@ from trillm.kernels import cpu_build, cpu_matmul
 log = logging.getLogger("trillm.engine")
 
 
-def _eos_ids(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
+def eos_ids_of(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     sources: list[Any] = [config.get("eos_token_id"), tokenizer.eos_token_id]
     gen = folder / "generation_config.json"
@@ -128,4 +128,4 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
         len(model.projections()),
         folder,
     )
-    return model, tokenizer, _eos_ids(tokenizer_folder, model_config, tokenizer)
+    return model, tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer)

@@ -107,6 +107,18 @@ def _fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[Sampl
     return tuple(rows)
 
 
+@attrs.define
+class MaskStats:
+    """Time the runner spends on grammar masks (fill, apply, advance): the cost of structured outputs."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.steps += 1
+        self.seconds += seconds
+
+
 class ModelRunner:
     """One model, its KV cache and its backend's per-cache state; steps run one at a time."""
 
@@ -132,6 +144,7 @@ class ModelRunner:
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self._bound: Any = self.backend.bind(model, self.kv_cache)  # the backend's state over this cache
         self._last_sampled: list[int] | None = None  # the tokens of the step that ran last
+        self.mask_stats = MaskStats()  # written by the runner thread, read by /metrics
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
             self.graphs = self._capture(graph_batch, -(-(max_model_len or s.max_position_embeddings) // page_size))
@@ -186,12 +199,17 @@ class ModelRunner:
         logits = self.execute_logits(inputs)
         # On a GPU the forward is still running: the grammar masks are filled meanwhile.
         matchers = [row.matcher for row in rows]
-        masks = GrammarMasks.fill(matchers, logits.shape[-1])
+        started = time.perf_counter()
+        masks = GrammarMasks.fill(matchers, logits.shape[-1], self.num_threads)
+        mask_seconds = time.perf_counter() - started
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
             n = len(rows)
             sampled = sample_with_logprobs(logits[:n], list(rows), kernel, masks) if rows else Sampled([], [])
             prompt = prompt_logprobs(logits[n:], inputs.prompt_spans) if inputs.prompt_spans else ()
-        advance(matchers, sampled.tokens)
+        if masks is not None:
+            started = time.perf_counter()
+            advance(matchers, sampled.tokens)
+            self.mask_stats.add(mask_seconds + masks.apply_seconds + time.perf_counter() - started)
         self._last_sampled = sampled.tokens
         return StepResult(sampled.tokens, sampled.logprobs, prompt)

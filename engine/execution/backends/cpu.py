@@ -32,7 +32,7 @@ from trillm.engine.execution.backends.cpu_attention import (
     PrefillSpan,
     paged_attention,
 )
-from trillm.engine.execution.layers import project, project_add, rms_norm
+from trillm.engine.execution.layers import project, project_add, qk_norm_, rms_norm
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.execution.sampler import SampleRow
 from trillm.engine.scheduling.scheduler import Batch
@@ -73,6 +73,7 @@ class CpuBackend(Backend):
             and cpu_forward.available()
             and all(
                 layer.qkv_bias is None
+                and layer.q_norm is None  # the C loop has no per-head Q/K norm (Qwen3): the Python loop runs it
                 and all(isinstance(w, BlockWeight) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
                 for layer in model.layers
             )
@@ -191,6 +192,7 @@ class CpuBackend(Backend):
             qkv = project(x, layer.qkv, layer.qkv_bias)
             # Q and K sit side by side in the fused projection: one rotary pass for both.
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
+            qk_norm_(qk, s.num_heads, layer, s.rms_norm_eps, norm)  # Qwen3 only
             if self.c_ops:
                 cpu_ops.rotary_(qk, cos, sin)
             else:

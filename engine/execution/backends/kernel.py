@@ -138,6 +138,9 @@ class KernelBackend(Backend):
             q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: each head normed before RoPE
+                q = self._head_norm(q, layer.q_norm, s.rms_norm_eps)
+                k = self._head_norm(k, layer.k_norm, s.rms_norm_eps)
             q, k = ops.rotary(q, k, positions, model.cos, model.sin)
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             if meta.decode_only:
@@ -156,3 +159,7 @@ class KernelBackend(Backend):
             delta.index_select(0, rows), residual.index_select(0, rows), model.final_norm, s.rms_norm_eps
         )
         return h
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each head of ``x`` [T, heads, D] through the set's norm kernel (no residual)."""
+        return self.kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, weight, eps)[0].view(x.shape)

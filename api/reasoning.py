@@ -1,0 +1,126 @@
+"""Splitting a reply into its thinking (``reasoning_content``) and its answer (``content``).
+
+Reasoning models write their thinking between ``<think>`` and ``</think>``. With the
+``--reasoning-parser`` setting, the chat endpoint hands each choice's text deltas to a
+``ReasoningParser`` and sends what it returns as ``reasoning_content`` and ``content``;
+the tags themselves are never sent. The two styles, named as vLLM names them:
+
+* ``deepseek_r1``: the chat template may already have put ``<think>`` in the prompt, so
+  everything before ``</think>`` is thinking, whether or not the output opens with
+  ``<think>`` (then dropped). Without any ``</think>`` the whole reply is thinking and
+  ``content`` stays empty (null when not streaming), as vLLM answers.
+* ``qwen3``: the model writes ``<think>`` itself, so thinking starts only when the output
+  opens with it (leading whitespace allowed); any other reply is all ``content``. A reply
+  cut inside the thinking (``max_tokens``) is all thinking.
+
+In both, a ``chat_template_kwargs`` of ``{"enable_thinking": false}`` turns splitting off
+for the request (the template then puts an empty think block in the prompt, and the
+whole reply is the answer). After ``</think>`` everything is content, tags included.
+
+The parser is incremental: a tag split across deltas (``"</th"`` + ``"ink>"``) is held
+back until it is complete or proven not to be a tag, so no piece of a tag leaks out.
+Pure: no Trio, no HTTP; the chat module calls it through ``ChoiceSplitter``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+START, END = "<think>", "</think>"
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def _held_back(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag`` (might become it)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    """One reply's text in, ``(reasoning, content)`` deltas out; ``finish`` flushes what is held."""
+
+    def __init__(self, style: str) -> None:
+        if style not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, not {style!r}")
+        self.implicit_start = style == "deepseek_r1"  # thinking from the first token, <think> or not
+        self._state = "start"  # start (is <think> coming?) -> reasoning -> content
+        self._pending = ""  # text held back: a possible tag not yet complete
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The next delta of the reply -> the new thinking and the new answer (either may be "")."""
+        buf = self._pending + text
+        self._pending = ""
+        if self._state == "start":
+            stripped = buf.lstrip()
+            if stripped.startswith(START):
+                self._state, buf = "reasoning", stripped[len(START) :]
+            elif START.startswith(stripped):  # only whitespace, or a start of "<think>" so far
+                self._pending = buf
+                return "", ""
+            else:
+                self._state = "reasoning" if self.implicit_start else "content"
+        if self._state == "content":
+            return "", buf
+        end = buf.find(END)
+        if end >= 0:
+            self._state = "content"
+            return buf[:end], buf[end + len(END) :]
+        keep = _held_back(buf, END)
+        self._pending = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], ""
+
+    def finish(self) -> tuple[str, str]:
+        """The reply ended: what was held back, as thinking or answer (it never became a tag)."""
+        rest, self._pending = self._pending, ""
+        in_reasoning = self._state == "reasoning" or (self._state == "start" and self.implicit_start)
+        return (rest, "") if in_reasoning else ("", rest)
+
+
+def split_reasoning(style: str, text: str) -> tuple[str, str]:
+    """A whole reply -> (reasoning, content): the non-streaming form of the same rules."""
+    parser = ReasoningParser(style)
+    reasoning, content = parser.feed(text)
+    tail_reasoning, tail_content = parser.finish()
+    return reasoning + tail_reasoning, content + tail_content
+
+
+def request_style(style: str | None, chat_template_kwargs: dict[str, Any] | None) -> str | None:
+    """The parser style for one request: the server's, unless the request turned thinking off."""
+    if style is not None and (chat_template_kwargs or {}).get("enable_thinking") is False:
+        return None
+    return style
+
+
+class ChoiceSplitter:
+    """The chat endpoint's hook: per-choice parsers for one request, or plain ``content`` without one."""
+
+    def __init__(self, style: str | None) -> None:
+        self.style = style
+        self._parsers: dict[int, ReasoningParser] = {}
+
+    def delta(self, index: int, text: str, final: bool) -> dict[str, str]:
+        """The streamed ``delta`` fields for ``text`` of choice ``index`` (``final``: its last piece).
+
+        Without a parser, ``{"content": text}``; with one, only the non-empty fields."""
+        if self.style is None:
+            return {"content": text}
+        parser = self._parsers.setdefault(index, ReasoningParser(self.style))
+        reasoning, content = parser.feed(text)
+        if final:
+            tail_reasoning, tail_content = parser.finish()
+            reasoning, content = reasoning + tail_reasoning, content + tail_content
+        fields = {"reasoning_content": reasoning, "content": content}
+        return {key: value for key, value in fields.items() if value}
+
+    def flush(self, index: int) -> dict[str, str]:
+        """The held-back end of choice ``index`` when its stream is cut short (the deadline)."""
+        return self.delta(index, "", True) if self.style is not None else {}
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The non-streaming ``message`` fields: ``content`` (null when empty) and ``reasoning_content``."""
+        if self.style is None:
+            return {"content": text}
+        reasoning, content = split_reasoning(self.style, text)
+        return {"content": content or None, "reasoning_content": reasoning or None}

@@ -1,0 +1,66 @@
+"""One streamed choice's text as OpenAI deltas when tools are on: content as it comes until
+a call may be starting (held back like a stop string), then ``tool_calls`` deltas, never
+the call's markup."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trillm.api.tools.formats import ToolFormat
+from trillm.api.tools.spec import Call
+
+
+class ToolStream:
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already sent as content
+        self.in_call = False
+        self.calls: tuple[Call, ...] = ()
+
+    def feed(self, piece: str) -> list[dict[str, Any]]:
+        """Deltas for the text so far; content that could start a call is held back."""
+        self.text += piece
+        trigger = self.fmt.trigger
+        if trigger is None or self.in_call:
+            return []  # generic replies are JSON: read whole at the end
+        at = self.text.find(trigger, self.sent)
+        if at >= 0:
+            self.in_call = True
+            return self._content(at)
+        return self._content(len(self.text) - _held(self.text, trigger))
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The rest: the calls (first chunk of each with id, type and name, then its arguments),
+        or the held-back text if it was no call after all."""
+        if self.fmt.trigger is not None and not self.in_call:
+            return self._content(len(self.text))
+        parsed = self.fmt.parse(self.text)
+        if not parsed.calls:
+            if self.fmt.trigger is None:
+                self.sent = len(self.text)
+                return [{"content": parsed.content}] if parsed.content else []
+            return self._content(len(self.text))
+        self.calls = parsed.calls
+        deltas: list[dict[str, Any]] = []
+        if self.fmt.trigger is None and parsed.content:
+            deltas.append({"content": parsed.content})
+        for i, call in enumerate(parsed.calls):
+            head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            deltas.append({"tool_calls": [head]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+        return deltas
+
+    def _content(self, upto: int) -> list[dict[str, Any]]:
+        if upto <= self.sent:
+            return []
+        text, self.sent = self.text[self.sent : upto], upto
+        return [{"content": text}]
+
+
+def _held(text: str, trigger: str) -> int:
+    """How many trailing characters of ``text`` could be the start of ``trigger``."""
+    for n in range(min(len(trigger) - 1, len(text)), 0, -1):
+        if text.endswith(trigger[:n]):
+            return n
+    return 0
