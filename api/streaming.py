@@ -31,6 +31,14 @@ class ChunkRenderer(Protocol):
     def object(self) -> str:
         """``chat.completion.chunk`` or ``text_completion``."""
 
+    @property
+    def id_prefix(self) -> str:
+        """``chatcmpl`` or ``cmpl``: the stream's id starts with it."""
+
+    @property
+    def generates(self) -> bool:
+        """False when the sampled tokens are dropped (completions' ``max_tokens`` 0): usage counts none."""
+
     def opening(self) -> Iterable[dict[str, Any]]: ...
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]: ...
     def cut(self, index: int) -> dict[str, Any]: ...
@@ -53,7 +61,7 @@ async def stream_choices(
     submit time (the queue filled since the up-front check, shutdown) is an
     error event; a bug is an error event too, never a cut connection.
     """
-    completion_id, created = new_completion_id(), int(time.time())
+    completion_id, created = new_completion_id(renderer.id_prefix), int(time.time())
 
     def event(choice: dict[str, Any]) -> bytes:
         body: dict[str, Any] = {
@@ -91,7 +99,8 @@ async def stream_choices(
                     yield event(renderer.cut(index))
             totals = None
             if include_usage:
-                totals = usage(sum(len(p) for p in prompts), sum(progress.generated), sum(progress.cached[::n]))
+                generated = sum(progress.generated) if renderer.generates else 0
+                totals = usage(sum(len(p) for p in prompts), generated, sum(progress.cached[::n]))
             for end in stream_end(renderer.object, completion_id, created, model, totals):
                 yield end
     except Exception as exc:
