@@ -31,12 +31,14 @@ class ToolFormat:
 
 
 class _TaggedFormat(ToolFormat):
-    """Calls written as ``begin + arguments JSON + end``, one tag per function."""
+    """Calls written as ``opening {"name": <name>, "<key>": <arguments JSON> end``, one tag per function."""
+
+    opening: ClassVar[str]  # what the model writes before the call's JSON object
+    key: ClassVar[str]  # the arguments' key in that object
+    end: ClassVar[str]
 
     def begin(self, name: str) -> str:
-        raise NotImplementedError
-
-    end: ClassVar[str]
+        return self.opening + '{"name": ' + json.dumps(name) + ', "' + self.key + '": '
 
     def grammar(self, tools: ToolSet) -> GrammarSpec:
         tags = [
@@ -67,10 +69,7 @@ class Hermes(_TaggedFormat):
 
     name = "hermes"
     trigger = "<tool_call>"
-    end = "}\n</tool_call>"
-
-    def begin(self, name: str) -> str:
-        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+    opening, key, end = "<tool_call>\n", "arguments", "}\n</tool_call>"
 
     def parse(self, text: str) -> Parsed:
         blocks = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.S)
@@ -85,10 +84,7 @@ class Mistral(_TaggedFormat):
 
     name = "mistral"
     trigger = "[TOOL_CALLS]"
-    end = "}]"
-
-    def begin(self, name: str) -> str:
-        return '[TOOL_CALLS][{"name": ' + json.dumps(name) + ', "arguments": '
+    opening, key, end = "[TOOL_CALLS][", "arguments", "}]"
 
     def parse(self, text: str) -> Parsed:
         if self.trigger not in text:
@@ -112,10 +108,7 @@ class Llama3Json(_TaggedFormat):
 
     name = "llama3_json"
     trigger = '{"name": '
-    end = "}"
-
-    def begin(self, name: str) -> str:
-        return '{"name": ' + json.dumps(name) + ', "parameters": '
+    opening, key, end = "", "parameters", "}"
 
     def parse(self, text: str) -> Parsed:
         body = text.replace("<|python_tag|>", "")
