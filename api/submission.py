@@ -27,7 +27,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: CommonFields) -> None:
     """Reject up front what the engine would reject, so the client gets a 400, not a broken stream.
 
-    A ``max_tokens`` the client set that cannot fit next to the prompt is a
+    A ``max_tokens`` (``max_output_tokens``) the client set that cannot fit next to the prompt is a
     400 naming both numbers; the default is clamped to the context instead.
     """
     try:
@@ -38,8 +38,8 @@ def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: Commo
     if common.max_tokens_given and wanted is not None and len(ids) + wanted > engine.max_model_len:
         raise ApiError(
             f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(ids)} tokens "
-            f"and max_tokens asks for {wanted} more ({len(ids) + wanted} in all)",
-            param="max_tokens",
+            f"and {common.max_tokens_param} asks for {wanted} more ({len(ids) + wanted} in all)",
+            param=common.max_tokens_param,
             code="context_length_exceeded",
         )
 

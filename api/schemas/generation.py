@@ -36,6 +36,7 @@ class CommonFields:
     n: int
     max_tokens_given: bool  # False: the default, clamped to the context instead of rejected
     grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
+    max_tokens_param: str = "max_tokens"  # the field a refused token budget is named by
 
 
 class StreamOptions(RequestModel):
