@@ -9,7 +9,7 @@ import json
 import httpx
 import jsonschema
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from trillm.api.errors import ApiError
 from trillm.api.schemas.responses import parse_responses_request
@@ -32,8 +32,8 @@ CITY = {
 
 
 class City(BaseModel):
-    name: str
-    population: int
+    name: str = Field(max_length=20)
+    population: int = Field(le=99999999)  # bounded, or a small model may write digits until cut
 
 
 def _error(body: dict) -> ApiError:
@@ -48,12 +48,36 @@ def test_input_items_become_chat_messages():
             "model": MODEL,
             "instructions": "Be brief.",
             "input": [
-                {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text", "text": "Paris?"}]},
-                {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed", "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
-                {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}', "status": "completed"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "Weather in "},
+                        {"type": "input_text", "text": "Paris?"},
+                    ],
+                },
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "msg_1",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+                },
+                {
+                    "type": "function_call",
+                    "id": "fc_1",
+                    "call_id": "call_1",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Paris"}',
+                    "status": "completed",
+                },
                 {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "not json"},
                 {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
-                {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+                {
+                    "type": "reasoning",
+                    "id": "rs_1",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "hmm"}],
+                },
                 {"role": "developer", "content": "Answer in French."},
             ],
             "max_output_tokens": 7,
@@ -71,7 +95,11 @@ def test_input_items_become_chat_messages():
             "role": "assistant",
             "content": "Checking.",
             "tool_calls": [
-                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                },
                 {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}},
             ],
         },
@@ -95,12 +123,24 @@ def test_input_items_become_chat_messages():
         ({"conversation": "conv_1"}, "conversation", "stateless"),
         ({"background": True}, "background", "background"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function"),
-        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice", "names no function"),
+        (
+            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+            "tool_choice",
+            "names no function",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
         ({"text": {"format": {"type": "xml"}}}, "text.format.type", "json_schema"),
-        ({"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}}, "text.format.name", "matching"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
+            "text.format.name",
+            "matching",
+        ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "function_call_output"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content", "must be"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content",
+            "must be",
+        ),
         ({"input": []}, "input", "non-empty"),
         ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"metadata": {"k": 1}}, "metadata", "strings"),
@@ -116,11 +156,17 @@ async def test_plain_text_and_instructions_and_messages(server):
     def run():
         c = client(server)
         plain = c.responses.create(model=MODEL, input=QUESTION, temperature=0)  # no max: until the model stops
-        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=200)
+        chat = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=200
+        )
         listed = c.responses.create(
             model=MODEL,
             instructions="You are a geography teacher.",
-            input=[{"role": "user", "content": "Name a river in France."}, {"role": "assistant", "content": "The Seine."}, {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+            input=[
+                {"role": "user", "content": "Name a river in France."},
+                {"role": "assistant", "content": "The Seine."},
+                {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+            ],
             max_output_tokens=30,
             temperature=0,
             metadata={"run": "test"},
@@ -131,13 +177,29 @@ async def test_plain_text_and_instructions_and_messages(server):
     assert plain.id.startswith("resp_") and plain.object == "response" and plain.status == "completed"
     assert plain.output_text == chat.choices[0].message.content and "Paris" in plain.output_text
     [item] = plain.output
-    assert item.type == "message" and item.id.startswith("msg_") and item.role == "assistant" and item.status == "completed"
+    assert (
+        item.type == "message"
+        and item.id.startswith("msg_")
+        and item.role == "assistant"
+        and item.status == "completed"
+    )
     assert item.content[0].type == "output_text" and item.content[0].annotations == []
-    assert plain.usage.input_tokens == chat.usage.prompt_tokens and plain.usage.output_tokens == chat.usage.completion_tokens
+    assert (
+        plain.usage.input_tokens == chat.usage.prompt_tokens
+        and plain.usage.output_tokens == chat.usage.completion_tokens
+    )
     assert plain.usage.total_tokens == plain.usage.input_tokens + plain.usage.output_tokens
-    assert plain.store is False and plain.incomplete_details is None and plain.tools == [] and plain.tool_choice == "auto"
-    assert listed.output_text and listed.instructions == "You are a geography teacher." and listed.metadata == {"run": "test"}
-    assert listed.usage.input_tokens > plain.usage.input_tokens + 10  # the instructions and the history reached the prompt
+    assert (
+        plain.store is False and plain.incomplete_details is None and plain.tools == [] and plain.tool_choice == "auto"
+    )
+    assert (
+        listed.output_text
+        and listed.instructions == "You are a geography teacher."
+        and listed.metadata == {"run": "test"}
+    )
+    assert (
+        listed.usage.input_tokens > plain.usage.input_tokens + 10
+    )  # the instructions and the history reached the prompt
 
 
 def _events(server, **kwargs):
@@ -157,8 +219,19 @@ async def test_stream_events_in_order_reassemble_the_text(server):
     whole, events, final = await _events(server, model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0)
     kinds = [e.type for e in events]
     deltas = [e for e in events if e.type == "response.output_text.delta"]
-    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added", "response.output_text.delta"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(deltas) > 1
     assert [e.sequence_number for e in events] == list(range(len(events)))
     item_id = events[2].item.id
@@ -183,7 +256,9 @@ async def test_raw_stream_has_sse_event_lines_and_incomplete_ends(server):
     names = [line[len("event: ") :] for line in lines[0::2]]
     payloads = [json.loads(line[len("data: ") :]) for line in lines[1::2]]
     assert [p["type"] for p in payloads] == names and "[DONE]" not in "".join(lines)
-    assert names[-1] == "response.incomplete" and payloads[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert names[-1] == "response.incomplete" and payloads[-1]["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
     assert payloads[-2]["item"]["status"] == "incomplete"
     assert payloads[-1]["response"]["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
 
@@ -193,9 +268,19 @@ async def test_structured_output_and_parse(server):
     def run():
         c = client(server)
         fmt = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
-        raw = c.responses.create(model=MODEL, input="Describe Paris as JSON.", text={"format": fmt}, max_output_tokens=60, temperature=0)
-        parsed = c.responses.parse(model=MODEL, input="Describe Paris as JSON.", text_format=City, max_output_tokens=60, temperature=0)
-        any_json = c.responses.create(model=MODEL, input="Describe Paris as JSON.", text={"format": {"type": "json_object"}}, max_output_tokens=60, temperature=0)
+        raw = c.responses.create(
+            model=MODEL, input="Describe Paris as JSON.", text={"format": fmt}, max_output_tokens=60, temperature=0
+        )
+        parsed = c.responses.parse(
+            model=MODEL, input="Describe Paris as JSON.", text_format=City, max_output_tokens=60, temperature=0
+        )
+        any_json = c.responses.create(
+            model=MODEL,
+            input="Describe Paris as JSON.",
+            text={"format": {"type": "json_object"}},
+            max_output_tokens=60,
+            temperature=0,
+        )
         return raw, parsed, any_json
 
     raw, parsed, any_json = await in_thread(run)
@@ -211,20 +296,41 @@ async def test_function_call_then_output_round_trip(server):
 
     def run():
         c = client(server)
-        first = c.responses.create(model=MODEL, input=ask, tools=TOOLS, tool_choice="required", max_output_tokens=200, temperature=0)
-        history = ask + [item.model_dump(exclude_none=True) for item in first.output]
+        first = c.responses.create(
+            model=MODEL,
+            input=ask,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=200,
+            temperature=0,
+        )
+        history = ask + list(first.output)  # the SDK's own output objects, sent back as they are
         history += [
             {"type": "function_call_output", "call_id": item.call_id, "output": json.dumps({"temperature": 18})}
             for item in first.output
             if item.type == "function_call"
         ]
-        final = c.responses.create(model=MODEL, input=history, tools=TOOLS, tool_choice="none", max_output_tokens=40, temperature=0)
-        streamed = list(c.responses.create(model=MODEL, input=ask, tools=TOOLS, tool_choice="required", max_output_tokens=200, temperature=0, stream=True))
+        final = c.responses.create(
+            model=MODEL, input=history, tools=TOOLS, tool_choice="none", max_output_tokens=40, temperature=0
+        )
+        streamed = list(
+            c.responses.create(
+                model=MODEL,
+                input=ask,
+                tools=TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=False,
+                max_output_tokens=200,
+                temperature=0,
+                stream=True,
+            )
+        )
         return first, final, streamed
 
     first, final, streamed = await in_thread(run)
     calls = [item for item in first.output if item.type == "function_call"]
-    assert calls and first.status == "completed" and first.output_text == ""
+    assert len(calls) == 1 and first.status == "completed" and first.output_text == ""
     for call in calls:
         assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
         assert call.status == "completed"
@@ -257,7 +363,9 @@ async def test_bad_requests_are_400s_naming_the_field(server):
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
         r = await http.post("/v1/responses", json={"model": "other", "input": QUESTION})
         assert r.status_code == 404
-        stored = await http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, "store": True, "max_output_tokens": 2})
+        stored = await http.post(
+            "/v1/responses", json={"model": MODEL, "input": QUESTION, "store": True, "max_output_tokens": 2}
+        )
         assert stored.status_code == 200 and stored.json()["store"] is False
 
 
