@@ -142,6 +142,7 @@ def test_input_items_become_chat_messages():
             "must be",
         ),
         ({"input": []}, "input", "non-empty"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "nothing for the prompt"),
         ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
         ({"metadata": {"k": 1}}, "metadata", "strings"),
     ],

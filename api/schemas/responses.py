@@ -209,6 +209,8 @@ class ResponsesBody(RequestModel):
     def _check_responses(self) -> ResponsesBody:
         self.tool_set()
         self.grammar()
+        if not self.messages():
+            raise invalid("holds nothing for the prompt (reasoning items are left out)", "input")
         return self
 
     def tool_set(self) -> ToolSet | None:
