@@ -125,7 +125,7 @@ def output_items(message: dict[str, Any], status: str) -> list[dict[str, Any]]:
     return items
 
 
-# What each kind of open item streams: its delta and done events, and the part its content holds.
+# The delta / done events of the items that hold text.
 _TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
 _STOPPED = {"code": "server_error", "message": "the server stopped this request before it finished"}
 

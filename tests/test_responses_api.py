@@ -1,6 +1,7 @@
 # ruff: noqa: E501  (request bodies read best on one line)
-"""``POST /v1/responses``: the request mapped onto chat, and round trips through the real server
-with the real ``openai`` client on the default model (plain, streamed, structured, tool calls)."""
+"""``POST /v1/responses`` end to end: round trips through the real server with the real ``openai``
+client on the default model (plain, streamed, structured, tool calls, errors, cancellation).
+The request mapping and the event writer alone: ``test_responses_request.py``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,6 @@ import httpx
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-
-from trillm.api.errors import ApiError
-from trillm.api.schemas.responses import parse_responses_request
 
 from tests.helpers import wait_idle
 from tests.server import MODEL, client, in_thread, running_server
@@ -34,122 +32,6 @@ CITY = {
 class City(BaseModel):
     name: str = Field(max_length=20)
     population: int = Field(le=99999999)  # bounded, or a small model may write digits until cut
-
-
-def _error(body: dict) -> ApiError:
-    with pytest.raises(ApiError) as info:
-        parse_responses_request({"model": MODEL, "input": "hi", **body})
-    return info.value
-
-
-def test_input_items_become_chat_messages():
-    req = parse_responses_request(
-        {
-            "model": MODEL,
-            "instructions": "Be brief.",
-            "input": [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "input_text", "text": "Weather in "},
-                        {"type": "input_text", "text": "Paris?"},
-                    ],
-                },
-                {
-                    "type": "message",
-                    "role": "assistant",
-                    "id": "msg_1",
-                    "status": "completed",
-                    "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
-                },
-                {
-                    "type": "function_call",
-                    "id": "fc_1",
-                    "call_id": "call_1",
-                    "name": "get_weather",
-                    "arguments": '{"city": "Paris"}',
-                    "status": "completed",
-                },
-                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "not json"},
-                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
-                {
-                    "type": "reasoning",
-                    "id": "rs_1",
-                    "summary": [],
-                    "content": [{"type": "reasoning_text", "text": "hmm"}],
-                },
-                {"role": "developer", "content": "Answer in French."},
-            ],
-            "max_output_tokens": 7,
-            "temperature": 0,
-            "tools": TOOLS,
-            "tool_choice": {"type": "function", "name": "get_weather"},
-            "store": True,
-            "metadata": {"k": "v"},
-        }
-    )
-    assert req.messages == (
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": "Checking.",
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
-                },
-                {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "not json"}},
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
-        {"role": "system", "content": "Answer in French."},
-    )
-    params = req.common.params
-    assert (params.max_tokens, params.temperature, req.common.max_tokens_given) == (7, 0.0, True)
-    assert req.tools is not None and req.tools.choice == "get_weather" and req.tools.max_calls == 1
-    assert req.echo["tool_choice"] == {"type": "function", "name": "get_weather"} and req.echo["metadata"] == {"k": "v"}
-    plain = parse_responses_request({"model": MODEL, "input": "hi"})
-    assert plain.messages == ({"role": "user", "content": "hi"},) and plain.common.params.max_tokens is None
-    assert plain.common.grammar is None and plain.tools is None and plain.echo["text"] == {"format": {"type": "text"}}
-    assert parse_responses_request({"model": MODEL, "input": "hi", "tools": TOOLS, "tool_choice": "none"}).tools is None
-
-
-@pytest.mark.parametrize(
-    ("body", "param", "words"),
-    [
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "stateless"),
-        ({"conversation": "conv_1"}, "conversation", "stateless"),
-        ({"background": True}, "background", "background"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function"),
-        (
-            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
-            "tool_choice",
-            "names no function",
-        ),
-        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-        ({"text": {"format": {"type": "xml"}}}, "text.format.type", "json_schema"),
-        (
-            {"text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
-            "text.format.name",
-            "matching",
-        ),
-        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]", "function_call_output"),
-        (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-            "input[0].content",
-            "must be",
-        ),
-        ({"input": []}, "input", "non-empty"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "nothing for the prompt"),
-        ({"max_output_tokens": 0}, "max_output_tokens", ">= 1"),
-        ({"metadata": {"k": 1}}, "metadata", "strings"),
-    ],
-)
-def test_bad_requests_name_the_field(body, param, words):
-    error = _error(body)
-    assert error.status == 400 and error.param == param and words in error.message, error.message
 
 
 @pytest.mark.e2e
