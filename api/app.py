@@ -11,6 +11,7 @@ import json
 import time
 from typing import Any
 
+import attrs
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -18,7 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from trillm.api import chat, completions, responses_api, tokenize
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
-from trillm.api.errors import ApiError, from_engine
+from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
@@ -69,6 +70,7 @@ def create_app(
     if server is None:
         server = server_config_from_env()
     request_timeout = server.timeout_seconds
+    default_max_tokens = server.default_max_tokens
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
@@ -105,6 +107,9 @@ def create_app(
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
+        if status == 404:  # no route: an OpenAI API not served here, or an unknown URL
+            error = not_found(request.method, request.path)
+            return _json(error.body(), error.status)
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
         message = exc.description or exc.name
         if status == 413:
@@ -126,10 +131,12 @@ def create_app(
     def check_model(name: str) -> None:
         if name != model_name:
             raise ApiError(
-                f"the model '{name}' does not exist; this server serves '{model_name}'",
+                f"The model `{name}` does not exist or you do not have access to it "
+                f"(this server serves `{model_name}`).",
                 404,
                 param="model",
                 code="model_not_found",
+                type="invalid_request_error",
             )
 
     def check_serving() -> None:
@@ -146,6 +153,7 @@ def create_app(
     async def generation(endpoint: GenerationEndpoint) -> Response:
         """The one path of both generation endpoints: validate, check limits, then reply or stream."""
         req = endpoint.parse(await json_body())
+        req = attrs.evolve(req, common=req.common.capped(default_max_tokens))
         check_model(req.common.model)
         check_serving()
         req = endpoint.bind(engine, req, context)
@@ -193,22 +201,23 @@ def create_app(
     async def flush_cache() -> Response:
         return _json({"flushed_pages": engine.flush_cache()})
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "trillm",
+            "max_model_len": engine.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model_name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "trillm",
-                        "max_model_len": engine.max_model_len,
-                    }
-                ],
-            }
-        )
+        return _json({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/<path:model_id>")  # ids may hold slashes (``org/name``)
+    async def model(model_id: str) -> Response:
+        check_model(model_id)
+        return _json(model_card())
 
     @app.get("/health")
     async def health() -> Response:

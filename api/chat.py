@@ -106,7 +106,7 @@ async def complete(
     done = await collect(engine, request_ids, outputs, [""] * n, deadline)
     split = _splitter(reasoning_parser, req)
     return {
-        "id": new_completion_id(),
+        "id": new_completion_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
@@ -135,6 +135,8 @@ class ChatChunks:
     tool_format: ToolFormat | None = None
     object: str = "chat.completion.chunk"
     streams: dict[int, ToolStream] = attrs.field(factory=dict)  # per choice, with tools
+    id_prefix: str = "chatcmpl"
+    generates: bool = True
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
         return {

@@ -40,12 +40,30 @@ def _default_type(status: int) -> str:
     return "invalid_request_error"
 
 
+def context_length_error(
+    max_model_len: int, prompt_tokens: int, completion_tokens: int, where: str, param: str
+) -> ApiError:
+    """A request over the context, worded as OpenAI words it: clients (litellm, LangChain) detect
+    it by "maximum context length" in the message and ``code: "context_length_exceeded"``.
+    ``where`` names the input: "messages" (chat) or "prompt" (completions)."""
+    return ApiError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, {completion_tokens} in the "
+        f"completion). Please reduce the length of the {where} or completion.",
+        param=param,
+        code="context_length_exceeded",
+        type="invalid_request_error",
+    )
+
+
 def from_engine(exc: Exception) -> ApiError | None:
     """The one place the engine's refusals become HTTP errors; None for anything else (a bug)."""
-    from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
+    from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
 
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, PromptTooLong):  # the handlers check first, naming their field; this is the fallback
+        return context_length_error(exc.max_model_len, exc.num_prompt_tokens, 1, "prompt", "prompt")
     if isinstance(exc, RequestRejected):
         return ApiError(str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineOverloaded):
@@ -58,3 +76,48 @@ def from_engine(exc: Exception) -> ApiError | None:
     if isinstance(exc, EngineNotRunning):
         return ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable")
     return None
+
+
+# OpenAI APIs this server does not implement: a 404 that says so, rather than "unknown URL".
+UNSUPPORTED_APIS = {
+    "/v1/embeddings": "the embeddings API",
+    "/v1/audio": "the audio API",
+    "/v1/images": "the images API",
+    "/v1/moderations": "the moderations API",
+    "/v1/files": "the files API",
+    "/v1/uploads": "the uploads API",
+    "/v1/batches": "the batch API",
+    "/v1/fine_tuning": "the fine-tuning API",
+    "/v1/fine-tunes": "the fine-tuning API",
+    "/v1/assistants": "the Assistants API",
+    "/v1/threads": "the Assistants API (threads)",
+    "/v1/vector_stores": "the vector stores API",
+    "/v1/realtime": "the Realtime API",
+    "/v1/evals": "the evals API",
+    "/v1/containers": "the containers API",
+    "/v1/organization": "the administration API",
+    "/v1/edits": "the edits API",
+    "/v1/engines": "the engines API",
+    "/v1/chat/completions/": "stored chat completions",  # only the exact path is a route
+    "/v1/responses/": "stored responses (it stores none: send the whole conversation in 'input')",
+}
+
+
+def not_found(method: str, path: str) -> ApiError:
+    """A 404 for a path no route serves, in OpenAI's shape: ``unsupported_endpoint`` for an
+    OpenAI API this server does not implement, else ``unknown_url`` (OpenAI's own wording)."""
+    for prefix, name in UNSUPPORTED_APIS.items():
+        if path == prefix.rstrip("/") or path.startswith(prefix.rstrip("/") + "/"):
+            return ApiError(
+                f"trillm does not serve {name} ({path}); see /openapi.json for what it serves",
+                404,
+                code="unsupported_endpoint",
+                type="invalid_request_error",
+            )
+    return ApiError(
+        f"Unknown request URL: {method} {path}. Please check the URL for typos, "
+        "or see /openapi.json for the routes this server serves.",
+        404,
+        code="unknown_url",
+        type="invalid_request_error",
+    )

@@ -54,9 +54,22 @@ def chat_content(tokenizer: Any, items: tuple[TokenLogprobs, ...] | list[TokenLo
     return out
 
 
-def legacy(tokenizer: Any, items: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-    """The completions shape: parallel lists, ``text_offset`` counted from ``offset``."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+def legacy(tokenizer: Any, items: list[TokenLogprobs], offset: int, head: int | None = None) -> dict[str, Any]:
+    """The completions shape: parallel lists, ``text_offset`` counted from ``offset``.
+
+    ``head``: a token put first with null logprob and top_logprobs (an echoed prompt's first
+    token, which nothing before it scores; as OpenAI's legacy API did)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    if head is not None:
+        text = token_bytes(tokenizer, head).decode("utf-8", errors="replace")
+        tokens.append(text)
+        token_logprobs.append(None)
+        top.append(None)
+        offsets.append(offset)
+        offset += len(text)
     for lp in items:
         text = token_bytes(tokenizer, lp.token_id).decode("utf-8", errors="replace")
         offsets.append(offset)

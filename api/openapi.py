@@ -64,9 +64,25 @@ _LEGACY_LOGPROBS = {
     "type": ["object", "null"],
     "properties": {
         "tokens": {"type": "array", "items": {"type": "string"}},
-        "token_logprobs": {"type": "array", "items": {"type": "number"}},
-        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}}},
+        # null for an echoed prompt's first token, which nothing before it scores
+        "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+        "top_logprobs": {
+            "type": "array",
+            "items": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+        },
         "text_offset": {"type": "array", "items": {"type": "integer"}},
+    },
+}
+
+_MODEL: dict[str, Any] = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+        "max_model_len": {"type": "integer"},
     },
 }
 
@@ -172,25 +188,11 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
         },
     },
     "Text": {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    "Model": _MODEL,
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
-        "properties": {
-            "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                        "max_model_len": {"type": "integer"},
-                    },
-                },
-            },
-        },
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _MODEL}},
     },
     "Status": {"type": "object", "properties": {"status": {"type": "string"}}},
     "Flushed": {"type": "object", "required": ["flushed_pages"], "properties": {"flushed_pages": {"type": "integer"}}},
@@ -217,7 +219,7 @@ _ERRORS = {
     str(code): {"description": text, "content": {"application/json": {"schema": _ref("Error")}}}
     for code, text in [
         (400, "invalid request"),
-        (404, "unknown model"),
+        (404, "unknown model, or a path not served"),
         (413, "body too large"),
         (503, "overloaded or not serving"),
         (504, "past the request deadline"),
@@ -266,6 +268,20 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             "/tokenize": _post("TokenizeRequest", "Tokens", "text or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Text", "token ids to text"),
             "/v1/models": _get("ModelList", "the served model"),
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "the served model's card (`client.models.retrieve`); any other id is a 404",
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string", "enum": [model_name]},
+                        }
+                    ],
+                    "responses": {"200": _json("Model", "the reply"), "404": _ERRORS["404"]},
+                }
+            },
             "/flush_cache": {
                 "post": {
                     "summary": "drop every cached KV page no request holds",

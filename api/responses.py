@@ -22,8 +22,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def new_completion_id() -> str:
-    return f"cmpl-{uuid.uuid4().hex}"
+def new_completion_id(prefix: str = "cmpl") -> str:
+    """OpenAI's id forms: ``chatcmpl-…`` for chat, ``cmpl-…`` for completions."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

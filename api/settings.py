@@ -23,6 +23,11 @@ def _not_negative(_: Any, attribute: attrs.Attribute, value: float | None) -> No
         raise ValueError(f"{attribute.name} must be >= 0")
 
 
+def _positive(_: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1")
+
+
 @attrs.frozen
 class ServerConfig:
     """What the HTTP front door needs; the engine never sees it."""
@@ -52,6 +57,13 @@ class ServerConfig:
         choices=REASONING_PARSERS,
         doc_default="none",
         validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)),
+    )
+    default_max_tokens: int | None = setting(
+        None,
+        "caps the default length of a generation request that sets no `max_tokens`: chat otherwise generates "
+        "until end-of-sequence or the context limit, completions 16 tokens; a client's own `max_tokens` is honoured",
+        doc_default="none",
+        validator=_positive,
     )
 
     @property

@@ -92,6 +92,14 @@ class ChunkRenderer(Protocol):
     def object(self) -> str:
         """``chat.completion.chunk`` or ``text_completion``."""
 
+    @property
+    def id_prefix(self) -> str:
+        """``chatcmpl`` or ``cmpl``: the stream's id starts with it."""
+
+    @property
+    def generates(self) -> bool:
+        """False when the sampled tokens are dropped (completions' ``max_tokens`` 0): usage counts none."""
+
     def opening(self) -> Iterable[dict[str, Any]]: ...
     def pieces(self, out: RequestOutput) -> Iterable[dict[str, Any]]: ...
     def cut(self, index: int) -> dict[str, Any]: ...
@@ -126,7 +134,9 @@ class ChunkWriter:
     prompts: list[list[int]]
     n: int
     include_usage: bool
-    completion_id: str = attrs.field(factory=new_completion_id)
+    completion_id: str = attrs.field(
+        default=attrs.Factory(lambda self: new_completion_id(self.renderer.id_prefix), takes_self=True)
+    )
     created: int = attrs.field(factory=lambda: int(time.time()))
 
     def _event(self, choice: dict[str, Any]) -> bytes:
@@ -153,7 +163,8 @@ class ChunkWriter:
     def end(self, progress: ChoiceProgress) -> Iterable[bytes]:
         totals = None
         if self.include_usage:
-            totals = usage(sum(len(p) for p in self.prompts), sum(progress.generated), sum(progress.cached[:: self.n]))
+            generated = sum(progress.generated) if self.renderer.generates else 0
+            totals = usage(sum(len(p) for p in self.prompts), generated, sum(progress.cached[:: self.n]))
         return stream_end(self.renderer.object, self.completion_id, self.created, self.model, totals)
 
     def refused(self, error: ApiError) -> Iterable[bytes]:

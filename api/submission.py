@@ -7,10 +7,10 @@ from typing import Any
 import attrs
 import trio
 
-from trillm.api.errors import ApiError
+from trillm.api.errors import ApiError, context_length_error
 from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
-from trillm.engine.errors import RequestRejected
+from trillm.engine.errors import PromptTooLong, RequestRejected
 from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
@@ -27,21 +27,21 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: CommonFields) -> None:
     """Reject up front what the engine would reject, so the client gets a 400, not a broken stream.
 
-    A ``max_tokens`` (``max_output_tokens``) the client set that cannot fit next to the prompt is a
-    400 naming both numbers; the default is clamped to the context instead.
+    Over the context is a 400 ``context_length_exceeded`` in OpenAI's words, naming ``param``
+    (``messages``, ``prompt`` or ``input``) when the prompt alone leaves no room for one generated token,
+    ``max_tokens`` (``max_output_tokens``) when the client set one that cannot fit beside the prompt; a default limit
+    is clamped to the context instead.
     """
+    wanted = common.params.max_tokens if common.max_tokens_given else None
+    where = param if param in ("messages", "input") else "prompt"
     try:
         engine.check_prompt(ids)
+    except PromptTooLong as exc:
+        raise context_length_error(exc.max_model_len, len(ids), wanted or 1, where, param) from None
     except RequestRejected as exc:  # the same refusal, naming the field the client sent
         raise RequestRejected(str(exc), param, exc.code) from None
-    wanted = common.params.max_tokens
-    if common.max_tokens_given and wanted is not None and len(ids) + wanted > engine.max_model_len:
-        raise ApiError(
-            f"this model's context is {engine.max_model_len} tokens, but the prompt has {len(ids)} tokens "
-            f"and {common.max_tokens_param} asks for {wanted} more ({len(ids) + wanted} in all)",
-            param=common.max_tokens_param,
-            code="context_length_exceeded",
-        )
+    if wanted is not None and len(ids) + wanted > engine.max_model_len:
+        raise context_length_error(engine.max_model_len, len(ids), wanted, where, common.max_tokens_param)
 
 
 async def with_grammar(engine: EngineHandle, req: Any) -> Any:
@@ -125,11 +125,12 @@ def abort_all(engine: EngineHandle, request_ids: list[str]) -> None:
 
 @attrs.frozen
 class Collected:
-    """Every choice of a finished call: text, per-token logprobs, last output."""
+    """Every choice of a finished call: text, per-token logprobs, last output, prompt logprobs."""
 
     texts: list[str]
     logprobs: list[list[TokenLogprobs]]
     last: list[RequestOutput]
+    prompt_logprobs: list[tuple[TokenLogprobs, ...]]  # empty where not asked for
 
 
 async def collect(
@@ -147,12 +148,15 @@ async def collect(
     """
     texts = list(prefixes)
     logprobs: list[list[TokenLogprobs]] = [[] for _ in texts]
+    prompt_logprobs: list[tuple[TokenLogprobs, ...]] = [() for _ in texts]
     last: dict[int, RequestOutput] = {}
     try:
         with outputs:
             while (out := await receive_until(outputs, deadline)) is not None:
                 texts[out.index] += out.text
                 logprobs[out.index] += out.logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.index] = out.prompt_logprobs
                 last[out.index] = out
     except RequestTimedOut:
         raise timeout_error() from None
@@ -160,4 +164,4 @@ async def collect(
         abort_all(engine, request_ids)
     if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
         raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
-    return Collected(texts, logprobs, [last[i] for i in range(len(texts))])
+    return Collected(texts, logprobs, [last[i] for i in range(len(texts))], prompt_logprobs)

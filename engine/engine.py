@@ -25,10 +25,10 @@ import torch
 import trio
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
+from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
-from trillm.engine.execution.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
+from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult, kv_bytes_per_token
 from trillm.engine.execution.sampler import Sampled
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
@@ -152,12 +152,7 @@ class Engine:
         if not prompt_ids:
             raise RequestRejected("the prompt is empty", "prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"the prompt has {len(prompt_ids)} tokens but this model's context is {self.max_model_len} tokens "
-                "(the prompt must leave room for at least one generated token)",
-                "prompt",
-                "context_length_exceeded",
-            )
+            raise PromptTooLong(len(prompt_ids), self.max_model_len)
         if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
             raise RequestRejected(f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt")
 
@@ -208,9 +203,10 @@ class Engine:
                     seq.generator = torch.Generator().manual_seed(params.seed)
                 if params.grammar is not None:
                     seq.matcher = Matcher(params.grammar)
-                seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
-                if seq.leader is seq:
-                    seq.leader = None
+                if params.prompt_logprobs is None:  # else each choice computes (and scores) its prompt
+                    seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
+                    if seq.leader is seq:
+                        seq.leader = None
                 self._inbox_tx.send_nowait(_Submit(self.router.open(seq, send.clone(), index)))
                 ids.append(request_id)
         return ids, receive
@@ -335,6 +331,9 @@ class Engine:
                 self._finish(chunk.seq.request_id, "error")
             return
         batch, updated = self.loop.resolve(result.tokens)
+        for prompt in result.prompt_logprobs if isinstance(result, StepResult) else ():
+            # kept before routing: the first token goes out with its prompt's logprobs
+            self.router.add_prompt_logprobs(batch.chunks[prompt.chunk].seq, prompt.start, prompt.entries)
         logprobs = {id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)}
         for seq, index in updated:
             if not self.router.route(seq, index, logprobs.get(id(seq))):  # its consumer has gone

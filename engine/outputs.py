@@ -20,6 +20,9 @@ class RequestOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per token in ``token_ids`` when asked for
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With ``SamplingParams.prompt_logprobs``, on the first output only: prompt tokens 1, 2, ...
+    # each with its log-probability given the tokens before it (the first token has none).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @attrs.frozen

@@ -34,6 +34,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     logprobs: int | None = None  # None: off; k: the chosen token's logprob and the top k
+    # None: off; k: each prompt token's logprob given the tokens before it, and the top k there
+    # (``RequestOutput.prompt_logprobs``). Costs logits for every prompt row, and such a
+    # request reuses no prefix-cache pages nor another choice's prompt: those rows are computed.
+    prompt_logprobs: int | None = None
     # Every output token must keep the text inside this grammar; it ends the sequence ("stop")
     # when complete. ``min_tokens`` and ``ignore_eos`` do not hold back its end.
     grammar: CompiledGrammar | None = attrs.field(default=None, eq=False)
@@ -53,6 +57,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be >= 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("logprobs must be >= 0")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError("prompt_logprobs must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
 

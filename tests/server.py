@@ -32,11 +32,17 @@ class Server:
 
 @asynccontextmanager
 async def running_server(
-    model_parts, request_timeout: float | None = None, reasoning_parser: str | None = None, **engine_overrides
+    model_parts,
+    request_timeout: float | None = None,
+    reasoning_parser: str | None = None,
+    server: ServerConfig | None = None,
+    **engine_overrides,
 ) -> AsyncIterator[Server]:
-    """Serve until the block ends; then the engine must be idle and everything stops."""
+    """Serve until the block ends; then the engine must be idle and everything stops.
+
+    ``server``: the HTTP settings (default: ``request_timeout`` and ``reasoning_parser`` alone)."""
     engine = make_engine(model_parts, **engine_overrides)
-    settings = ServerConfig(request_timeout=request_timeout, reasoning_parser=reasoning_parser)
+    settings = server or ServerConfig(request_timeout=request_timeout, reasoning_parser=reasoning_parser)
     app = create_app(engine=engine, server=settings)
     config = Config()
     config.bind = ["127.0.0.1:0"]

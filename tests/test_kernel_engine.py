@@ -116,6 +116,35 @@ def test_every_step_matches_across_kernels_and_transformers():
     assert mixed >= 2 and seqs[3].num_cached_tokens >= 28
 
 
+def test_prompt_logprobs_match_transformers_on_every_backend():
+    """The prompt rows a backend adds after the sampling rows (chunked prefill beside a decode)
+    score each prompt token as transformers' log-softmax over the whole prompt does."""
+    models, hf = _models(), _hf_model()
+    prompt = PROMPTS[0]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)
+    for name, model in models.items():
+        sched = Scheduler(PageAllocator(40), 4, 8, 12)  # 12 tokens a step: the prompt comes in chunks
+        runner = ModelRunner(model, 40, 4)
+        greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        sched.add(Sequence("d", PROMPTS[1], greedy, 256, frozenset()))  # decodes beside the scored prompt
+        scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+        sched.add(Sequence("p", prompt, scored, 256, frozenset()))
+        got = {}
+        while sched.has_work:
+            batch = sched.schedule()
+            result = runner.execute(runner.prepare(batch))
+            for part in result.prompt_logprobs:
+                assert batch.chunks[part.chunk].seq.request_id == "p"
+                got.update({part.start + j: entry for j, entry in enumerate(part.entries)})
+            sched.complete(batch, result.tokens)
+        assert sorted(got) == list(range(len(prompt) - 1)), name
+        for q, entry in got.items():
+            assert entry.token_id == prompt[q + 1]
+            assert entry.logprob == pytest.approx(float(ref[q, prompt[q + 1]]), abs=1e-4), (name, q)
+            assert [t for t, _ in entry.top] == torch.topk(ref[q], 2).indices.tolist(), (name, q)
+
+
 async def _generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     results: dict[int, list[int]] = {}
 

@@ -245,7 +245,9 @@ async def test_bad_requests_are_400s_naming_the_field(server):
             r = await http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
         r = await http.post("/v1/responses", json={"model": "other", "input": QUESTION})
-        assert r.status_code == 404
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = await http.get("/v1/responses/resp_123")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unsupported_endpoint"
         stored = await http.post(
             "/v1/responses", json={"model": MODEL, "input": QUESTION, "store": True, "max_output_tokens": 2}
         )

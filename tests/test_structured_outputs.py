@@ -122,6 +122,10 @@ async def test_outputs_match_each_schema_greedy_and_sampled(server, name):
             temperature=1.0,
             n=2,
             seed=7,
+            top_p=0.95,
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            extra_body={"top_k": 40, "repetition_penalty": 1.1},
             response_format=json_schema_format(schema),
         )
         return greedy, sampled

@@ -25,13 +25,15 @@ _SHARED = [name for name in GenerationBody.model_fields if name != "model"]
 
 def field_names(name: str) -> list[str]:
     """The fields a table lists: chat shows ``model``, its own fields, then the shared ones; the
-    completions table only what it adds (its text points at the chat table for the rest)."""
+    completions table only what it adds or declares anew, e.g. its own ``max_tokens`` default
+    (its text points at the chat table for the rest)."""
     published: type[BaseModel] = PUBLISHED[name]  # type: ignore[assignment]
     fields = list(published.model_fields)
     if name == "ChatCompletionRequest":
         return ["model"] + [f for f in fields if f not in _SHARED and f != "model"] + _SHARED
     if name == "CompletionRequest":
-        return ["model"] + [f for f in fields if f not in GenerationBody.model_fields]
+        own = vars(published).get("__annotations__", {})
+        return ["model"] + [f for f in fields if f not in GenerationBody.model_fields or f in own]
     return fields
 
 

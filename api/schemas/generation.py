@@ -17,7 +17,6 @@ from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 4
-DEFAULT_MAX_TOKENS = 16
 MAX_N = 32
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -38,6 +37,15 @@ class CommonFields:
     grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
     max_tokens_param: str = "max_tokens"  # the field a refused token budget is named by
 
+    def capped(self, cap: int | None) -> CommonFields:
+        """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:
+        min(endpoint default, cap); a limit the client set is left alone."""
+        if cap is None or self.max_tokens_given:
+            return self
+        default = self.params.max_tokens
+        limit = cap if default is None else min(default, cap)
+        return attrs.evolve(self, params=attrs.evolve(self.params, max_tokens=limit))
+
 
 class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="add a final chunk with `choices: []` and the usage totals")
@@ -49,12 +57,14 @@ class GenerationBody(StructuredFields):
     model: str = Field(
         min_length=1, description="must equal the served model id (see `/v1/models`), else 404 `model_not_found`"
     )
-    max_tokens: int = Field(
-        DEFAULT_MAX_TOKENS,
+    max_tokens: int | None = Field(
+        None,
         ge=1,
-        description="most tokens to generate. If you set it and prompt + `max_tokens` exceeds the context, that is "
-        'a 400 (`code: "context_length_exceeded"`, both numbers in the message); the default is '
-        'clamped instead: generation stops at the context limit with `finish_reason: "length"`',
+        description="most tokens to generate; by default, until an end-of-sequence token or the context limit (as "
+        "OpenAI and vLLM; the server's `--default-max-tokens` may cap that default). If you set it and prompt + "
+        '`max_tokens` exceeds the context, that is a 400 (`code: "context_length_exceeded"`, `param: "max_tokens"`, '
+        "OpenAI's message: \"This model's maximum context length is N tokens. However, you requested M tokens "
+        '..."); a default is clamped instead: generation stops at the context limit with `finish_reason: "length"`',
     )
     max_completion_tokens: int | None = Field(
         None, ge=1, description="modern name of `max_tokens`; if both are given they must agree"
@@ -120,11 +130,14 @@ class GenerationBody(StructuredFields):
     def common(self) -> CommonFields:
         """The shared fields in engine terms: ``SamplingParams`` plus what the handlers decide on."""
         given = "max_tokens" in self.model_fields_set or self.max_completion_tokens is not None
-        max_tokens = self.max_tokens if "max_tokens" in self.model_fields_set else self.max_completion_tokens
+        limit = self.max_tokens
+        if "max_tokens" not in self.model_fields_set and self.max_completion_tokens is not None:
+            limit = self.max_completion_tokens
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         values: dict[str, Any] = {name: getattr(self, name) for name in _TO_SAMPLING}
         values.update(
-            max_tokens=max_tokens or self.max_tokens,
+            # 0 (completions' echo-only scoring) still samples one token, which that endpoint drops.
+            max_tokens=None if limit is None else max(limit, 1),
             stop=tuple(s for s in stop if s),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),

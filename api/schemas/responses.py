@@ -169,7 +169,8 @@ class ResponsesBody(RequestModel):
         None,
         ge=1,
         description="most tokens to generate (thinking included); past the context it is a 400; not given: "
-        'until the model stops or the context is full. Cut short: `status: "incomplete"`',
+        "until the model stops or the context is full (`--default-max-tokens` caps that), as chat without "
+        '`max_tokens`. Cut short: `status: "incomplete"`',
     )
     temperature: float = _shared("temperature")
     top_p: float = _shared("top_p")

@@ -22,7 +22,8 @@ class ToolFormat:
     name: ClassVar[str]
     trigger: ClassVar[str | None]  # the text that starts a call; None: the whole output is JSON
 
-    def grammar(self, tools: ToolSet) -> GrammarSpec | None:
+    def grammar(self, tools: ToolSet) -> GrammarSpec:
+        """What the model may write: calls forced or constrained as ``tools`` asks."""
         raise NotImplementedError
 
     def parse(self, text: str) -> Parsed:

@@ -22,16 +22,52 @@ import attrs
 import torch
 
 from trillm.engine.execution.backends import StepInputs
+from trillm.engine.execution.backends.base import PromptSpan
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from trillm.engine.execution.llama import LlamaModel
-from trillm.engine.execution.sampler import Sampled, SampleRow, sample_with_logprobs
+from trillm.engine.execution.sampler import Sampled, SampleRow, TokenLogprobs, sample_with_logprobs
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.engine.scheduling.sequence import PENDING
 from trillm.engine.structured.matcher import GrammarMasks, advance
 
 log = logging.getLogger("trillm.engine")
 
-__all__ = ["ModelRunner", "StepInputs", "choose_dtype", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "PromptLogprobs", "StepInputs", "StepResult", "choose_dtype", "kv_bytes_per_token"]
+
+
+@attrs.frozen
+class PromptLogprobs:
+    """Prompt tokens ``start + 1``, ``start + 2``, ... of chunk ``chunk`` of the step's batch, each
+    with its log-probability given the tokens before it (the model's raw log-softmax: no
+    temperature, bias or penalty) and the ``top`` most likely tokens there."""
+
+    chunk: int
+    start: int
+    entries: tuple[TokenLogprobs, ...]
+
+
+@attrs.frozen
+class StepResult(Sampled):
+    """A step's samples, plus the prompt log-probabilities its requests asked for."""
+
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+
+
+def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tuple[PromptLogprobs, ...]:
+    """Log-softmax of the prompt rows (``logits`` holds exactly those, in ``spans`` order)."""
+    out = []
+    for span in spans:
+        logp = torch.log_softmax(logits[span.offset : span.offset + len(span.targets)], dim=-1)
+        targets = torch.tensor(span.targets, device=logp.device).unsqueeze(1)
+        chosen = logp.gather(1, targets).squeeze(1).tolist()
+        if span.top:
+            top = torch.topk(logp, span.top, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            tops = [()] * len(chosen)
+        entries = tuple(TokenLogprobs(t, lp, top) for t, lp, top in zip(span.targets, chosen, tops))
+        out.append(PromptLogprobs(span.chunk, span.start, entries))
+    return tuple(out)
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
@@ -136,7 +172,8 @@ class ModelRunner:
     def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass alone: float32 logits of the sampling rows, on the model's device."""
         device = self.model.device
-        if self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.logits_rows):
+        replay = not inputs.prompt_spans  # a graph computes the rows of the batch in order, no more
+        if replay and self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.logits_rows):
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         meta = inputs.meta.to(device)
         with torch.inference_mode():
@@ -149,8 +186,9 @@ class ModelRunner:
                 self._bound,
             )
 
-    def execute(self, inputs: StepInputs) -> Sampled:
-        """Forward + sample; one token per sampling chunk, in batch order.
+    def execute(self, inputs: StepInputs) -> StepResult:
+        """Forward + sample; one token per sampling chunk, in batch order, and the prompt
+        log-probabilities of ``inputs.prompt_spans``.
 
         Steps must run in the order they were prepared: the ``PENDING`` inputs of
         one are the samples of the one before."""
@@ -166,10 +204,12 @@ class ModelRunner:
         mask_seconds = time.perf_counter() - started
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
-            sampled = sample_with_logprobs(logits, list(rows), kernel, masks) if rows else Sampled([], [])
+            n = len(rows)
+            sampled = sample_with_logprobs(logits[:n], list(rows), kernel, masks) if rows else Sampled([], [])
+            prompt = prompt_logprobs(logits[n:], inputs.prompt_spans) if inputs.prompt_spans else ()
         if masks is not None:
             started = time.perf_counter()
             advance(matchers, sampled.tokens)
             self.mask_stats.add(mask_seconds + masks.apply_seconds + time.perf_counter() - started)
         self._last_sampled = sampled.tokens
-        return sampled
+        return StepResult(sampled.tokens, sampled.logprobs, prompt)

@@ -34,6 +34,8 @@ class LiveRequest:
     stops: StopStringMatcher
     index: int
     timer: RequestTimer
+    # prompt tokens 1.. with their logprobs, by position (``SamplingParams.prompt_logprobs``), until sent
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputRouter:
@@ -54,12 +56,21 @@ class OutputRouter:
             index,
             RequestTimer(seq.arrival_time),
         )
+        if seq.params.prompt_logprobs is not None:
+            live.prompt_logprobs = [None] * (len(seq.prompt_ids) - 1)
         self.live[seq.request_id] = live
         return live
 
     def on_scheduled(self, seqs: list[Sequence], now: float) -> None:
         for seq in seqs:
             self.live[seq.request_id].timer.on_scheduled(self.observer, now)
+
+    def add_prompt_logprobs(self, seq: Sequence, start: int, entries: tuple[TokenLogprobs, ...]) -> None:
+        """Keep the logprobs of prompt tokens ``start + 1``, ... until the first output carries them
+        (a prompt in chunks gets them over several steps; a recompute after preemption, again)."""
+        live = self.live.get(seq.request_id)
+        if live is not None and live.prompt_logprobs is not None:
+            live.prompt_logprobs[start : start + len(entries)] = entries
 
     def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> bool:
         """Send ``seq.output_ids[index]`` (and its text) to its consumer.
@@ -88,6 +99,7 @@ class OutputRouter:
             index + 1,
             (logprobs,) if logprobs is not None else (),
             seq.num_cached_tokens,
+            self._take_prompt_logprobs(live),
         )
         try:
             live.channel.send_nowait(output)
@@ -100,6 +112,15 @@ class OutputRouter:
             live.channel.close()
             del self.live[seq.request_id]
         return True
+
+    @staticmethod
+    def _take_prompt_logprobs(live: LiveRequest) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt's logprobs, once, for the request's first output."""
+        entries, live.prompt_logprobs = live.prompt_logprobs, None
+        if entries is None:
+            return None
+        assert all(e is not None for e in entries), "every prompt chunk returns before the first token"
+        return tuple(e for e in entries if e is not None)
 
     def close(self, request_id: str, reason: str | None) -> bool:
         """End a request's output now; with a reason, send a last output saying so.

@@ -157,8 +157,11 @@ class Scheduler:
         return Batch(tuple(chunks))
 
     def _reuse_cached_prefix(self, seq: Sequence) -> bool:
-        """Start ``seq`` after the longest prefix of its tokens found in the cache."""
-        if self.prefix_cache is None or seq.pages or seq.num_computed:
+        """Start ``seq`` after the longest prefix of its tokens found in the cache.
+
+        Not for a request that asks for prompt logprobs: those need the logits of every
+        prompt position, so it computes them all (its pages are cached afterwards as usual)."""
+        if self.prefix_cache is None or seq.pages or seq.num_computed or seq.params.prompt_logprobs is not None:
             return False
         pages = self.prefix_cache.match(seq.token_ids(0, seq.num_tokens))
         if not pages:

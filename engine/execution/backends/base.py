@@ -38,6 +38,40 @@ class StepMetadata(Protocol):
 
 
 @attrs.frozen
+class PromptSpan:
+    """Logits rows whose log-softmax a request asked for (``SamplingParams.prompt_logprobs``):
+    the rows of positions ``start``, ``start + 1``, ... of chunk ``chunk`` of the batch, each
+    scoring the prompt token after it (``targets``). They follow the sampling rows in
+    ``logits_rows``, from ``offset`` on."""
+
+    chunk: int  # index in ``batch.chunks``
+    start: int  # position of the first row; it scores prompt token ``start + 1``
+    targets: tuple[int, ...]
+    top: int  # alternatives per token
+    offset: int  # first row among the prompt rows (after the sampling rows)
+
+
+@attrs.define
+class PromptRows:
+    """Collects the prompt-logprob rows of a step while a backend prepares it."""
+
+    rows: list[int] = attrs.field(factory=list)  # input rows, in order
+    spans: list[PromptSpan] = attrs.field(factory=list)
+
+    def add(self, index: int, chunk: ScheduledChunk, row: int) -> None:
+        """Chunk ``index`` of the batch starts at input ``row``: if its request asks for prompt
+        logprobs, every position of the chunk that precedes a prompt token gets a row."""
+        seq = chunk.seq
+        top = seq.params.prompt_logprobs
+        stop = min(chunk.end, len(seq.prompt_ids) - 1)  # the last prompt position predicts the first output
+        if top is None or chunk.start >= stop:
+            return
+        targets = tuple(seq.prompt_ids[chunk.start + 1 : stop + 1])
+        self.spans.append(PromptSpan(index, chunk.start, targets, top, len(self.rows)))
+        self.rows += range(row, row + stop - chunk.start)
+
+
+@attrs.frozen
 class StepInputs:
     """One prepared step: a snapshot of the batch, so the scheduler may change it meanwhile."""
 
@@ -50,6 +84,8 @@ class StepInputs:
     # (sample row, sample of the previous step) for each PENDING token in a row's history
     pending_inputs: tuple[tuple[int, int], ...] = ()
     pending_history: tuple[tuple[int, int], ...] = ()
+    # rows of ``logits_rows`` after the sampling rows whose log-softmax a request asked for
+    prompt_spans: tuple[PromptSpan, ...] = ()
 
 
 class Backend(ABC):

@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from trillm.engine.execution.backends.base import Backend, KVCache, StepInputs, note_pending, padded_tables, sample_row
+from trillm.engine.execution.backends.base import (
+    Backend,
+    KVCache,
+    PromptRows,
+    StepInputs,
+    note_pending,
+    padded_tables,
+    sample_row,
+)
 from trillm.engine.execution.backends.cpu_attention import (
     CpuMetadata,
     DecodeGroup,
@@ -92,11 +100,13 @@ class CpuBackend(Backend):
         rows: list[SampleRow] = []
         pending_inputs: list[tuple[int, int]] = []
         pending_history: list[tuple[int, int]] = []
+        prompt = PromptRows()
         row = 0
-        for chunk in batch.chunks:
+        for index, chunk in enumerate(batch.chunks):
             seq, start, n = chunk.seq, chunk.start, chunk.length
             end = start + n
             ids += seq.token_ids(start, end)
+            prompt.add(index, chunk, row)
             note_pending(seq, chunk, row, len(rows), pending_inputs, pending_history)
             pos = torch.arange(start, end)
             positions.append(pos)
@@ -136,10 +146,11 @@ class CpuBackend(Backend):
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.cat(positions),
             meta=meta,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            logits_rows=torch.tensor(logits_rows + prompt.rows, dtype=torch.long),
             rows=tuple(rows),
             pending_inputs=tuple(pending_inputs),
             pending_history=tuple(pending_history),
+            prompt_spans=tuple(prompt.spans),
         )
 
     def run_layers(

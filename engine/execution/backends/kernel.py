@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from trillm.engine.execution.backends.base import (
     Backend,
     KVCache,
+    PromptRows,
     SamplingKernel,
     StepInputs,
     note_pending,
@@ -83,9 +84,11 @@ class KernelBackend(Backend):
         rows: list[SampleRow] = []
         pending_inputs: list[tuple[int, int]] = []
         pending_history: list[tuple[int, int]] = []
-        for chunk in batch.chunks:
+        prompt = PromptRows()
+        for index, chunk in enumerate(batch.chunks):
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
             table = seq.pages[: -(-end // ps)]
+            prompt.add(index, chunk, len(ids))
             note_pending(seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
             ids += seq.token_ids(start, end)
             positions += range(start, end)
@@ -107,10 +110,11 @@ class KernelBackend(Backend):
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             meta=meta,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            logits_rows=torch.tensor(logits_rows + prompt.rows, dtype=torch.long),
             rows=tuple(rows),
             pending_inputs=tuple(pending_inputs),
             pending_history=tuple(pending_history),
+            prompt_spans=tuple(prompt.spans),
         )
 
     def run_layers(
