@@ -17,13 +17,12 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trillm.api import chat, completions, tokenize
+from trillm.api import chat, completions, responses_api, tokenize
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
-from trillm.api.streaming import stream_choices
 from trillm.api.submission import check_prompt, with_grammar
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
@@ -83,6 +82,7 @@ def create_app(
     created = int(time.time())
     context = ServerContext(tool_call_parser=server.tool_call_parser)
     chat_endpoint = chat.endpoint(server.reasoning_parser)
+    responses_api_endpoint = responses_api.endpoint(server.reasoning_parser)
 
     @app.before_serving
     async def start_engine() -> None:
@@ -167,19 +167,7 @@ def create_app(
             return _json(await endpoint.complete(engine, model_name, req, prompts, deadline))
         # Before the stream starts, so a full queue is a real 503 rather than an error event in a 200 stream.
         engine.check_capacity(len(prompts) * req.common.n)
-        renderer = endpoint.renderer(engine, req, prompts)
-        return sse_response(
-            stream_choices(
-                engine,
-                model_name,
-                prompts,
-                req.common.params,
-                req.common.n,
-                req.common.include_usage,
-                deadline,
-                renderer,
-            )
-        )
+        return sse_response(endpoint.events(engine, model_name, req, prompts, deadline))
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
@@ -188,6 +176,10 @@ def create_app(
     @app.post("/v1/completions")
     async def completions_endpoint() -> Response:
         return await generation(completions.ENDPOINT)
+
+    @app.post("/v1/responses")
+    async def responses_endpoint() -> Response:
+        return await generation(responses_api_endpoint)
 
     def check_optional_model(body: Any) -> None:
         if isinstance(body, dict) and body.get("model") is not None:

@@ -37,7 +37,8 @@ def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequ
         raise ApiError(
             "cannot be combined with 'tools' (they constrain the output themselves)", param=req.common.grammar[1]
         )
-    common = attrs.evolve(req.common, grammar=(fmt.grammar(req.tools), "tools"))
+    grammar = fmt.grammar(req.tools)
+    common = attrs.evolve(req.common, grammar=(grammar, "tools") if grammar is not None else None)
     return attrs.evolve(req, common=common, tool_format=fmt)
 
 
@@ -189,11 +190,14 @@ def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
         complete=lambda engine, model, req, prompts, deadline: complete(
             engine, model, req, prompts, deadline, reasoning_parser
         ),
-        renderer=lambda engine, req, prompts: ChatChunks(
-            engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format
-        ),
+        renderer=lambda engine, req, prompts: chunks(engine, req, reasoning_parser),
         bind=bind,
     )
+
+
+def chunks(engine: EngineHandle, req: ChatRequest, reasoning_parser: str | None = None) -> ChatChunks:
+    """The stream's deltas of ``req`` (the Responses API translates them into its own events)."""
+    return ChatChunks(engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format)
 
 
 def _splitter(reasoning_parser: str | None, req: ChatRequest) -> ChoiceSplitter:

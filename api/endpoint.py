@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
 
 from trillm.api.gateway import EngineHandle
-from trillm.api.streaming import ChunkRenderer
+from trillm.api.streaming import ChunkRenderer, stream_choices
 
 
 @attrs.frozen
@@ -20,12 +20,26 @@ class ServerContext:
 
 @attrs.frozen
 class GenerationEndpoint:
-    """Chat and completions differ only in these; validation, limits, deadlines and streaming are shared."""
+    """Chat, completions and responses differ only in these; validation, limits, deadlines and
+    streaming are shared."""
 
     parse: Callable[[Any], Any]  # the JSON body -> a request with ``.common``
     prompt_ids: Callable[[EngineHandle, Any], list[list[int]]]  # one token list per prompt
     prompt_param: Callable[[Any], str]  # the field named when a prompt is refused
     complete: Callable[[EngineHandle, str, Any, list[list[int]], float], Awaitable[dict[str, Any]]]
-    renderer: Callable[[EngineHandle, Any, list[list[int]]], ChunkRenderer]
+    # Chunk-style streams (chat, completions) give a renderer; others (responses) their own stream.
+    renderer: Callable[[EngineHandle, Any, list[list[int]]], ChunkRenderer] | None = None
+    stream: Callable[[EngineHandle, str, Any, list[list[int]], float], AsyncIterator[bytes]] | None = None
     # The request with what depends on the model and the server settings decided (chat: the tool format).
     bind: Callable[[EngineHandle, Any, ServerContext], Any] = lambda engine, req, ctx: req
+
+    def events(
+        self, engine: EngineHandle, model: str, req: Any, prompts: list[list[int]], deadline: float
+    ) -> AsyncIterator[bytes]:
+        """The SSE stream of a ``stream: true`` request."""
+        if self.stream is not None:
+            return self.stream(engine, model, req, prompts, deadline)
+        assert self.renderer is not None, "an endpoint needs a renderer or a stream"
+        common = req.common
+        renderer = self.renderer(engine, req, prompts)
+        return stream_choices(engine, model, prompts, common.params, common.n, common.include_usage, deadline, renderer)

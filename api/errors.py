@@ -99,6 +99,7 @@ UNSUPPORTED_APIS = {
     "/v1/edits": "the edits API",
     "/v1/engines": "the engines API",
     "/v1/chat/completions/": "stored chat completions",  # only the exact path is a route
+    "/v1/responses/": "stored responses (it stores none: send the whole conversation in 'input')",
 }
 
 

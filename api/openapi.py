@@ -29,7 +29,7 @@ def _request_schemas() -> dict[str, Any]:
 def request_schemas(model_name: str) -> dict[str, Any]:
     """Request bodies and the objects nested in them; ``model`` is declared as the one served id."""
     schemas = copy.deepcopy(_request_schemas())
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
         schemas[name]["properties"]["model"]["enum"] = [model_name]
     return schemas
 
@@ -145,6 +145,39 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
             },
         },
     ),
+    "Response": {
+        "type": "object",
+        "required": ["id", "object", "created_at", "status", "model", "output", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "response"},
+            "created_at": {"type": "integer"},
+            "status": {"enum": ["completed", "incomplete", "failed", "in_progress"]},
+            "model": {"type": "string"},
+            "output": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type", "id", "status"],
+                    "properties": {
+                        "type": {"enum": ["message", "function_call", "reasoning"]},
+                        "id": {"type": "string"},
+                        "status": {"enum": ["completed", "incomplete", "in_progress"]},
+                        "content": {"type": "array", "items": {"type": "object"}},
+                        "call_id": {"type": "string"},
+                        "name": {"type": "string"},
+                        "arguments": {"type": "string"},
+                    },
+                },
+            },
+            "usage": {
+                "type": ["object", "null"],
+                "properties": {
+                    k: {"type": "integer", "minimum": 0} for k in ("input_tokens", "output_tokens", "total_tokens")
+                },
+            },
+        },
+    },
     "Tokens": {
         "type": "object",
         "required": ["tokens", "count", "max_model_len"],
@@ -202,6 +235,8 @@ def _post(request: str, reply: str, summary: str, stream_chunk: str | None = Non
     ok = _json(reply, "the reply")
     if stream_chunk:
         events = f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"
+        if stream_chunk == "typed":
+            events = "with stream: true, `event: <type>` + `data: {type, sequence_number, ...}` events (docs/api.md)"
         ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": events}}
     return {
         "post": {
@@ -229,6 +264,7 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
                 "ChatCompletionRequest", "ChatCompletion", "chat completion", "ChatCompletionChunk"
             ),
             "/v1/completions": _post("CompletionRequest", "Completion", "text completion (legacy)", "Completion"),
+            "/v1/responses": _post("ResponsesRequest", "Response", "a response (Responses API, stateless)", "typed"),
             "/tokenize": _post("TokenizeRequest", "Tokens", "text or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Text", "token ids to text"),
             "/v1/models": _get("ModelList", "the served model"),

@@ -49,3 +49,10 @@ def stream_failure(exc: Exception) -> list[bytes]:
     """A bug must end the stream with an error event and ``[DONE]``, not cut the connection."""
     log.exception("stream failed", exc_info=exc)
     return [sse(ApiError(f"internal error: {type(exc).__name__}", 500).body()), sse("[DONE]")]
+
+
+def typed_sse(payload: dict[str, Any]) -> bytes:
+    """One Server-Sent Event named by its payload's ``type`` (``event: response.created``), as
+    the Responses API sends them."""
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {payload['type']}\ndata: {data}\n\n".encode()

@@ -1,8 +1,9 @@
-"""One SSE path for chat and completions: submit, relay each output as chunks, end cleanly.
+"""One SSE path for every generation endpoint: submit, relay each output as events, end cleanly.
 
-What differs between the endpoints (the chunk's shape, the opening chunks, the
-cut at the deadline) is a ``ChunkRenderer``; everything about channels,
-deadlines, usage, failures and cancellation is here, once.
+``relay`` owns channels, deadlines, failures and cancellation, once. What the
+events look like is a ``StreamWriter``: chat and completions send chunks
+(``ChunkWriter`` around an endpoint's ``ChunkRenderer``: the chunk's shape, the
+opening chunks, the cut at the deadline); the Responses API sends typed events.
 
 Cancellation: the stream is an async generator that Quart-Trio cancels
 (``trio.Cancelled``) or closes (``GeneratorExit``) when the client goes away; its
@@ -16,12 +17,72 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
-from trillm.api.errors import from_engine
+import attrs
+
+from trillm.api.errors import ApiError, from_engine
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses import new_completion_id, sse, stream_end, stream_failure, usage
 from trillm.api.submission import ChoiceProgress, RequestTimedOut, abort_all, receive_until, submit_choices
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+
+
+class StreamWriter(Protocol):
+    """The events of one stream, each method returning encoded SSE events."""
+
+    def opening(self) -> Iterable[bytes]: ...
+    def pieces(self, out: RequestOutput) -> Iterable[bytes]: ...
+    def cut(self, unfinished: list[int]) -> Iterable[bytes]:
+        """The deadline passed: end these choices (they were cut short)."""
+
+    def end(self, progress: ChoiceProgress) -> Iterable[bytes]: ...
+    def refused(self, error: ApiError) -> Iterable[bytes]:
+        """The engine refused the request at submit time (queue full since the up-front check, shutdown)."""
+
+    def failed(self, exc: Exception) -> Iterable[bytes]:
+        """A bug: end the stream with an error event, never a cut connection."""
+
+
+async def relay(
+    engine: EngineHandle,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    deadline: float,
+    writer: StreamWriter,
+) -> AsyncIterator[bytes]:
+    """Submit every choice, then the writer's opening, its events for each output, [its cut
+    at the deadline] and its end. The engine's requests are aborted however the stream ends."""
+    try:
+        request_ids, outputs = submit_choices(engine, prompts, params, n)
+    except Exception as exc:
+        error = from_engine(exc)
+        if error is None:
+            raise
+        for event in writer.refused(error):
+            yield event
+        return
+    try:
+        with outputs:
+            for event in writer.opening():
+                yield event
+            progress = ChoiceProgress(len(prompts) * n)
+            try:
+                while (out := await receive_until(outputs, deadline)) is not None:
+                    progress.record(out)
+                    for event in writer.pieces(out):
+                        yield event
+            except RequestTimedOut:
+                for event in writer.cut(progress.unfinished()):
+                    yield event
+            for event in writer.end(progress):
+                yield event
+    except Exception as exc:
+        for event in writer.failed(exc):
+            yield event
+    finally:
+        # Runs on normal end, on trio.Cancelled and on GeneratorExit alike; no awaits here.
+        abort_all(engine, request_ids)
 
 
 class ChunkRenderer(Protocol):
@@ -44,7 +105,7 @@ class ChunkRenderer(Protocol):
     def cut(self, index: int) -> dict[str, Any]: ...
 
 
-async def stream_choices(
+def stream_choices(
     engine: EngineHandle,
     model: str,
     prompts: list[list[int]],
@@ -61,51 +122,53 @@ async def stream_choices(
     submit time (the queue filled since the up-front check, shutdown) is an
     error event; a bug is an error event too, never a cut connection.
     """
-    completion_id, created = new_completion_id(renderer.id_prefix), int(time.time())
+    return relay(engine, prompts, params, n, deadline, ChunkWriter(renderer, model, prompts, n, include_usage))
 
-    def event(choice: dict[str, Any]) -> bytes:
+
+@attrs.define
+class ChunkWriter:
+    """Chat and completions chunks: one choice each, the same ``id``, ``created`` and ``model``."""
+
+    renderer: ChunkRenderer
+    model: str
+    prompts: list[list[int]]
+    n: int
+    include_usage: bool
+    completion_id: str = attrs.field(
+        default=attrs.Factory(lambda self: new_completion_id(self.renderer.id_prefix), takes_self=True)
+    )
+    created: int = attrs.field(factory=lambda: int(time.time()))
+
+    def _event(self, choice: dict[str, Any]) -> bytes:
         body: dict[str, Any] = {
-            "id": completion_id,
-            "object": renderer.object,
-            "created": created,
-            "model": model,
+            "id": self.completion_id,
+            "object": self.renderer.object,
+            "created": self.created,
+            "model": self.model,
             "choices": [choice],
         }
-        if include_usage:
+        if self.include_usage:
             body["usage"] = None
         return sse(body)
 
-    try:
-        request_ids, outputs = submit_choices(engine, prompts, params, n)
-    except Exception as exc:
-        error = from_engine(exc)
-        if error is None:
-            raise
-        yield sse(error.body())
-        yield sse("[DONE]")
-        return
-    try:
-        with outputs:
-            for choice in renderer.opening():
-                yield event(choice)
-            progress = ChoiceProgress(len(prompts) * n)
-            try:
-                while (out := await receive_until(outputs, deadline)) is not None:
-                    progress.record(out)
-                    for choice in renderer.pieces(out):
-                        yield event(choice)
-            except RequestTimedOut:
-                for index in progress.unfinished():
-                    yield event(renderer.cut(index))
-            totals = None
-            if include_usage:
-                generated = sum(progress.generated) if renderer.generates else 0
-                totals = usage(sum(len(p) for p in prompts), generated, sum(progress.cached[::n]))
-            for end in stream_end(renderer.object, completion_id, created, model, totals):
-                yield end
-    except Exception as exc:
-        for failure in stream_failure(exc):
-            yield failure
-    finally:
-        # Runs on normal end, on trio.Cancelled and on GeneratorExit alike; no awaits here.
-        abort_all(engine, request_ids)
+    def opening(self) -> Iterable[bytes]:
+        return [self._event(choice) for choice in self.renderer.opening()]
+
+    def pieces(self, out: RequestOutput) -> Iterable[bytes]:
+        return [self._event(choice) for choice in self.renderer.pieces(out)]
+
+    def cut(self, unfinished: list[int]) -> Iterable[bytes]:
+        return [self._event(self.renderer.cut(index)) for index in unfinished]
+
+    def end(self, progress: ChoiceProgress) -> Iterable[bytes]:
+        totals = None
+        if self.include_usage:
+            generated = sum(progress.generated) if self.renderer.generates else 0
+            totals = usage(sum(len(p) for p in self.prompts), generated, sum(progress.cached[:: self.n]))
+        return stream_end(self.renderer.object, self.completion_id, self.created, self.model, totals)
+
+    def refused(self, error: ApiError) -> Iterable[bytes]:
+        return [sse(error.body()), sse("[DONE]")]
+
+    def failed(self, exc: Exception) -> Iterable[bytes]:
+        return stream_failure(exc)

@@ -28,12 +28,12 @@ def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: Commo
     """Reject up front what the engine would reject, so the client gets a 400, not a broken stream.
 
     Over the context is a 400 ``context_length_exceeded`` in OpenAI's words, naming ``param``
-    (``messages`` or ``prompt``) when the prompt alone leaves no room for one generated token,
-    ``max_tokens`` when the client set one that cannot fit beside the prompt; a default limit
+    (``messages``, ``prompt`` or ``input``) when the prompt alone leaves no room for one generated token,
+    ``max_tokens`` (``max_output_tokens``) when the client set one that cannot fit beside the prompt; a default limit
     is clamped to the context instead.
     """
     wanted = common.params.max_tokens if common.max_tokens_given else None
-    where = "messages" if param == "messages" else "prompt"
+    where = param if param in ("messages", "input") else "prompt"
     try:
         engine.check_prompt(ids)
     except PromptTooLong as exc:
@@ -41,7 +41,7 @@ def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: Commo
     except RequestRejected as exc:  # the same refusal, naming the field the client sent
         raise RequestRejected(str(exc), param, exc.code) from None
     if wanted is not None and len(ids) + wanted > engine.max_model_len:
-        raise context_length_error(engine.max_model_len, len(ids), wanted, where, "max_tokens")
+        raise context_length_error(engine.max_model_len, len(ids), wanted, where, common.max_tokens_param)
 
 
 async def with_grammar(engine: EngineHandle, req: Any) -> Any:

@@ -17,12 +17,14 @@ EXAMPLES_PER_OPERATION = 20
 
 
 def _cap_lengths(body: object) -> None:
-    """Generated max_tokens can be huge, and chat without one runs to the context; a few tokens
-    exercise the same code paths."""
+    """Generated max_tokens can be huge, and chat without one runs to the context (a Responses body
+    without max_output_tokens too); a few tokens exercise the same code paths."""
     if isinstance(body, dict):
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if "input" in body and body.get("max_output_tokens") is None:
+            body["max_output_tokens"] = 3
+        elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = 3
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and value > 3:
                 body[key] = 3
@@ -67,8 +69,8 @@ def _fuzz(url: str) -> dict[str, set[int]]:
 
 async def test_schemathesis_finds_no_server_errors(server):
     seen = await in_thread(_fuzz, server.url)
-    operations = {"POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "GET /v1/models"}
-    assert operations | {"GET /v1/models/{model}"} <= set(seen)
+    operations = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /tokenize"}
+    assert operations | {"GET /v1/models", "GET /v1/models/{model}"} <= set(seen)
     assert 200 in seen["GET /v1/models/{model}"]
     assert any(200 in codes for label, codes in seen.items() if label.startswith("POST /v1/"))
     await wait_idle(server.engine, timeout=30)

@@ -10,12 +10,14 @@ in ``generation.py``, ``chat.py``, ``completion.py`` or ``messages.py``.
 from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.schemas.completion import CompletionBody, CompletionRequest, parse_completion_request
 from trillm.api.schemas.generation import CommonFields, GenerationBody
+from trillm.api.schemas.responses import ResponsesBody, parse_responses_request
 from trillm.api.schemas.tokenize import DetokenizeBody, TokenizeBody
 
 # The names the bodies are published under in /openapi.json (``CompletionRequest`` is also the parsed record).
 PUBLISHED = {
     "ChatCompletionRequest": ChatCompletionBody,
     "CompletionRequest": CompletionBody,
+    "ResponsesRequest": ResponsesBody,
     "TokenizeRequest": TokenizeBody,
     "DetokenizeRequest": DetokenizeBody,
 }
@@ -29,7 +31,9 @@ __all__ = [
     "CompletionRequest",
     "DetokenizeBody",
     "GenerationBody",
+    "ResponsesBody",
     "TokenizeBody",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_responses_request",
 ]

@@ -35,6 +35,7 @@ class CommonFields:
     n: int
     max_tokens_given: bool  # False: the default, clamped to the context instead of rejected
     grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
+    max_tokens_param: str = "max_tokens"  # the field a refused token budget is named by
 
     def capped(self, cap: int | None) -> CommonFields:
         """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:

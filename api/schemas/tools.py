@@ -70,19 +70,28 @@ class ToolFields(RequestModel):
             choice = choice.function.name
         elif isinstance(choice, FunctionName):
             choice = choice.name
-        choice = choice or "auto"
-        names = [d.name for d in defs]
-        if len(set(names)) != len(names):
-            raise invalid("function names must be unique", "tools")
-        if not defs:
-            if choice not in ("none", "auto"):
-                raise invalid(f"{choice!r} needs 'tools'", param)
-            return None
-        if choice not in ("none", "auto", "required") and choice not in names:
-            raise invalid(f"names no function in 'tools' ({choice!r})", param)
-        if choice == "none":
-            return None
-        functions = tuple(
-            Function(d.name, d.description or "", d.parameters or {"type": "object", "properties": {}}) for d in defs
-        )
-        return ToolSet(functions, choice, self.parallel_tool_calls, legacy=self.functions is not None)
+        return tool_set_of(defs, choice, param, self.parallel_tool_calls, legacy=self.functions is not None)
+
+
+def tool_set_of(
+    defs: list[FunctionDefinition], choice: str | None, param: str, parallel: bool, legacy: bool = False
+) -> ToolSet | None:
+    """The functions and the choice (``"none"``, ``"auto"``, ``"required"`` or a function's name;
+    None is ``"auto"``) as a ``ToolSet``, or None when no call may be made; ``param`` is the
+    field that held the choice. Chat and the Responses API share it."""
+    choice = choice or "auto"
+    names = [d.name for d in defs]
+    if len(set(names)) != len(names):
+        raise invalid("function names must be unique", "tools")
+    if not defs:
+        if choice not in ("none", "auto"):
+            raise invalid(f"{choice!r} needs 'tools'", param)
+        return None
+    if choice not in ("none", "auto", "required") and choice not in names:
+        raise invalid(f"names no function in 'tools' ({choice!r})", param)
+    if choice == "none":
+        return None
+    functions = tuple(
+        Function(d.name, d.description or "", d.parameters or {"type": "object", "properties": {}}) for d in defs
+    )
+    return ToolSet(functions, choice, parallel, legacy=legacy)
