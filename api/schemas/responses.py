@@ -190,7 +190,7 @@ class ResponsesBody(RequestModel):
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)] | None = (
         Field(None, description=f"up to {MAX_METADATA} string pairs, echoed in the response")
     )
-    user: str | None = Field(None, description="accepted and ignored")
+    user: str | None = Field(None, description="accepted and echoed; nothing else")
     store: bool | None = Field(
         None,
         description="accepted, but nothing is stored: the response says `store: false` and cannot be "
