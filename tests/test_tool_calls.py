@@ -139,8 +139,14 @@ async def test_every_format_grammar_compiles(engine, name):
 async def test_round_trip_call_then_tool_result_then_answer(server, choice):
     def run():
         c = client(server)
-        first = c.chat.completions.create(
-            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=400, temperature=0
+        first = c.chat.completions.create(  # one call keeps it short; parallel calls: the auto test
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=200,
+            temperature=0,
         )
         message = first.choices[0].message
         history = ASK + [message.model_dump(exclude_none=True)]
@@ -158,8 +164,7 @@ async def test_round_trip_call_then_tool_result_then_answer(server, choice):
     assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
     calls = choice0.message.tool_calls
     assert calls and all(c.id.startswith("call_") and c.type == "function" for c in calls)
-    if isinstance(choice, dict):
-        assert len(calls) == 1
+    assert len(calls) == 1
     for call in calls:
         spec = next(t["function"] for t in TOOLS if t["function"]["name"] == call.function.name)
         jsonschema.validate(json.loads(call.function.arguments), spec["parameters"])
@@ -169,7 +174,15 @@ async def test_round_trip_call_then_tool_result_then_answer(server, choice):
 
 @pytest.mark.e2e
 async def test_streamed_calls_reassemble_to_the_non_streamed_ones(server):
-    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400, temperature=0)
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=200,
+        temperature=0,
+    )
 
     def run():
         c = client(server)
