@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from trillm.api.tools.spec import Call, Function, Parsed, ToolSet
 from trillm.engine.structured import GrammarSpec
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     name: ClassVar[str]
     trigger: ClassVar[str | None]  # the text that starts a call; None: the whole output is JSON
 
+    @abstractmethod
     def grammar(self, tools: ToolSet) -> GrammarSpec:
         """What the model may write: calls forced or constrained as ``tools`` asks."""
-        raise NotImplementedError
 
+    @abstractmethod
     def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        """A finished reply split into the text the user reads and the calls it made."""
 
 
 class _TaggedFormat(ToolFormat):
