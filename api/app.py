@@ -80,7 +80,7 @@ def create_app(
     app.extensions["trillm_host"] = host
     app.extensions["trillm_model_name"] = model_name
     created = int(time.time())
-    context = ServerContext(tool_call_parser=server.tool_call_parser)
+    context = ServerContext(tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser)
     chat_endpoint = chat.endpoint(server.reasoning_parser)
     responses_api_endpoint = responses_api.endpoint(server.reasoning_parser)
 

@@ -16,7 +16,7 @@ from trillm.api import logprobs
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
-from trillm.api.reasoning import ChoiceSplitter, request_style
+from trillm.api.reasoning import THINKING, ChoiceSplitter, request_style
 from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.chat import ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
@@ -29,17 +29,22 @@ from trillm.engine.sampling_params import SamplingParams
 
 def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequest:
     """Choose the tool-call format (setting, else the chat template) and, with tools, the
-    grammar that forces or constrains calls (it takes the place of ``response_format``)."""
-    if req.tools is None:
-        return req
-    fmt = choose(ctx.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
-    if req.common.grammar is not None:
-        raise ApiError(
-            "cannot be combined with 'tools' (they constrain the output themselves)", param=req.common.grammar[1]
-        )
-    grammar = fmt.grammar(req.tools)
-    common = attrs.evolve(req.common, grammar=(grammar, "tools") if grammar is not None else None)
-    return attrs.evolve(req, common=common, tool_format=fmt)
+    grammar that forces or constrains calls (it takes the place of ``response_format``).
+    Under a reasoning parser, a grammar holds the answer only: the thinking before it is free."""
+    if req.tools is not None:
+        fmt = choose(ctx.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
+        if req.common.grammar is not None:
+            raise ApiError(
+                "cannot be combined with 'tools' (they constrain the output themselves)", param=req.common.grammar[1]
+            )
+        grammar = fmt.grammar(req.tools)
+        common = attrs.evolve(req.common, grammar=(grammar, "tools") if grammar is not None else None)
+        req = attrs.evolve(req, common=common, tool_format=fmt)
+    style = request_style(ctx.reasoning_parser, req.chat_template_kwargs)
+    if style is not None and req.common.grammar is not None:
+        spec, param = req.common.grammar
+        req = attrs.evolve(req, common=attrs.evolve(req.common, grammar=(spec.after_thinking(THINKING[style]), param)))
+    return req
 
 
 def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:

@@ -16,6 +16,7 @@ class ServerContext:
     """What handlers need of the server's settings."""
 
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
 
 
 @attrs.frozen

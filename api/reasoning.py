@@ -26,8 +26,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.engine.structured.spec import ThinkingMode
+
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# Where a grammar (structured output, tool calls) starts under each style: after the thinking.
+THINKING: dict[str, ThinkingMode] = {"deepseek_r1": "required", "qwen3": "optional"}
 
 
 def _held_back(text: str, tag: str) -> int:

@@ -142,3 +142,31 @@ def test_chat_template_kwargs_reach_the_template(model_dir):
     with pytest.raises(ApiError) as info:
         chat.prompt_ids(_Handle(tok), parse_chat_request({**body, "chat_template_kwargs": {"strict": 1}}))
     assert info.value.status == 400 and info.value.param == "chat_template_kwargs" and "strict: 1" in str(info.value)
+
+
+@pytest.mark.parametrize("style", ["qwen3", "deepseek_r1"])
+async def test_a_grammar_holds_the_answer_not_the_thinking(model_parts, style):
+    """The few-shot prompt makes the model think first; the constraint applies after ``</think>``:
+    the thinking is as free as without a grammar, the answer matches the regex exactly."""
+    async with running_server(model_parts, reasoning_parser=style) as srv:
+        raw = await _raw(srv, THINKING, 30)
+        reasoning, _ = split_reasoning(style, raw)
+        pattern = "The answer is (eight|8)!"
+        message, deltas = await _chat(srv, 40, prompt=THINKING, guided_regex=pattern)
+        assert message["reasoning_content"] == reasoning, message
+        assert message["content"] in ("The answer is eight!", "The answer is 8!"), message
+        assert (_joined(deltas, "reasoning_content"), _joined(deltas, "content")) == (reasoning, message["content"])
+
+        # Without thinking the answer still matches (qwen3: no <think> block needed).
+        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 40, "guided_choice": ["yes", "no"]}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            r = await http.post("/v1/chat/completions", json=body)
+            if style == "qwen3":
+                assert r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text
+            # deepseek_r1 must think first: cut by max_tokens inside the thinking, or an answer that matches.
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "length" or choice["message"]["content"] in ("yes", "no"), r.text
+            off = await http.post(
+                "/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking": False}}
+            )
+            assert off.json()["choices"][0]["message"]["content"] in ("yes", "no"), off.text

@@ -12,6 +12,7 @@ slow schemas queues instead of taking every core.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 import threading
@@ -151,25 +152,51 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -
 
 
 def _compile(compiler: Any, spec: GrammarSpec) -> Any:
+    if spec.thinking == "none":
+        return compiler.compile_grammar(_grammar(spec))
+    return compiler.compile_grammar(_after_thinking(_grammar(spec), spec.thinking == "required"))
+
+
+def _grammar(spec: GrammarSpec) -> Any:
+    """xgrammar's ``Grammar`` of the constraint itself (compiled as is, or after thinking)."""
+    import xgrammar
+
     if spec.kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if spec.kind == "json_schema":
         # Compact JSON (single spaces after ',' and ':'): with any whitespace allowed, small
         # models can emit newlines until max_tokens. Strict: no properties beyond the schema's.
-        return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+        return xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
     if spec.kind == "regex":
-        return compiler.compile_regex(spec.source)
+        return xgrammar.Grammar.from_regex(spec.source)
     if spec.kind == "choice":
-        return compiler.compile_grammar(choice_grammar(spec.options))
+        return xgrammar.Grammar.from_ebnf(choice_grammar(spec.options))
     if spec.kind == "ebnf":
-        return compiler.compile_grammar(spec.source)
+        return xgrammar.Grammar.from_ebnf(spec.source)
     if spec.kind == "structural_tag":
-        return compiler.compile_structural_tag(spec.source)
+        return xgrammar.Grammar.from_structural_tag(spec.source)
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def _after_thinking(answer: Any, required: bool) -> Any:
+    """``answer`` preceded by free thinking up to ``</think>`` (``required``: always; the output
+    may open with ``<think>`` or the template opened it) or by an optional ``<think>...</think>``
+    block; a few blank characters are allowed around the block, as templates write them."""
+    import xgrammar
+
+    def thinking(begin: str) -> Any:
+        tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_END}
+        return xgrammar.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag}))
+
+    blank = xgrammar.Grammar.from_ebnf("root ::= [ \\t\\r\\n]{0,4}")
+    if required:
+        return xgrammar.Grammar.concat(thinking(""), blank, answer)
+    return xgrammar.Grammar.union(answer, xgrammar.Grammar.concat(blank, thinking(THINK_START), blank, answer))
 
 
 def choice_grammar(options: list[str]) -> str:
     """GBNF accepting exactly one of ``options`` (JSON string escapes are GBNF's too)."""
-    import json
-
     return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options)

@@ -8,6 +8,10 @@ from typing import Any, Literal
 import attrs
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "choice", "ebnf", "structural_tag"]
+# Where the constraint starts, for reasoning models: "none" (the first token), "required" (after a
+# ``</think>``; the output may open with ``<think>``: DeepSeek-R1 style, the template may have opened
+# it already), "optional" (after a ``<think>...</think>`` block if the output opens with one: Qwen3).
+ThinkingMode = Literal["none", "required", "optional"]
 
 
 class GrammarError(ValueError):
@@ -31,10 +35,12 @@ class GrammarSpec:
     canonical JSON. ``regex``: the pattern. ``choice``: a JSON list of the allowed strings.
     ``ebnf``: a GBNF grammar (llama.cpp's notation, root rule ``root``).
     ``structural_tag``: xgrammar's structural-tag JSON (used for tool calls).
+    ``thinking``: free text the model may (or must) think first; the constraint holds the answer only.
     """
 
     kind: GrammarKind
     source: str = ""
+    thinking: ThinkingMode = "none"
 
     @classmethod
     def json_object(cls) -> GrammarSpec:
@@ -73,6 +79,10 @@ class GrammarSpec:
     @classmethod
     def structural_tag(cls, tag: Any) -> GrammarSpec:
         return cls("structural_tag", tag if isinstance(tag, str) else canonical_json(tag))
+
+    def after_thinking(self, mode: ThinkingMode) -> GrammarSpec:
+        """The same constraint on the answer of a reasoning model that thinks first (``mode``)."""
+        return attrs.evolve(self, thinking=mode)
 
     @property
     def options(self) -> list[str]:
