@@ -18,7 +18,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trillm.engine.execution.backends.base import note_pending, sample_row
+from trillm.engine.execution.backends.base import StepRows
 from trillm.engine.execution.model_runner import StepInputs, _fill_pending
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
@@ -66,26 +66,12 @@ class Driver:
 
     def _prepare(self, batch: Batch) -> tuple[StepInputs, list[list[int]]]:
         """What ``ModelRunner.prepare`` snapshots: tokens (some PENDING), pages, sample rows."""
-        ids: list[int] = []
-        rows = []
-        pending_inputs: list[tuple[int, int]] = []
-        pending_history: list[tuple[int, int]] = []
-        for chunk in batch.chunks:
+        step = StepRows()
+        for index, chunk in enumerate(batch.chunks):
             q = chunk.seq  # never a step past the end: no wasted work, no position past the context
             assert chunk.end < q.max_len and chunk.end - len(q.prompt_ids) < (q.params.max_tokens or 10**9)
-            note_pending(chunk.seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
-            ids += chunk.seq.token_ids(chunk.start, chunk.end)
-            if chunk.samples:
-                rows.append(sample_row(chunk.seq))
-        inputs = StepInputs(
-            torch.tensor(ids, dtype=torch.long),
-            torch.empty(0),
-            None,
-            torch.empty(0),  # type: ignore[arg-type]
-            tuple(rows),
-            tuple(pending_inputs),
-            tuple(pending_history),
-        )
+            step.add(index, chunk)
+        inputs = step.inputs(torch.empty(0), None)  # type: ignore[arg-type]  # no attention here
         return inputs, [list(c.seq.pages) for c in batch.chunks]
 
     def _execute(self, batch: Batch, inputs: StepInputs, pages: list[list[int]]) -> list[int]:

@@ -88,6 +88,43 @@ class StepInputs:
     prompt_spans: tuple[PromptSpan, ...] = ()
 
 
+@attrs.define
+class StepRows:
+    """What every backend collects alike while preparing a step: the input ids, the rows to
+    sample, the inputs still in flight (overlap), and the prompt-logprob rows. Each backend
+    adds its own positions and attention metadata."""
+
+    ids: list[int] = attrs.field(factory=list)
+    logits_rows: list[int] = attrs.field(factory=list)
+    rows: list[SampleRow] = attrs.field(factory=list)
+    pending_inputs: list[tuple[int, int]] = attrs.field(factory=list)
+    pending_history: list[tuple[int, int]] = attrs.field(factory=list)
+    prompt: PromptRows = attrs.field(factory=PromptRows)
+
+    def add(self, index: int, chunk: ScheduledChunk) -> int:
+        """Chunk ``index`` of the batch, appended; returns the input row it starts at."""
+        row, seq = len(self.ids), chunk.seq
+        self.prompt.add(index, chunk, row)
+        note_pending(seq, chunk, row, len(self.rows), self.pending_inputs, self.pending_history)
+        self.ids += seq.token_ids(chunk.start, chunk.end)
+        if chunk.samples:
+            self.logits_rows.append(len(self.ids) - 1)
+            self.rows.append(sample_row(seq))
+        return row
+
+    def inputs(self, positions: torch.Tensor, meta: StepMetadata) -> StepInputs:
+        return StepInputs(
+            input_ids=torch.tensor(self.ids, dtype=torch.long),
+            positions=positions,
+            meta=meta,
+            logits_rows=torch.tensor(self.logits_rows + self.prompt.rows, dtype=torch.long),
+            rows=tuple(self.rows),
+            pending_inputs=tuple(self.pending_inputs),
+            pending_history=tuple(self.pending_history),
+            prompt_spans=tuple(self.prompt.spans),
+        )
+
+
 class Backend(ABC):
     """How the decoder layers of a model run on one device, in one dtype.
 

@@ -19,11 +19,9 @@ import torch.nn.functional as F
 from trillm.engine.execution.backends.base import (
     Backend,
     KVCache,
-    PromptRows,
     StepInputs,
-    note_pending,
+    StepRows,
     padded_tables,
-    sample_row,
 )
 from trillm.engine.execution.backends.cpu_attention import (
     CpuMetadata,
@@ -34,7 +32,6 @@ from trillm.engine.execution.backends.cpu_attention import (
 )
 from trillm.engine.execution.layers import project, project_add, qk_norm_, rms_norm
 from trillm.engine.execution.rope import apply_rotary
-from trillm.engine.execution.sampler import SampleRow
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
 from trillm.kernels.block_weights import BlockWeight
@@ -89,28 +86,19 @@ class CpuBackend(Backend):
 
     def prepare(self, batch: Batch, page_size: int) -> StepInputs:
         ps = page_size
-        ids: list[int] = []
+        step = StepRows()
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
-        logits_rows: list[int] = []
-        rows: list[SampleRow] = []
-        pending_inputs: list[tuple[int, int]] = []
-        pending_history: list[tuple[int, int]] = []
-        prompt = PromptRows()
-        row = 0
         for index, chunk in enumerate(batch.chunks):
-            seq, start, n = chunk.seq, chunk.start, chunk.length
-            end = start + n
-            ids += seq.token_ids(start, end)
-            prompt.add(index, chunk, row)
-            note_pending(seq, chunk, row, len(rows), pending_inputs, pending_history)
+            start, n, end = chunk.start, chunk.length, chunk.end
+            row = step.add(index, chunk)
             pos = torch.arange(start, end)
             positions.append(pos)
-            table = seq.pages[: -(-end // ps)]
+            table = chunk.seq.pages[: -(-end // ps)]
             slot_mapping.append(torch.tensor(table)[pos // ps] * ps + pos % ps)
             if n == 1:
                 decode_rows.append(row)
@@ -121,17 +109,13 @@ class CpuBackend(Backend):
                 if start > 0:  # causal within the chunk, everything cached before it
                     mask = torch.arange(end).unsqueeze(0) <= pos.unsqueeze(1)
                 prefills.append(PrefillSpan(row, row + n, torch.tensor(table), end, mask))
-            row += n
-            if chunk.samples:
-                logits_rows.append(row - 1)
-                rows.append(sample_row(seq))
         if self.c_decode and decode_rows:
             meta = CpuMetadata(
                 slot_mapping=torch.cat(slot_mapping),
                 decodes=(),
                 prefills=tuple(prefills),
                 decode_rows=DecodeRows(
-                    None if len(decode_rows) == len(ids) else torch.tensor(decode_rows, dtype=torch.long),
+                    None if len(decode_rows) == len(step.ids) else torch.tensor(decode_rows, dtype=torch.long),
                     padded_tables(decode_tables, torch.int32),
                     torch.tensor(decode_lens, dtype=torch.int32),
                 ),
@@ -142,16 +126,7 @@ class CpuBackend(Backend):
                 decodes=decode_groups(decode_rows, decode_tables, decode_lens, ps),
                 prefills=tuple(prefills),
             )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.cat(positions),
-            meta=meta,
-            logits_rows=torch.tensor(logits_rows + prompt.rows, dtype=torch.long),
-            rows=tuple(rows),
-            pending_inputs=tuple(pending_inputs),
-            pending_history=tuple(pending_history),
-            prompt_spans=tuple(prompt.spans),
-        )
+        return step.inputs(torch.cat(positions), meta)
 
     def run_layers(
         self,

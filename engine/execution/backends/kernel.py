@@ -17,15 +17,12 @@ import torch.nn.functional as F
 from trillm.engine.execution.backends.base import (
     Backend,
     KVCache,
-    PromptRows,
     SamplingKernel,
     StepInputs,
-    note_pending,
+    StepRows,
     padded_tables,
-    sample_row,
 )
 from trillm.engine.execution.layers import project
-from trillm.engine.execution.sampler import SampleRow
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.kernels import Kernels
 
@@ -74,31 +71,21 @@ class KernelBackend(Backend):
     def prepare(self, batch: Batch, page_size: int) -> StepInputs:
         """The kernels' form: a padded block table, query offsets and context lengths."""
         ps = page_size
-        ids: list[int] = []
+        step = StepRows()
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
         starts = [0]
         lens: list[int] = []
-        logits_rows: list[int] = []
-        rows: list[SampleRow] = []
-        pending_inputs: list[tuple[int, int]] = []
-        pending_history: list[tuple[int, int]] = []
-        prompt = PromptRows()
         for index, chunk in enumerate(batch.chunks):
-            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.length
-            table = seq.pages[: -(-end // ps)]
-            prompt.add(index, chunk, len(ids))
-            note_pending(seq, chunk, len(ids), len(rows), pending_inputs, pending_history)
-            ids += seq.token_ids(start, end)
+            start, end = chunk.start, chunk.end
+            table = chunk.seq.pages[: -(-end // ps)]
+            step.add(index, chunk)
             positions += range(start, end)
             slots += (table[p // ps] * ps + p % ps for p in range(start, end))
             tables.append(table)
             starts.append(starts[-1] + chunk.length)
             lens.append(end)
-            if chunk.samples:
-                logits_rows.append(starts[-1] - 1)
-                rows.append(sample_row(seq))
         meta = KernelMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=padded_tables(tables, torch.int32),
@@ -106,16 +93,7 @@ class KernelBackend(Backend):
             context_lens=torch.tensor(lens, dtype=torch.int32),
             decode_only=all(chunk.length == 1 for chunk in batch.chunks),
         )
-        return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            meta=meta,
-            logits_rows=torch.tensor(logits_rows + prompt.rows, dtype=torch.long),
-            rows=tuple(rows),
-            pending_inputs=tuple(pending_inputs),
-            pending_history=tuple(pending_history),
-            prompt_spans=tuple(prompt.spans),
-        )
+        return step.inputs(torch.tensor(positions, dtype=torch.long), meta)
 
     def run_layers(
         self,
