@@ -47,27 +47,31 @@ class Decoder:
         self.size = 0
         self.parts: list[bytes] = []
         self._zlib = zlib.decompressobj(_WBITS[coding])
-        self._raw_fallback = coding == "deflate"  # some clients send raw deflate, without the zlib wrapper
+        # "deflate" is zlib-wrapped, but some clients send it raw: its first two bytes tell (RFC 1950's check)
+        self._head: bytes | None = b"" if coding == "deflate" else None
 
     def feed(self, data: bytes) -> None:
+        if self._head is not None:
+            self._head += data
+            if len(self._head) < 2:
+                return
+            data, self._head = self._head, None
+            if data[0] & 0x0F != 8 or (data[0] << 8 | data[1]) % 31:
+                self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)
         try:
             while data and not self._zlib.eof:
                 out = self._zlib.decompress(data, self.limit - self.size + 1)
                 self._take(out)
                 data = self._zlib.unconsumed_tail
         except zlib.error:
-            if self._raw_fallback and self.size == 0 and not self.parts:
-                self._raw_fallback = False
-                self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)
-                self.feed(data)
-                return
             raise self._corrupt() from None
-        self._raw_fallback = False
         if data or self._zlib.unused_data:
             raise self._corrupt()  # bytes after the end of the compressed stream
 
     def finish(self) -> bytes:
         """The decoded body; 400 if the compressed stream was cut short."""
+        if self._head is not None:
+            raise self._corrupt()
         self._take(self._zlib.flush())
         if not self._zlib.eof:
             raise self._corrupt()

@@ -155,12 +155,20 @@ async def test_every_route_needs_a_right_key_and_keys_are_never_logged(model_par
 # -- per-key concurrency ---------------------------------------------------------------------
 
 
+async def _next_event(lines) -> str:
+    while not (line := await lines.__anext__()):
+        pass
+    return line
+
+
 async def _until_admitted(http: httpx.AsyncClient, key: str) -> httpx.Response:
     """The count is given back when the exchange ends; poll briefly until a request is admitted."""
-    with trio.move_on_after(5):
-        while (r := await http.post("/v1/chat/completions", json=CHAT, headers=bearer(key))).status_code == 429:
-            await trio.sleep(0.02)
-    return r
+    for _ in range(100):
+        r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(key))
+        if r.status_code != 429:
+            return r
+        await trio.sleep(0.05)
+    raise AssertionError("the key's slot never came back")
 
 
 async def test_one_key_gets_429_past_its_limit_and_cancelled_streams_give_their_slot_back(model_parts):
@@ -169,7 +177,8 @@ async def test_one_key_gets_429_past_its_limit_and_cancelled_streams_give_their_
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
             async with http.stream("POST", "/v1/chat/completions", json=LONG, headers=bearer(KEYS[0])) as first:
                 assert first.status_code == 200
-                await first.aiter_lines().__anext__()  # streaming: the slot is held while it runs
+                lines = first.aiter_lines()  # kept: an abandoned iterator would close the stream when collected
+                await lines.__anext__()  # streaming: the slot is held while it runs
                 for body in (LONG, CHAT):
                     r = await http.post("/v1/chat/completions", json=body, headers=bearer(KEYS[0]))
                     assert r.status_code == 429 and r.headers["retry-after"] == "1"
@@ -186,6 +195,9 @@ async def test_one_key_gets_429_past_its_limit_and_cancelled_streams_give_their_
                 assert other.status_code == 200  # another key is not held back
                 r = await http.post("/tokenize", json={"prompt": "Hi"}, headers=bearer(KEYS[0]))
                 assert r.status_code == 200  # only generation requests count
+                assert (await _next_event(lines)).startswith("data: {")  # the first stream still runs, and holds:
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(KEYS[0]))
+                assert r.status_code == 429
             # the stream was cancelled by closing it: its slot comes back
             assert (await _until_admitted(http, KEYS[0])).status_code == 200
 
