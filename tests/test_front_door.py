@@ -152,10 +152,14 @@ async def test_compressed_bodies_are_decoded_and_bombs_refused(server):
         r = await http.post("/v1/chat/completions", content=b"\x1f\x8bnot", headers={"Content-Encoding": "gzip"})
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_content_encoding"
 
-        packed = bomb(1024)  # 1 GiB of zeros in about 1 MiB
+    packed = bomb(1024)  # 1 GiB of zeros in about 1 MiB
+    # Its own connection: the 413 comes before the whole body is sent, and a keep-alive connection
+    # answered early is issue 13's connection handling, not this test's.
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         started = trio.current_time()
         r = await http.post("/v1/chat/completions", content=packed, headers={"Content-Encoding": "gzip"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         assert trio.current_time() - started < 10
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         assert (await http.get("/health")).status_code == 200
     await wait_idle(server.engine)
