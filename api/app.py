@@ -17,7 +17,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from trillm.api import chat, completions, responses_api, tokenize
+from trillm.api import auth, chat, completions, front_door, request_body, responses_api, tokenize
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.metrics import metrics_registry, render
@@ -79,6 +79,9 @@ def create_app(
     host = EngineHost(engine, observer)
     app.extensions["trillm_host"] = host
     app.extensions["trillm_model_name"] = model_name
+    keys = auth.load_keys(server)
+    auth.warn_if_open(keys, server)
+    app.extensions["trillm_limiter"] = front_door.install(app, server, keys)
     created = int(time.time())
     context = ServerContext(tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser)
     chat_endpoint = chat.endpoint(server.reasoning_parser)
@@ -122,7 +125,12 @@ def create_app(
         return _json(ApiError(f"internal error: {type(exc).__name__}", 500).body(), 500)
 
     async def json_body() -> Any:
-        data = await request.get_data(cache=False)
+        coding = request_body.codings(request.headers.get("Content-Encoding"))
+        data: bytes | str
+        if coding:
+            data = await request_body.decode_body(request.body, coding[0], MAX_BODY_BYTES, request.body_timeout)
+        else:
+            data = await request.get_data(cache=False)
         try:
             return json.loads(data)
         except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, 5,000-digit numbers, deep nesting

@@ -1,7 +1,8 @@
 """The HTTP layer's settings, declared once beside the engine's (``trillm.engine.config``).
 
 ``trillm serve`` takes both as flags; ``hypercorn -k trio 'trillm.api.app:create_app()'``
-takes both from ``TRILLM_*`` variables. Later: API keys, CORS.
+takes both from ``TRILLM_*`` variables. The front door's (keys, per-key limits, CORS) are
+applied by ``trillm.api.front_door``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,31 @@ class ServerConfig:
         "until end-of-sequence or the context limit, completions 16 tokens; a client's own `max_tokens` is honoured",
         doc_default="none",
         validator=_positive,
+    )
+
+    api_key: tuple[str, ...] = setting(
+        (),
+        "API keys clients must send as `Authorization: Bearer <key>` on `/v1/*` and the admin routes "
+        "(only `/health`, `/version`, `/openapi.json` and `/metrics` stay open); none: the server is open",
+        secret=True,
+    )
+    api_keys_file: str | None = setting(
+        None, "a file of API keys, one a line (`#` starts a comment), added to `--api-key`'s"
+    )
+    metrics_require_key: bool = setting(False, "`/metrics` needs an API key too")
+    max_concurrent_per_key: int | None = setting(
+        None,
+        "most generation requests one API key may have in flight (streams count until they end); one more gets "
+        "429 `rate_limit_exceeded` with `Retry-After`; applies only when API keys are set",
+        doc_default="none",
+        validator=_positive,
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (), "origins browsers may call from (CORS), e.g. `https://app.example.com` or `*`; none: no CORS headers"
+    )
+    allowed_methods: tuple[str, ...] = setting(("GET", "POST"), "methods CORS preflights may ask for")
+    allowed_headers: tuple[str, ...] = setting(
+        ("*",), "request headers CORS preflights may ask for; `*`: whatever the browser asks (`Authorization` too)"
     )
 
     @property

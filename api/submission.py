@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
 import trio
 
 from trillm.api.errors import ApiError, context_length_error
+from trillm.api.front_door import current_request_id
 from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
 from trillm.engine.errors import PromptTooLong, RequestRejected
@@ -15,6 +17,8 @@ from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarError
+
+log = logging.getLogger("trillm.api")
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -64,7 +68,9 @@ def submit_choices(
 
     Raises the engine's ``RequestRejected``, ``EngineOverloaded`` or ``EngineNotRunning``."""
     requests = [(ids, p) for ids in prompts for p in choice_params(params, n)]
-    return engine.submit_many(requests)  # the engine's refusals become HTTP errors in ``errors.from_engine``
+    ids, outputs = engine.submit_many(requests)  # the engine's refusals become HTTP errors in ``errors.from_engine``
+    log.info("request %s: engine requests %s", current_request_id.get(), " ".join(ids))  # X-Request-Id -> engine
+    return ids, outputs
 
 
 @attrs.define

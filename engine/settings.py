@@ -28,8 +28,9 @@ class Setting:
     """How one field is spelled outside Python: variable, flag, help, and how to read text."""
 
     name: str
-    kind: type  # str, int, float or bool (None allowed where the field is Optional)
+    kind: type  # str, int, float or bool (None allowed where the field is Optional); a tuple's item type
     optional: bool
+    many: bool  # a tuple: the variable takes a comma list, the flag repeats (each a comma list too)
     default: Any
     help: str
     choices: tuple[str, ...] | None
@@ -37,9 +38,15 @@ class Setting:
     flag: str  # for bools that default on, the flag that turns them off
     doc_default: str  # the README's "default" column
     scale: float  # environment/flag value * scale = field value (e.g. MB -> bytes)
+    secret: bool  # never echoed (API keys): not in reprs nor in error messages
 
     def parse(self, text: str) -> Any:
         """The field's value from an environment variable's text; ValueError if it is not one."""
+        if self.many:
+            return tuple(self._parse_one(item) for item in text.split(",") if item.strip())
+        return self._parse_one(text)
+
+    def _parse_one(self, text: str) -> Any:
         text = text.strip()
         if self.optional and text.lower() in ("", "none"):
             return None
@@ -67,10 +74,18 @@ def setting(
     doc_default: str | None = None,
     scale: float = 1,
     validator: Callable[[Any, Any, Any], None] | None = None,
+    secret: bool = False,
 ) -> Any:
-    """An attrs field that is also a setting; names default to ``--field-name`` and ``TRILLM_FIELD_NAME``."""
-    meta = {"setting": dict(help=help, choices=choices, flag=flag, env=env, doc_default=doc_default, scale=scale)}
-    return attrs.field(default=default, metadata=meta, validator=validator)
+    """An attrs field that is also a setting; names default to ``--field-name`` and ``TRILLM_FIELD_NAME``.
+
+    A ``tuple[X, ...]`` field takes a comma list in its variable and a repeatable flag. A ``secret``
+    one (API keys) is left out of the class's repr and of error messages, so it is never logged."""
+    meta = {
+        "setting": dict(
+            help=help, choices=choices, flag=flag, env=env, doc_default=doc_default, scale=scale, secret=secret
+        )
+    }
+    return attrs.field(default=default, metadata=meta, validator=validator, repr=not secret)
 
 
 def settings_of(cls: type) -> Iterator[Setting]:
@@ -81,13 +96,18 @@ def settings_of(cls: type) -> Iterator[Setting]:
         if spec is None:
             continue
         kind, optional = _unwrap(hints[field.name])
+        many = typing.get_origin(kind) is tuple
+        if many:
+            kind = typing.get_args(kind)[0]
         default = field.default
         flag = spec["flag"] or "--" + field.name.replace("_", "-")
-        doc_default = spec["doc_default"] or ("none" if default is None else _show(default, spec["scale"]))
+        shown = "none" if default is None or default == () else _show(default, spec["scale"])
+        doc_default = spec["doc_default"] or shown
         yield Setting(
             field.name,
             kind,
             optional,
+            many,
             default,
             spec["help"],
             spec["choices"],
@@ -95,6 +115,7 @@ def settings_of(cls: type) -> Iterator[Setting]:
             flag,
             doc_default,
             spec["scale"],
+            spec["secret"],
         )
 
 
@@ -109,6 +130,8 @@ def _unwrap(hint: Any) -> tuple[type, bool]:
 def _show(value: Any, scale: float) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ", ".join(map(str, value))
     if scale != 1:
         value = value / scale
         return str(int(value)) if value == int(value) else str(value)
@@ -129,7 +152,7 @@ def from_env(cls: type[T], env: Mapping[str, str] | None = None, **overrides: An
         try:
             values[s.name] = s.parse(raw)
         except ValueError as exc:
-            raise SystemExit(f"{s.env}={raw!r} is not valid: {exc}") from None
+            raise SystemExit(f"{s.env}={'<hidden>' if s.secret else repr(raw)} is not valid: {exc}") from None
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return cls(**values)
@@ -145,6 +168,16 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         if s.kind is bool:
             action = "store_false" if s.default else "store_true"
             group.add_argument(s.flag, dest=s.name, action=action, default=None, help=text)
+        elif s.many:
+            group.add_argument(
+                s.flag,
+                dest=s.name,
+                type=_flag_type(s),
+                action=_Extend,
+                default=None,
+                metavar=s.flag.lstrip("-").replace("-", "_").upper(),
+                help=text + " (repeatable; each may be a comma list)",
+            )
         else:
             group.add_argument(
                 s.flag,
@@ -155,6 +188,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                 metavar=None if s.choices else s.flag.lstrip("-").replace("-", "_").upper(),
                 help=text,
             )
+
+
+class _Extend(argparse.Action):
+    """A repeatable flag whose values (each a parsed tuple) add up to one tuple."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, (getattr(namespace, self.dest, None) or ()) + tuple(values))
 
 
 def _flag_type(s: Setting) -> Callable[[str], Any]:
@@ -181,6 +221,8 @@ def markdown_table(*classes: type) -> str:
             meaning = s.help + (f" ({', '.join(f'`{c}`' for c in s.choices)})" if s.choices else "")
             if s.kind is bool and s.default:
                 meaning += "; the flag turns it off, as does `0`/`off` in the variable"
+            if s.many:
+                meaning += "; a comma list in the variable, the flag repeatable"
             cells = [f"`{s.flag}`", f"`{s.env}`", s.doc_default, meaning.replace("|", "\\|")]
             rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
