@@ -16,9 +16,10 @@ from trillm.api import logprobs
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
+from trillm.api.input_limits import check_text, message_texts
 from trillm.api.reasoning import ChoiceSplitter, request_style
 from trillm.api.responses import new_completion_id, usage
-from trillm.api.schemas.chat import ChatRequest, parse_chat_request
+from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
 from trillm.api.tools.formats import ToolFormat, choose
 from trillm.api.tools.prompt import template_messages
@@ -43,11 +44,14 @@ def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequ
 
 
 def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
+    """The prompt's token ids: the chat template over the messages, or the raw prompt. Synchronous and
+    slow for a big input: the app calls it in a worker thread."""
     tok = engine.tokenizer
     if req.messages is not None:
         template = getattr(tok, "chat_template", None)
         if not template:
             raise ApiError("this model has no chat template; send 'prompt' instead", param="messages")
+        check_text(engine, message_texts(req.messages), "messages")  # before paying for the template
         fmt = req.tool_format or choose("auto", template)
         messages, tools = template_messages(template, list(req.messages), req.tools, fmt)
         extra = req.chat_template_kwargs or {}
@@ -61,6 +65,7 @@ def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
                 raise
             raise ApiError(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         return [tok(text, add_special_tokens=False)["input_ids"]]
+    check_text(engine, [req.prompt], "prompt")
     return [tok(req.prompt)["input_ids"]]
 
 
@@ -192,6 +197,7 @@ def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
         ),
         renderer=lambda engine, req, prompts: chunks(engine, req, reasoning_parser),
         bind=bind,
+        schema=ChatCompletionBody,
     )
 
 
