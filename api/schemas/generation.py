@@ -95,7 +95,7 @@ class GenerationBody(StructuredFields):
         description="vLLM semantics over prompt and generated tokens: positive logits divided, negative multiplied",
     )
     logit_bias: dict[_TokenKey, _Bias] | None = Field(
-        None, description="token id (a string key) -> bias added to its logit"
+        None, description="token id (a string key) -> bias added to its logit; ids outside the vocabulary are a 400"
     )
     seed: int | None = Field(
         None,
