@@ -138,7 +138,7 @@ def create_app(
     async def json_body(schema: type[BaseModel] | None = None) -> Any:
         """The decoded body (``api/body.py``: finite numbers, valid Unicode, a bad value named as
         ``schema`` names fields); a large one off the event loop."""
-        data = await request.get_data(cache=False)
+        data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
         if len(data) <= request_body.LARGE_BODY:
             return request_body.decode(data, schema)
         return await preparer.run(lambda: request_body.decode(data, schema))

@@ -65,7 +65,7 @@ def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
                 raise
             raise ApiError(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         return [tok(text, add_special_tokens=False)["input_ids"]]
-    check_text(engine, [req.prompt], "prompt")
+    check_text(engine, [req.prompt or ""], "prompt")
     return [tok(req.prompt)["input_ids"]]
 
 
