@@ -142,6 +142,7 @@ class ChatChunks:
     streams: dict[int, ToolStream] = attrs.field(factory=dict)  # per choice, with tools
     id_prefix: str = "chatcmpl"
     generates: bool = True
+    legacy: bool = False  # the request sent ``functions``: one call, as ``function_call`` deltas
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
         return {
@@ -174,7 +175,9 @@ class ChatChunks:
         if finish_reason:
             deltas += stream.finish()
             if stream.calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+                finish_reason = "function_call" if self.legacy else "tool_calls"
+        if self.legacy:
+            deltas = [_legacy_delta(d) for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
         if out.logprobs and not deltas:
             deltas = [{"content": ""}]  # the tokens' logprobs, without their text (markup) yet
         for i, delta in enumerate(deltas):
@@ -184,6 +187,14 @@ class ChatChunks:
 
     def cut(self, index: int) -> dict[str, Any]:
         return self._choice(index, self.split.flush(index), "length")
+
+
+def _legacy_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    """A ``tool_calls`` delta of the first call in OpenAI's older shape (``function_call``)."""
+    if "tool_calls" not in delta:
+        return delta
+    function = delta["tool_calls"][0]["function"]
+    return {"function_call": {k: function[k] for k in ("name", "arguments") if k in function}}
 
 
 def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
@@ -203,7 +214,10 @@ def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
 
 def chunks(engine: EngineHandle, req: ChatRequest, reasoning_parser: str | None = None) -> ChatChunks:
     """The stream's deltas of ``req`` (the Responses API translates them into its own events)."""
-    return ChatChunks(engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format)
+    legacy = req.tools is not None and req.tools.legacy
+    return ChatChunks(
+        engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format, legacy=legacy
+    )
 
 
 def _splitter(reasoning_parser: str | None, req: ChatRequest) -> ChoiceSplitter:

@@ -298,3 +298,27 @@ async def test_memory_of_large_bodies_is_given_back(server):
         grown = _rss_mb() - settled
     assert grown < 50, f"RSS grew {grown:.0f} MB over 12 large bodies"
     await wait_idle(server.engine)
+
+
+async def test_legacy_functions_stream_as_function_call(server):
+    """``functions`` / ``function_call`` are served, not ignored: streamed in their own delta shape."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "functions": [{"name": "get_weather", "description": "the weather in a city", "parameters": schema}],
+        "function_call": {"name": "get_weather"},
+        "max_tokens": 60,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        async with http.stream("POST", CHAT, json=body) as response:
+            events = [json.loads(line[6:]) for line in [x async for x in response.aiter_lines()] if line[6:7] == "{"]
+    choices = [e["choices"][0] for e in events]
+    calls = [c["delta"]["function_call"] for c in choices if c["delta"].get("function_call")]
+    assert not any(c["delta"].get("tool_calls") for c in choices)
+    assert calls[0]["name"] == "get_weather"
+    assert isinstance(json.loads("".join(c.get("arguments", "") for c in calls))["city"], str)
+    assert choices[-1]["finish_reason"] == "function_call"
+    await wait_idle(server.engine)
