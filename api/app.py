@@ -7,21 +7,26 @@ startup hook inside the app's nursery and stop in its shutdown hook.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from typing import Any
 
 import attrs
 import trio
+from pydantic import BaseModel
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from trillm.api import auth, chat, completions, front_door, request_body, responses_api, tokenize
+from trillm.api import body as body_decoding
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
+from trillm.api.input_limits import Preparer, check_counts
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
+from trillm.api.schemas import DetokenizeBody, TokenizeBody
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.api.submission import check_prompt, with_grammar
 from trillm.engine.config import EngineConfig
@@ -86,14 +91,20 @@ def create_app(
     context = ServerContext(tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser)
     chat_endpoint = chat.endpoint(server.reasoning_parser)
     responses_api_endpoint = responses_api.endpoint(server.reasoning_parser)
+    preparer = Preparer()  # templating and tokenizing: worker threads, a few at a time
 
     @app.before_serving
     async def start_engine() -> None:
+        # The model, tokenizer and modules live as long as the server: out of the cyclic GC's reach, so a
+        # full collection (set off by one large body's objects) walks only what requests made, not ~400,000
+        # long-lived objects, which held the GIL for a second on a 2-core machine.
+        gc.freeze()
         await app.nursery.start(host.run)
 
     @app.after_serving
     async def stop_engine() -> None:
         await host.stop()
+        gc.unfreeze()
 
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError) -> Response:
@@ -117,24 +128,29 @@ def create_app(
         message = exc.description or exc.name
         if status == 413:
             message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
-        return _json(ApiError(message, status, code=code).body(), status)
+        headers = {}
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:  # RFC 9110: a 405 says what is allowed
+            headers["Allow"] = ", ".join(sorted(exc.valid_methods))
+        return _json(ApiError(message, status, code=code).body(), status, headers)
 
     @app.errorhandler(Exception)
     async def unexpected(exc: Exception) -> Response:
         app.logger.exception("unexpected error")
         return _json(ApiError(f"internal error: {type(exc).__name__}", 500).body(), 500)
 
-    async def json_body() -> Any:
+    async def json_body(schema: type[BaseModel] | None = None) -> Any:
+        """The decoded body (``api/body.py``: finite numbers, valid Unicode, a bad value named as
+        ``schema`` names fields); gzip/deflate decoded first (``api/request_body.py``); a large one
+        off the event loop."""
         coding = request_body.codings(request.headers.get("Content-Encoding"))
-        data: bytes | str
+        data: bytes
         if coding:
             data = await request_body.decode_body(request.body, coding[0], MAX_BODY_BYTES, request.body_timeout)
         else:
-            data = await request.get_data(cache=False)
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, 5,000-digit numbers, deep nesting
-            raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+            data = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        if len(data) <= body_decoding.LARGE_BODY:
+            return body_decoding.decode(data, schema)
+        return await preparer.run(lambda: body_decoding.decode(data, schema))
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -158,14 +174,21 @@ def create_app(
         response.timeout = None  # Quart's 60 s response timeout would cut long streams
         return response
 
-    async def generation(endpoint: GenerationEndpoint) -> Response:
-        """The one path of both generation endpoints: validate, check limits, then reply or stream."""
-        req = endpoint.parse(await json_body())
+    def prepare(endpoint: GenerationEndpoint, body: Any) -> tuple[Any, list[list[int]]]:
+        """Validate, template and tokenize; in a worker thread (a big input costs seconds of CPU)."""
+        check_counts(body, engine.max_model_len)  # 100,000 messages: refused before validating them
+        req = endpoint.parse(body)
         req = attrs.evolve(req, common=req.common.capped(default_max_tokens))
         check_model(req.common.model)
         check_serving()
         req = endpoint.bind(engine, req, context)
-        prompts = endpoint.prompt_ids(engine, req)
+        engine.check_params(req.common.params)
+        return req, endpoint.prompt_ids(engine, req)
+
+    async def generation(endpoint: GenerationEndpoint) -> Response:
+        """The one path of every generation endpoint: validate, check limits, then reply or stream."""
+        body = await json_body(endpoint.schema)
+        req, prompts = await preparer.run(lambda: prepare(endpoint, body))
         for ids in prompts:
             check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
         if req.common.grammar is not None:
@@ -195,15 +218,15 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize_endpoint() -> Response:
-        body = await json_body()
+        body = await json_body(TokenizeBody)
         check_optional_model(body)
-        return _json(tokenize.tokenize(engine, body))
+        return _json(await preparer.run(lambda: tokenize.tokenize(engine, body)))
 
     @app.post("/detokenize")
     async def detokenize_endpoint() -> Response:
-        body = await json_body()
+        body = await json_body(DetokenizeBody)
         check_optional_model(body)
-        return _json(tokenize.detokenize(engine, body))
+        return _json(await preparer.run(lambda: tokenize.detokenize(engine, body)))
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

@@ -16,9 +16,10 @@ from trillm.api import logprobs
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
+from trillm.api.input_limits import check_text, message_texts
 from trillm.api.reasoning import THINKING, ChoiceSplitter, request_style
 from trillm.api.responses import new_completion_id, usage
-from trillm.api.schemas.chat import ChatRequest, parse_chat_request
+from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
 from trillm.api.tools.formats import ToolFormat, choose
 from trillm.api.tools.prompt import template_messages
@@ -48,11 +49,14 @@ def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequ
 
 
 def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
+    """The prompt's token ids: the chat template over the messages, or the raw prompt. Synchronous and
+    slow for a big input: the app calls it in a worker thread."""
     tok = engine.tokenizer
     if req.messages is not None:
         template = getattr(tok, "chat_template", None)
         if not template:
             raise ApiError("this model has no chat template; send 'prompt' instead", param="messages")
+        check_text(engine, message_texts(req.messages), "messages")  # before paying for the template
         fmt = req.tool_format or choose("auto", template)
         messages, tools = template_messages(template, list(req.messages), req.tools, fmt)
         extra = req.chat_template_kwargs or {}
@@ -66,6 +70,7 @@ def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:
                 raise
             raise ApiError(f"chat_template_kwargs: {exc}", param="chat_template_kwargs") from None
         return [tok(text, add_special_tokens=False)["input_ids"]]
+    check_text(engine, [req.prompt or ""], "prompt")
     return [tok(req.prompt)["input_ids"]]
 
 
@@ -142,6 +147,7 @@ class ChatChunks:
     streams: dict[int, ToolStream] = attrs.field(factory=dict)  # per choice, with tools
     id_prefix: str = "chatcmpl"
     generates: bool = True
+    legacy: bool = False  # the request sent ``functions``: one call, as ``function_call`` deltas
 
     def _choice(self, index: int, delta: dict[str, Any], finish_reason: str | None, lps: Any = ()) -> dict[str, Any]:
         return {
@@ -168,13 +174,17 @@ class ChatChunks:
         """Reasoning as it comes; content until a call may start, then the calls as ``tool_calls`` deltas."""
         assert self.tool_format is not None
         stream = self.streams.setdefault(out.index, ToolStream(self.tool_format))
-        deltas = [{"reasoning_content": split["reasoning_content"]}] if split.get("reasoning_content") else []
+        deltas: list[dict[str, Any]] = (
+            [{"reasoning_content": split["reasoning_content"]}] if split.get("reasoning_content") else []
+        )
         deltas += stream.feed(split.get("content", ""))
         finish_reason = out.finish_reason
         if finish_reason:
             deltas += stream.finish()
             if stream.calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+                finish_reason = "function_call" if self.legacy else "tool_calls"
+        if self.legacy:
+            deltas = [_legacy_delta(d) for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
         if out.logprobs and not deltas:
             deltas = [{"content": ""}]  # the tokens' logprobs, without their text (markup) yet
         for i, delta in enumerate(deltas):
@@ -184,6 +194,14 @@ class ChatChunks:
 
     def cut(self, index: int) -> dict[str, Any]:
         return self._choice(index, self.split.flush(index), "length")
+
+
+def _legacy_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    """A ``tool_calls`` delta of the first call in OpenAI's older shape (``function_call``)."""
+    if "tool_calls" not in delta:
+        return delta
+    function = delta["tool_calls"][0]["function"]
+    return {"function_call": {k: function[k] for k in ("name", "arguments") if k in function}}
 
 
 def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
@@ -197,12 +215,16 @@ def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
         ),
         renderer=lambda engine, req, prompts: chunks(engine, req, reasoning_parser),
         bind=bind,
+        schema=ChatCompletionBody,
     )
 
 
 def chunks(engine: EngineHandle, req: ChatRequest, reasoning_parser: str | None = None) -> ChatChunks:
     """The stream's deltas of ``req`` (the Responses API translates them into its own events)."""
-    return ChatChunks(engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format)
+    legacy = req.tools is not None and req.tools.legacy
+    return ChatChunks(
+        engine, req.common.params, req.common.n, _splitter(reasoning_parser, req), req.tool_format, legacy=legacy
+    )
 
 
 def _splitter(reasoning_parser: str | None, req: ChatRequest) -> ChoiceSplitter:

@@ -14,15 +14,20 @@ import attrs
 from trillm.api import logprobs
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.gateway import EngineHandle
+from trillm.api.input_limits import check_text
 from trillm.api.responses import new_completion_id, usage
-from trillm.api.schemas.completion import CompletionRequest, parse_completion_request
+from trillm.api.schemas.completion import CompletionBody, CompletionRequest, parse_completion_request
 from trillm.api.submission import collect, submit_choices
 from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.outputs import RequestOutput
 
 
 def prompt_ids(engine: EngineHandle, req: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids (text tokenized, ids as given); the app calls it in a worker thread."""
     tok = engine.tokenizer
+    for p in req.prompts:
+        if isinstance(p, str):
+            check_text(engine, [p], "prompt")
     return [list(p) if isinstance(p, tuple) else tok(p)["input_ids"] for p in req.prompts]
 
 
@@ -149,4 +154,5 @@ ENDPOINT = GenerationEndpoint(
     prompt_param=lambda req: "prompt",
     complete=complete,
     renderer=CompletionChunks,
+    schema=CompletionBody,
 )

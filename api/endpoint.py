@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
+from pydantic import BaseModel
 
 from trillm.api.gateway import EngineHandle
 from trillm.api.streaming import ChunkRenderer, stream_choices
@@ -33,6 +34,7 @@ class GenerationEndpoint:
     stream: Callable[[EngineHandle, str, Any, list[list[int]], float], AsyncIterator[bytes]] | None = None
     # The request with what depends on the model and the server settings decided (chat: the tool format).
     bind: Callable[[EngineHandle, Any, ServerContext], Any] = lambda engine, req, ctx: req
+    schema: type[BaseModel] | None = None  # the body's declaration: names the field of a value refused in decoding
 
     def events(
         self, engine: EngineHandle, model: str, req: Any, prompts: list[list[int]], deadline: float

@@ -30,6 +30,9 @@ class EngineHandle(Protocol):
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ``RequestRejected`` for a prompt that can never run."""
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ``RequestRejected`` for sampling parameters the model cannot honour (``logit_bias`` ids)."""
+
     def check_capacity(self, count: int) -> None:
         """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the queue."""
 

@@ -17,7 +17,7 @@ from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses_output import STATUS, ResponseEvents, new_id, output_items, response_object, usage
-from trillm.api.schemas.responses import ResponsesRequest, parse_responses_request
+from trillm.api.schemas.responses import ResponsesBody, ResponsesRequest, parse_responses_request
 from trillm.api.streaming import relay
 
 
@@ -74,4 +74,5 @@ def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
         ),
         stream=stream,
         bind=chat.bind,
+        schema=ResponsesBody,
     )

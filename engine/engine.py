@@ -156,6 +156,12 @@ class Engine:
         if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
             raise RequestRejected(f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise ``RequestRejected`` for sampling parameters this model cannot honour."""
+        vocab = self.model.shape.vocab_size
+        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
+            raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab - 1}]", "logit_bias")
+
     def check_capacity(self, count: int) -> None:
         """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the waiting queue."""
         queued = len(self.router.live) - len(self.scheduler.running)  # submitted, not yet running
@@ -185,31 +191,35 @@ class Engine:
         if not self._running:
             raise EngineNotRunning("the engine is not running")
         self.check_capacity(len(requests))
-        for prompt_ids, _ in requests:
+        for prompt_ids, params in requests:
             self.check_prompt(prompt_ids)
-        send, receive = trio.open_memory_channel[RequestOutput](math.inf)
-        ids = []
+            self.check_params(params)
+        # Every sequence is built before any is queued: one that fails to build queues none.
+        seqs = [self._sequence(prompt_ids, params) for prompt_ids, params in requests]
         leaders: dict[tuple[int, ...], Sequence] = {}
+        for seq in seqs:
+            if seq.params.prompt_logprobs is None:  # else each choice computes (and scores) its prompt
+                seq.leader = leaders.setdefault(tuple(seq.prompt_ids), seq)
+                if seq.leader is seq:
+                    seq.leader = None
+        send, receive = trio.open_memory_channel[RequestOutput](math.inf)
         with send:
-            for index, (prompt_ids, params) in enumerate(requests):
-                request_id = f"req-{next(_ids)}"
-                max_len = self.max_model_len
-                if params.max_tokens is not None:
-                    max_len = min(max_len, len(prompt_ids) + params.max_tokens)
-                seq = Sequence(
-                    request_id, list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic()
-                )
-                if params.seed is not None:
-                    seq.generator = torch.Generator().manual_seed(params.seed)
-                if params.grammar is not None:
-                    seq.matcher = Matcher(params.grammar)
-                if params.prompt_logprobs is None:  # else each choice computes (and scores) its prompt
-                    seq.leader = leaders.setdefault(tuple(prompt_ids), seq)
-                    if seq.leader is seq:
-                        seq.leader = None
+            for index, seq in enumerate(seqs):
                 self._inbox_tx.send_nowait(_Submit(self.router.open(seq, send.clone(), index)))
-                ids.append(request_id)
-        return ids, receive
+        return [seq.request_id for seq in seqs], receive
+
+    def _sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        max_len = self.max_model_len
+        if params.max_tokens is not None:
+            max_len = min(max_len, len(prompt_ids) + params.max_tokens)
+        seq = Sequence(
+            f"req-{next(_ids)}", list(prompt_ids), params, max_len, self.eos_ids, arrival_time=time.monotonic()
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        if params.grammar is not None:
+            seq.matcher = Matcher(params.grammar)
+        return seq
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
         """``spec`` compiled for this tokenizer, for ``SamplingParams.grammar``; off the event

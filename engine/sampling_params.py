@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import attrs
 
 if TYPE_CHECKING:
     from trillm.engine.structured import CompiledGrammar
+
+# What ``torch.Generator.manual_seed`` takes (a negative seed is read as its 64-bit two's complement).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @attrs.frozen
@@ -43,6 +47,11 @@ class SamplingParams:
     grammar: CompiledGrammar | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
+        floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)
+        if not all(map(math.isfinite, (*floats, self.repetition_penalty, *(b for _, b in self.logit_bias)))):
+            raise ValueError("sampling parameters must be finite numbers")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}]")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:

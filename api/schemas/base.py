@@ -35,12 +35,15 @@ def _nullable_optionals(schema: dict[str, Any], cls: type) -> None:
 class RequestModel(BaseModel):
     """Base of every request body and nested request object.
 
-    Strict: ``"1"`` is not 1, ``1.5`` or ``true`` is not an integer. Extra
+    Strict: ``"1"`` is not 1, ``1.5`` or ``true`` is not an integer; NaN and infinities are not
+    numbers (``api/body.py`` refuses them in the body already, naming the field). Extra
     fields are ignored (benchmark clients send them). ``null`` means "not
     given": the field takes its default and is absent from ``model_fields_set``.
     """
 
-    model_config = ConfigDict(strict=True, extra="ignore", frozen=True, json_schema_extra=_nullable_optionals)
+    model_config = ConfigDict(
+        strict=True, extra="ignore", frozen=True, allow_inf_nan=False, json_schema_extra=_nullable_optionals
+    )
 
     @model_validator(mode="before")
     @classmethod

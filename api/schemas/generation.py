@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from trillm.api.schemas.base import Not, RequestModel, invalid
 from trillm.api.schemas.structured import StructuredFields
-from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 from trillm.engine.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 4
@@ -95,12 +95,12 @@ class GenerationBody(StructuredFields):
         description="vLLM semantics over prompt and generated tokens: positive logits divided, negative multiplied",
     )
     logit_bias: dict[_TokenKey, _Bias] | None = Field(
-        None, description="token id (a string key) -> bias added to its logit"
+        None, description="token id (a string key) -> bias added to its logit; ids outside the vocabulary are a 400"
     )
     seed: int | None = Field(
         None,
-        ge=-(2**63),
-        le=2**64 - 1,
+        ge=SEED_MIN,
+        le=SEED_MAX,
         description="per-request generator: same seed and parameters give the same text whatever else is in the batch",
     )
     n: int = Field(
@@ -118,6 +118,8 @@ class GenerationBody(StructuredFields):
 
     @model_validator(mode="after")
     def _check_common(self) -> GenerationBody:
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:  # choice j samples with seed + j
+            raise invalid(f"must be at most {SEED_MAX - self.n + 1} with n = {self.n} (choice j uses seed + j)", "seed")
         if self.stream_options is not None and not self.stream:
             raise invalid("is only allowed when 'stream' is true", "stream_options")
         if "max_tokens" in self.model_fields_set and self.max_completion_tokens not in (None, self.max_tokens):
