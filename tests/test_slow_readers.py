@@ -19,8 +19,12 @@ from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 
-from tests.helpers import wait_idle
+from tests.helpers import make_engine, wait_idle
 from tests.server import MODEL, QUESTION, client, in_thread, running_server
+
+# These tests time things; on 2 cores shared with other work, one torch thread keeps a step
+# near its quiet-machine time where two threads contending with others can be 10-20x slower.
+ONE_THREAD = {"num_threads": 1}
 
 
 def _out(index: int, text: str, token: int, finish: str | None = None, n: int = 1) -> RequestOutput:
@@ -77,7 +81,9 @@ async def test_a_cancelled_receive_loses_nothing_and_a_closed_mailbox_refuses_pu
 # -- the engine: one pending output, whatever the consumer does -------------------------------
 
 
-async def test_a_consumer_that_lags_gets_the_same_tokens_and_text_in_fewer_outputs(engine, tokenizer):
+async def test_a_consumer_that_lags_gets_the_same_tokens_and_text_in_fewer_outputs(model_parts, tokenizer, nursery):
+    engine = make_engine(model_parts, **ONE_THREAD)
+    await nursery.start(engine.run)
     ids = tokenizer("Write a long story about a lighthouse keeper.")["input_ids"]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     fast: list[RequestOutput] = []
@@ -100,12 +106,11 @@ async def test_a_consumer_that_lags_gets_the_same_tokens_and_text_in_fewer_outpu
     assert "".join(o.text for o in slow) == "".join(o.text for o in fast)
     assert slow[-1].finish_reason == "length" and slow[-1].num_output_tokens == 60
     assert engine.stats().num_merged_outputs == sum(len(o.token_ids) - 1 for o in slow)
+    await wait_idle(engine)
 
 
 async def test_a_consumer_that_takes_nothing_is_aborted_after_the_stall_timeout(model_parts, tokenizer, nursery):
-    from tests.helpers import make_engine
-
-    eng = make_engine(model_parts, stall_timeout=0.5)
+    eng = make_engine(model_parts, stall_timeout=0.5, **ONE_THREAD)
     await nursery.start(eng.run)
     ids = tokenizer("Tell me everything about the sea.")["input_ids"]
     _, outputs = eng.submit(ids, SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True))
@@ -142,6 +147,10 @@ def _raw_request(port: int, body: dict, rcvbuf: int | None = None) -> socket.soc
     return sock
 
 
+# Each event carries 20 alternatives per token (~2.5 kB), so a socket fills within a few tokens.
+NEIGHBOUR = {**LONG, "max_tokens": 2000, "stream": True, "logprobs": True, "top_logprobs": 20}
+
+
 async def _token_gaps(http: httpx.AsyncClient, max_tokens: int) -> list[float]:
     """Seconds between consecutive content chunks of one stream read as fast as it comes."""
     times = []
@@ -153,104 +162,118 @@ async def _token_gaps(http: httpx.AsyncClient, max_tokens: int) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-async def _gaps_beside(http: httpx.AsyncClient, streams: int, max_tokens: int) -> list[float]:
+async def _gaps_of_two_streams(http: httpx.AsyncClient, max_tokens: int) -> list[float]:
     gaps: list[float] = []
 
     async def one() -> None:
         gaps.extend(await _token_gaps(http, max_tokens))
 
     async with trio.open_nursery() as nursery:
-        for _ in range(streams):
-            nursery.start_soon(one)
+        nursery.start_soon(one)
+        nursery.start_soon(one)
     return gaps
 
 
 async def test_a_client_that_reads_nothing_is_held_in_one_output_slows_no_one_and_is_aborted(model_parts):
-    async with running_server(model_parts, stall_timeout=4.0) as server:
+    async with running_server(model_parts, send_buffer=4096, stall_timeout=5.0, **ONE_THREAD) as server:
         engine = server.engine
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            # Baseline: the same load, with a neighbour that reads as fast as it comes.
-            async with http.stream(
-                "POST", "/v1/chat/completions", json={**LONG, "max_tokens": 2000, "stream": True}
-            ) as fast:
-                lines = fast.aiter_lines()
-                await lines.__anext__()
-                baseline = await _gaps_beside(http, 2, 60)
-            await wait_idle(engine)
+            # Baseline: the same load beside a neighbour that reads everything as it comes.
+            async with trio.open_nursery() as nursery:
 
-            # A neighbour that reads nothing: tiny receive window, never a recv.
-            sock = _raw_request(server.port, {**LONG, "max_tokens": 2000, "stream": True}, rcvbuf=4096)
+                async def read_all() -> None:
+                    async with http.stream("POST", "/v1/chat/completions", json=NEIGHBOUR) as response:
+                        async for _ in response.aiter_bytes():
+                            pass
+
+                nursery.start_soon(read_all)
+                while engine.stats().generation_tokens_total == 0:
+                    await trio.sleep(0.01)
+                baseline = await _gaps_of_two_streams(http, 20)
+                nursery.cancel_scope.cancel()  # the neighbour leaves: aborted
+            await wait_idle(engine)
+            assert engine.stats().num_merged_outputs == 0  # nobody lagged
+
+            # A neighbour that reads nothing: a small receive window and never a recv.
+            sock = _raw_request(server.port, NEIGHBOUR, rcvbuf=4096)
             try:
-                with trio.fail_after(30):  # its socket fills; then its outputs merge
-                    while engine.stats().num_merged_outputs < 20:
-                        await trio.sleep(0.05)
+                with trio.fail_after(60):  # its socket fills within a few tokens; then its outputs merge
+                    while engine.stats().num_merged_outputs == 0:
+                        await trio.sleep(0.01)
                 (slow,) = engine.router.live.values()
-                pending_seen: list[int] = []
+                pending: list[tuple[int, int]] = []  # (outputs, tokens) waiting for it
 
                 async def watch() -> None:
                     while slow.seq.request_id in engine.router.live:
-                        pending_seen.append(slow.mailbox.num_pending)
+                        pending.append((slow.mailbox.num_pending, slow.mailbox.pending_tokens))
                         await trio.sleep(0.01)
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(watch)
-                    beside_slow = await _gaps_beside(http, 2, 60)
-                    with trio.fail_after(30):
+                    beside_slow = await _gaps_of_two_streams(http, 20)
+                    with trio.fail_after(60):  # then the stall timeout aborts it
                         while engine.stats().num_stalled == 0:
                             await trio.sleep(0.05)
-                await wait_idle(engine)  # aborted, its pages freed
+                await wait_idle(engine)  # its pages are free
             finally:
                 sock.close()
     stats = engine.stats()
-    assert stats.num_stalled == 1 and stats.num_aborted == 2  # the fast neighbour was cut by the test
-    assert pending_seen and max(pending_seen) == 1  # one pending output, however long it lags
-    assert stats.num_merged_outputs > 100
+    assert stats.num_stalled == 1 and stats.num_aborted == 2  # and the first neighbour, cut by the test
+    assert max(outputs for outputs, _ in pending) == 1  # one pending output, however long it lags
+    assert max(tokens for _, tokens in pending) >= 10 and stats.num_merged_outputs >= 9
     # Its neighbours' inter-token latency is what it was beside a fast reader (2 shared cores: loose).
     base, beside = statistics.median(baseline), statistics.median(beside_slow)
-    assert beside < 1.5 * base + 0.01, (base, beside)
+    assert beside < 1.5 * base + 0.02, (base, beside)
 
 
-async def test_a_queued_stream_gets_pings_that_the_openai_client_ignores(model_parts):
+async def test_queued_streams_get_pings_that_the_openai_client_ignores(model_parts):
     from trillm.api.settings import ServerConfig
 
-    settings = ServerConfig(sse_ping_interval=0.2)
-    async with running_server(model_parts, server=settings, max_num_seqs=1) as server:
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-            body = {**LONG, "max_tokens": 200, "stream": True}
-            async with http.stream("POST", "/v1/chat/completions", json=body) as ahead:
-                await ahead.aiter_lines().__anext__()  # it runs: the next one waits in the queue
-                async with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 3}) as queued:
-                    lines = [line async for line in queued.aiter_lines() if line]
-                await ahead.aread()
-            first_data = next(i for i, line in enumerate(lines) if i > 0 and line.startswith("data: "))
-            assert lines[0].startswith("data: {")  # the opening chunk goes out at once
-            assert lines[1:first_data] == [": ping"] * (first_data - 1) and first_data >= 3
-            assert lines[-1] == "data: [DONE]"
+    settings = ServerConfig(sse_ping_interval=0.1)
+    async with running_server(model_parts, server=settings, max_num_seqs=1, **ONE_THREAD) as server:
+        oai = client(server)
+        lines: list[str] = []
+        chunks: list = []
 
+        async def raw() -> None:
+            async with http.stream("POST", "/v1/chat/completions", json={**body, "max_tokens": 3}) as queued:
+                lines.extend([line async for line in queued.aiter_lines() if line])
+
+        async def sdk() -> None:
+            stream = await in_thread(
+                oai.chat.completions.create,
+                model=MODEL,
+                messages=QUESTION,
+                max_tokens=3,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            chunks.extend(await in_thread(list, stream))
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            body = {**LONG, "max_tokens": 40, "stream": True}
             async with http.stream("POST", "/v1/chat/completions", json=body) as ahead:
-                await ahead.aiter_lines().__anext__()
+                rest = ahead.aiter_lines()
+                await rest.__anext__()  # submitted: with one running sequence, the next ones wait
                 started = trio.current_time()
-                oai = client(server)
-                stream = await in_thread(
-                    oai.chat.completions.create,
-                    model=MODEL,
-                    messages=QUESTION,
-                    max_tokens=3,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                chunks = await in_thread(list, stream)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(raw)
+                    nursery.start_soon(sdk)
+                    assert sum(['"finish_reason":"length"' in line async for line in rest]) == 1
                 waited = trio.current_time() - started
-                await ahead.aread()
-    assert waited > 0.6  # it sat in the queue through several pings
+        await wait_idle(server.engine)
+    first_data = next(i for i, line in enumerate(lines) if i > 0 and line.startswith("data: "))
+    assert lines[0].startswith("data: {")  # the opening chunk goes out at once
+    assert lines[1:first_data] == [": ping"] * (first_data - 1) and first_data >= 3, lines
+    assert lines[-1] == "data: [DONE]"
+    assert waited > 0.3  # the SDK's request sat in the queue through pings too
     assert chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    await wait_idle(server.engine)
 
 
 async def test_a_non_streaming_request_stops_within_a_step_when_its_client_leaves(model_parts):
-    async with running_server(model_parts) as server:
+    async with running_server(model_parts, **ONE_THREAD) as server:
         engine = server.engine
         sock = _raw_request(server.port, {**LONG, "max_tokens": 2000})
         with trio.fail_after(30):
