@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import time
 from typing import Any
 
@@ -76,6 +77,7 @@ def create_app(
         server = server_config_from_env()
     request_timeout = server.timeout_seconds
     default_max_tokens = server.default_max_tokens
+    ping_interval = server.sse_ping_interval or math.inf
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
@@ -198,7 +200,7 @@ def create_app(
             return _json(await endpoint.complete(engine, model_name, req, prompts, deadline))
         # Before the stream starts, so a full queue is a real 503 rather than an error event in a 200 stream.
         engine.check_capacity(len(prompts) * req.common.n)
-        return sse_response(endpoint.events(engine, model_name, req, prompts, deadline))
+        return sse_response(endpoint.events(engine, model_name, req, prompts, deadline, ping_interval))
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

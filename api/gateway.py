@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-import trio
-
-from trillm.engine.outputs import RequestOutput
+from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import CompiledGrammar, GrammarSpec
 
@@ -36,10 +34,8 @@ class EngineHandle(Protocol):
     def check_capacity(self, count: int) -> None:
         """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the queue."""
 
-    def submit_many(
-        self, requests: list[tuple[list[int], SamplingParams]]
-    ) -> tuple[list[str], trio.MemoryReceiveChannel[RequestOutput]]:
-        """Queue requests whose outputs share one channel; closing it cancels them."""
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[str], OutputMailbox]:
+        """Queue requests whose outputs share one mailbox; closing it cancels them."""
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile a structured-output constraint; raises ``GrammarError``."""

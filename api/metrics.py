@@ -41,6 +41,11 @@ class EngineCollector:
             yield g
         counters = {
             "num_requests_aborted": ("Requests cancelled by their client or a deadline.", s.num_aborted),
+            "num_requests_stalled": (
+                "Requests aborted because their client read nothing for the stall timeout.",
+                s.num_stalled,
+            ),
+            "stream_outputs_merged": ("Outputs merged into one their client had not taken yet.", s.num_merged_outputs),
             "num_preemptions": ("Running requests preempted for lack of pages.", s.num_preemptions),
             "prompt_tokens": ("Prompt tokens admitted.", s.prompt_tokens_total),
             "generation_tokens": ("Tokens generated.", s.generation_tokens_total),

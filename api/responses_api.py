@@ -61,9 +61,11 @@ def prompt_ids(engine: EngineHandle, req: ResponsesRequest) -> list[list[int]]:
 def endpoint(reasoning_parser: str | None = None) -> GenerationEndpoint:
     """The Responses endpoint; ``reasoning_parser`` (the server's setting) makes thinking a reasoning item."""
 
-    def stream(engine: EngineHandle, model: str, req: Any, prompts: list[list[int]], deadline: float) -> Any:
+    def stream(
+        engine: EngineHandle, model: str, req: Any, prompts: list[list[int]], deadline: float, ping: float
+    ) -> Any:
         events = ResponseEvents(engine, chat.chunks(engine, req, reasoning_parser), req, model, len(prompts[0]))
-        return relay(engine, prompts, req.common.params, 1, deadline, events)
+        return relay(engine, prompts, req.common.params, 1, deadline, events, ping)
 
     return GenerationEndpoint(
         parse=parse_responses_request,

@@ -66,6 +66,12 @@ class ServerConfig:
         doc_default="none",
         validator=_positive,
     )
+    sse_ping_interval: float | None = setting(
+        10.0,
+        "seconds without an event after which a stream sends an SSE comment (`: ping`), so that proxies "
+        "with idle timeouts keep it open while it waits in the queue or prefills; 0: never",
+        validator=_not_negative,
+    )
 
     api_key: tuple[str, ...] = setting(
         (),

@@ -7,17 +7,26 @@ opening chunks, the cut at the deadline); the Responses API sends typed events.
 
 Cancellation: the stream is an async generator that Quart-Trio cancels
 (``trio.Cancelled``) or closes (``GeneratorExit``) when the client goes away; its
-``finally`` closes the output channel and aborts every choice with synchronous
+``finally`` closes the output mailbox and aborts every choice with synchronous
 calls only, so the scheduler frees the pages within one step.
+
+Slow readers: the generator takes the next output only once Hypercorn has written
+the previous events to the socket, so a client that reads slowly gets bigger
+deltas (the engine's ``OutputMailbox`` merges what it has not taken) and one that
+reads nothing is aborted by the engine after ``stall_timeout``. Silence (queued,
+prefilling) longer than the ping interval sends an SSE comment, ``: ping``, which
+clients ignore and proxies count as traffic.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
 import attrs
+import trio
 
 from trillm.api.errors import ApiError, from_engine
 from trillm.api.gateway import EngineHandle
@@ -25,6 +34,8 @@ from trillm.api.responses import new_completion_id, sse, stream_end, stream_fail
 from trillm.api.submission import ChoiceProgress, RequestTimedOut, abort_all, receive_until, submit_choices
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+
+PING = b": ping\n\n"  # an SSE comment: every client skips it, every proxy sees traffic
 
 
 class StreamWriter(Protocol):
@@ -50,9 +61,11 @@ async def relay(
     n: int,
     deadline: float,
     writer: StreamWriter,
+    ping: float = math.inf,
 ) -> AsyncIterator[bytes]:
     """Submit every choice, then the writer's opening, its events for each output, [its cut
-    at the deadline] and its end. The engine's requests are aborted however the stream ends."""
+    at the deadline] and its end, with ``PING`` after ``ping`` seconds without an output. The
+    engine's requests are aborted however the stream ends."""
     try:
         request_ids, outputs = submit_choices(engine, prompts, params, n)
     except Exception as exc:
@@ -68,7 +81,14 @@ async def relay(
                 yield event
             progress = ChoiceProgress(len(prompts) * n)
             try:
-                while (out := await receive_until(outputs, deadline)) is not None:
+                while True:
+                    with trio.move_on_after(ping) as silence:  # covers one receive, never a yield
+                        out = await receive_until(outputs, deadline)
+                    if silence.cancelled_caught:
+                        yield PING
+                        continue
+                    if out is None:
+                        break
                     progress.record(out)
                     for event in writer.pieces(out):
                         yield event
@@ -114,6 +134,7 @@ def stream_choices(
     include_usage: bool,
     deadline: float,
     renderer: ChunkRenderer,
+    ping: float = math.inf,
 ) -> AsyncIterator[bytes]:
     """SSE: the opening chunks, a chunk per piece of output, [usage], ``[DONE]``.
 
@@ -122,7 +143,8 @@ def stream_choices(
     submit time (the queue filled since the up-front check, shutdown) is an
     error event; a bug is an error event too, never a cut connection.
     """
-    return relay(engine, prompts, params, n, deadline, ChunkWriter(renderer, model, prompts, n, include_usage))
+    writer = ChunkWriter(renderer, model, prompts, n, include_usage)
+    return relay(engine, prompts, params, n, deadline, writer, ping)
 
 
 @attrs.define

@@ -14,6 +14,7 @@ from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
 from trillm.engine.errors import PromptTooLong, RequestRejected
 from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarError
@@ -63,7 +64,7 @@ async def with_grammar(engine: EngineHandle, req: Any) -> Any:
 
 def submit_choices(
     engine: EngineHandle, prompts: list[list[int]], params: SamplingParams, n: int
-) -> tuple[list[str], trio.MemoryReceiveChannel[RequestOutput]]:
+) -> tuple[list[str], OutputMailbox]:
     """Every prompt n times; output ``index`` = prompt_index * n + j, as OpenAI orders choices.
 
     Raises the engine's ``RequestRejected``, ``EngineOverloaded`` or ``EngineNotRunning``."""
@@ -100,7 +101,7 @@ class RequestTimedOut(Exception):
     """The server-side deadline (``TRILLM_REQUEST_TIMEOUT``) passed."""
 
 
-async def receive_until(outputs: trio.MemoryReceiveChannel[RequestOutput], deadline: float) -> RequestOutput | None:
+async def receive_until(outputs: OutputMailbox, deadline: float) -> RequestOutput | None:
     """The next output, or None when every choice has ended.
 
     The cancel scope covers only this one receive, never a ``yield`` of a
@@ -142,7 +143,7 @@ class Collected:
 async def collect(
     engine: EngineHandle,
     request_ids: list[str],
-    outputs: trio.MemoryReceiveChannel[RequestOutput],
+    outputs: OutputMailbox,
     prefixes: list[str],
     deadline: float,
 ) -> Collected:

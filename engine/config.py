@@ -100,6 +100,14 @@ class EngineConfig:
         "seconds a grammar may take to compile before the request gets a 400",
         validator=attrs.validators.gt(0),
     )
+    stall_timeout: float | None = setting(
+        None,
+        "seconds an output may wait for its consumer (a streaming client that reads nothing: its socket "
+        "is full) before the request is aborted and its pages freed; a slow reader's outputs are merged "
+        "meanwhile; 0: never",
+        doc_default="none",
+        validator=attrs.validators.optional(attrs.validators.ge(0)),
+    )
     cache_dir: str = setting(
         str(cpu_build.DEFAULT_CACHE_DIR),
         "where converted weights and the compiled CPU kernels live",

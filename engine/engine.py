@@ -1,11 +1,12 @@
 """The engine: a scheduler actor and a model-runner actor in one nursery.
 
-Callers talk to it through three calls: ``submit`` (returns the receive end
-of a per-request output channel), ``abort`` (idempotent) and simply closing
-that receive end. Both ``submit`` and ``abort`` are synchronous, so a handler
-can release its request from a ``finally`` block even while it is being
-cancelled. The actors only move messages: the loop itself is
-``scheduling.step_loop``, the output path ``scheduling.output_router``.
+Callers talk to it through three calls: ``submit`` (returns the request's
+``OutputMailbox``, a receive channel that merges what a slow consumer has not
+taken yet), ``abort`` (idempotent) and simply closing that mailbox. Both
+``submit`` and ``abort`` are synchronous, so a handler can release its request
+from a ``finally`` block even while it is being cancelled. The actors only move
+messages: the loop itself is ``scheduling.step_loop``, the output path
+``scheduling.output_router``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult, kv_bytes_per_token
 from trillm.engine.execution.sampler import Sampled
+from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
@@ -46,6 +48,7 @@ __all__ = [
     "EngineNotRunning",
     "EngineOverloaded",
     "EngineStats",
+    "OutputMailbox",
     "RequestOutput",
     "RequestRejected",
     "load_model",
@@ -93,7 +96,7 @@ class Engine:
             graph_batch=config.max_num_seqs if graphs else 0,
             max_model_len=self.max_model_len,
         )
-        self.router = OutputRouter(tokenizer)
+        self.router = OutputRouter(tokenizer, config.stall_timeout)
         self.grammars = GrammarCompiler(
             tokenizer,
             model.shape.vocab_size,
@@ -108,6 +111,7 @@ class Engine:
         self._running = False
         self._limiter = trio.CapacityLimiter(1)
         self.num_aborted = 0
+        self.num_stalled = 0  # aborted because their consumer stopped taking outputs (``stall_timeout``)
         self.num_steps = 0
         self.prompt_tokens_total = 0
 
@@ -131,6 +135,8 @@ class Engine:
             total_pages=self.allocator.num_pages,
             num_open_requests=len(self.router.live),
             num_aborted=self.num_aborted,
+            num_stalled=self.num_stalled,
+            num_merged_outputs=self.router.outputs_merged,
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.router.generation_tokens_total,
@@ -168,25 +174,21 @@ class Engine:
         if queued + count > self.config.max_waiting:
             raise EngineOverloaded(f"{queued} requests are already waiting (the limit is {self.config.max_waiting})")
 
-    def submit(
-        self, prompt_ids: list[int], params: SamplingParams
-    ) -> tuple[str, trio.MemoryReceiveChannel[RequestOutput]]:
-        """Queue a request; return its id and the receive end of its outputs.
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, OutputMailbox]:
+        """Queue a request; return its id and the mailbox its outputs arrive in.
 
         Never blocks. Raises ``RequestRejected`` for a request that can never
         run and ``EngineNotRunning`` when the engine is stopped. Closing the
-        returned channel cancels the request.
+        returned mailbox cancels the request.
         """
         ids, receive = self.submit_many([(prompt_ids, params)])
         return ids[0], receive
 
-    def submit_many(
-        self, requests: list[tuple[list[int], SamplingParams]]
-    ) -> tuple[list[str], trio.MemoryReceiveChannel[RequestOutput]]:
-        """Queue several requests whose outputs share one channel (``RequestOutput.index``
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[str], OutputMailbox]:
+        """Queue several requests whose outputs share one mailbox (``RequestOutput.index``
         tells them apart): the choices of one API call. All or none are queued.
 
-        The channel ends when every request has finished; closing it cancels all of them.
+        The mailbox ends when every request has finished; closing it cancels all of them.
         """
         if not self._running:
             raise EngineNotRunning("the engine is not running")
@@ -202,11 +204,10 @@ class Engine:
                 seq.leader = leaders.setdefault(tuple(seq.prompt_ids), seq)
                 if seq.leader is seq:
                     seq.leader = None
-        send, receive = trio.open_memory_channel[RequestOutput](math.inf)
-        with send:
-            for index, seq in enumerate(seqs):
-                self._inbox_tx.send_nowait(_Submit(self.router.open(seq, send.clone(), index)))
-        return [seq.request_id for seq in seqs], receive
+        mailbox = OutputMailbox()
+        for index, seq in enumerate(seqs):
+            self._inbox_tx.send_nowait(_Submit(self.router.open(seq, mailbox, index)))
+        return [seq.request_id for seq in seqs], mailbox
 
     def _sequence(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         max_len = self.max_model_len
@@ -232,12 +233,10 @@ class Engine:
             self._inbox_tx.send_nowait(_Abort(request_id))
 
     @asynccontextmanager
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[trio.MemoryReceiveChannel[RequestOutput]]:
-        """Submit, yield the output channel, and release the request on exit.
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[OutputMailbox]:
+        """Submit, yield the output mailbox, and release the request on exit.
 
-        On cancellation (or any exit) the channel is closed and the request
+        On cancellation (or any exit) the mailbox is closed and the request
         aborted synchronously, so its pages are freed within one step.
         """
         request_id, receive = self.submit(prompt_ids, params)
@@ -346,9 +345,17 @@ class Engine:
             self.router.add_prompt_logprobs(batch.chunks[prompt.chunk].seq, prompt.start, prompt.entries)
         logprobs = {id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)}
         for seq, index in updated:
-            if not self.router.route(seq, index, logprobs.get(id(seq))):  # its consumer has gone
+            routed = self.router.route(seq, index, logprobs.get(id(seq)))
+            if routed == "gone":  # its consumer has left
                 self.num_aborted += 1
                 self._finish(seq.request_id, None)
+            elif routed == "stalled":  # its consumer took nothing for ``stall_timeout``: end it, say so
+                log.info(
+                    "request %s aborted: its client read nothing for %ss", seq.request_id, self.config.stall_timeout
+                )
+                self.num_aborted += 1
+                self.num_stalled += 1
+                self._finish(seq.request_id, "abort")
             elif seq.is_finished:  # a stop string may have ended it: free its pages now (else a no-op)
                 self.scheduler.abort(seq.request_id)
 

@@ -34,6 +34,8 @@ class EngineStats:
     total_pages: int
     num_open_requests: int
     num_aborted: int
+    num_stalled: int  # of those, aborted because their consumer took nothing for ``stall_timeout``
+    num_merged_outputs: int  # outputs merged into one their consumer had not taken yet (it lagged)
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -36,16 +37,24 @@ async def running_server(
     request_timeout: float | None = None,
     reasoning_parser: str | None = None,
     server: ServerConfig | None = None,
+    send_buffer: int | None = None,
     **engine_overrides,
 ) -> AsyncIterator[Server]:
     """Serve until the block ends; then the engine must be idle and everything stops.
 
-    ``server``: the HTTP settings (default: ``request_timeout`` and ``reasoning_parser`` alone)."""
+    ``server``: the HTTP settings (default: ``request_timeout`` and ``reasoning_parser`` alone).
+    ``send_buffer``: the kernel's send buffer of each connection, in bytes (the default grows to
+    megabytes on loopback, so a client that stops reading would block the server's sends late)."""
     engine = make_engine(model_parts, **engine_overrides)
     settings = server or ServerConfig(request_timeout=request_timeout, reasoning_parser=reasoning_parser)
     app = create_app(engine=engine, server=settings)
     config = Config()
     config.bind = ["127.0.0.1:0"]
+    if send_buffer is not None:  # accepted connections inherit the listener's buffer sizes
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        listener.bind(("127.0.0.1", 0))
+        config.bind = [f"fd://{listener.detach()}"]  # Hypercorn owns (and closes) it
     config.accesslog = None
     config.graceful_timeout = 2
     shutdown = trio.Event()

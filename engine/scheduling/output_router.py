@@ -1,27 +1,30 @@
-"""The output path: sampled tokens become text and reach each request's channel.
+"""The output path: sampled tokens become text and reach each request's mailbox.
 
 Like vLLM's ``OutputProcessor``: incremental detokenization, stop strings, the
-per-request timers, and the send to the consumer. All calls are synchronous
-(``send_nowait`` on unbounded channels), so the scheduler actor routes a whole
-step without yielding. A consumer that has gone away (its channel is closed) is
-reported back, so the caller can free that request's pages in the same step.
+per-request timers, and the hand-over to the consumer. All calls are synchronous
+(``OutputMailbox.put`` never blocks: a lagging consumer's outputs are merged), so
+the scheduler actor routes a whole step without yielding. A consumer that has gone
+away (its mailbox is closed) or stalled (an output has waited longer than
+``stall_timeout``) is reported back, so the caller can free that request's pages in
+the same step.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import attrs
-import trio
 
 from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.stop_strings import StopStringMatcher
 from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver, RequestTimer
 
-_GONE = (trio.BrokenResourceError, trio.ClosedResourceError)
+Routed = Literal["sent", "gone", "stalled"]
 
 
 @attrs.define(eq=False)
@@ -29,7 +32,7 @@ class LiveRequest:
     """A submitted request that has not ended: its sequence and where its outputs go."""
 
     seq: Sequence
-    channel: trio.MemorySendChannel[RequestOutput]
+    mailbox: OutputMailbox
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
     index: int
@@ -41,16 +44,19 @@ class LiveRequest:
 class OutputRouter:
     """Owns every open request's output state; the scheduler owns its pages."""
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: object, stall_timeout: float | None = None) -> None:
         self.tokenizer = tokenizer
+        self.stall_timeout = stall_timeout or None  # 0: off
         self.observer: EngineObserver = NullObserver()
         self.live: dict[str, LiveRequest] = {}
         self.generation_tokens_total = 0
+        self.outputs_merged = 0  # outputs merged into one their consumer had not taken yet (it lagged)
 
-    def open(self, seq: Sequence, channel: trio.MemorySendChannel[RequestOutput], index: int) -> LiveRequest:
+    def open(self, seq: Sequence, mailbox: OutputMailbox, index: int) -> LiveRequest:
+        mailbox.add_sender()
         live = LiveRequest(
             seq,
-            channel,
+            mailbox,
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
             StopStringMatcher(seq.params.stop),
             index,
@@ -72,11 +78,12 @@ class OutputRouter:
         if live is not None and live.prompt_logprobs is not None:
             live.prompt_logprobs[start : start + len(entries)] = entries
 
-    def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> bool:
+    def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> Routed:
         """Send ``seq.output_ids[index]`` (and its text) to its consumer.
 
-        Returns False when the consumer has gone: the caller must drop the request.
-        A stop string found in the text finishes the sequence here ("stop").
+        Returns "gone" when the consumer has left and "stalled" when its oldest output has
+        waited longer than ``stall_timeout``: the caller must drop the request. A stop string
+        found in the text finishes the sequence here ("stop").
         """
         live = self.live[seq.request_id]
         self.generation_tokens_total += 1
@@ -101,17 +108,19 @@ class OutputRouter:
             seq.num_cached_tokens,
             self._take_prompt_logprobs(live),
         )
-        try:
-            live.channel.send_nowait(output)
-        except _GONE:
-            return False
         now = time.monotonic()
+        merged = live.mailbox.num_merged
+        if not live.mailbox.put(output, now):
+            return "gone"
+        self.outputs_merged += live.mailbox.num_merged - merged
         live.timer.on_token(self.observer, now)
         if seq.is_finished:
             live.timer.on_finished(self.observer, seq.finish_reason or "stop", now)
-            live.channel.close()
+            live.mailbox.end()
             del self.live[seq.request_id]
-        return True
+        elif self.stall_timeout is not None and live.mailbox.waiting_for(now) > self.stall_timeout:
+            return "stalled"
+        return "sent"
 
     @staticmethod
     def _take_prompt_logprobs(live: LiveRequest) -> tuple[TokenLogprobs, ...] | None:
@@ -143,9 +152,6 @@ class OutputRouter:
                 (),
                 seq.num_cached_tokens,
             )
-            try:
-                live.channel.send_nowait(output)
-            except _GONE:
-                pass
-        live.channel.close()
+            live.mailbox.put(output)
+        live.mailbox.end()
         return True
