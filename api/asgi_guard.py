@@ -16,6 +16,11 @@ happens, so every connection that carried a response stays open for good.
   or 413 answered from the headers) waits briefly for a small remaining body,
   so the connection can be reused; otherwise it carries ``Connection: close``
   and Hypercorn closes it, instead of leaving the next request unanswered.
+
+It also serves a ``root_path`` (``--root-path``) both ways: Hypercorn passes the
+request's path as it came while Quart routes only paths under ``root_path``, so
+a proxy that strips the prefix (as uvicorn and vLLM expect) would get 404s;
+such a path gets the prefix put back, as uvicorn does.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class ConnectionGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        root = scope.get("root_path", "")
+        if root and scope["path"] != root and not scope["path"].startswith(root + "/"):
+            scope = {**scope, "path": root + scope["path"], "raw_path": root.encode() + scope.get("raw_path", b"")}
         exchange = _Exchange(scope, receive, send, self.drain_bytes, self.drain_seconds)
         await self.app(scope, exchange.receive, exchange.send)
 

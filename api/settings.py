@@ -28,6 +28,11 @@ def _positive(_: Any, attribute: attrs.Attribute, value: int | None) -> None:
         raise ValueError(f"{attribute.name} must be >= 1")
 
 
+def _root_path(_: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value and not value.startswith("/"):
+        raise ValueError(f"{attribute.name} must start with / (got {value!r})")
+
+
 @attrs.frozen
 class ServerConfig:
     """What the HTTP front door needs; the engine never sees it."""
@@ -58,7 +63,11 @@ class ServerConfig:
         True, "offer HTTP/2 to TLS clients (ALPN `h2`); off: HTTP/1.1 only over TLS", flag="--no-http2"
     )
     root_path: str = setting(
-        "", "path prefix a proxy serves the API under (ASGI `root_path`), e.g. `/llm`", doc_default="none"
+        "",
+        "path prefix the API is served under behind a proxy, e.g. `/llm` (ASGI `root_path`); paths are served "
+        "with it or without it (a proxy that strips it)",
+        doc_default="none",
+        validator=_root_path,
     )
     access_log: str | None = setting(
         None, "write an access log line per request to this file, or `-` for stdout", doc_default="none"

@@ -262,6 +262,17 @@ async def test_flood_of_idle_connections_does_not_stop_normal_traffic(served):
             await c.aclose()
 
 
+def test_listen_backlog_is_2048_not_hypercorns_100(served):
+    """The kernel's queue of connections not yet accepted (``ss`` shows it as a listener's Send-Q)."""
+    try:
+        out = subprocess.run(["ss", "-Hltn", f"sport = :{served.port}"], capture_output=True, text=True, check=True)
+    except FileNotFoundError:
+        pytest.skip("no ss command")
+    with open("/proc/sys/net/core/somaxconn") as f:
+        expected = min(2048, int(f.read()))
+    assert [int(line.split()[2]) for line in out.stdout.splitlines()] == [expected]
+
+
 async def test_burst_of_connections_after_a_storm_of_cancelled_streams_is_all_answered(served):
     """Every one of 300 new connections gets a reply (200, or 503 when the queue is full), none is dropped."""
 
@@ -337,6 +348,8 @@ async def test_tls_http2_root_path_and_access_log(model_parts, certificate, tmp_
             reply = await http.post("/v1/completions", json=body)
             assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
             assert (await http.get("/v1/models")).json()["data"][0]["id"] == MODEL
+            # A proxy that strips the prefix, as vLLM's deployments expect, is served too.
+            assert (await http.get(url + "/v1/models")).json()["data"][0]["id"] == MODEL
         with pytest.raises(httpx.TransportError):  # https only
             async with httpx.AsyncClient() as plain:
                 await plain.get(url.replace("https://", "http://") + "/llm/health", timeout=5)
