@@ -33,7 +33,7 @@ import trio
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its own with Hypercorn's TypedDicts
 
 DRAIN_BYTES = 64 * 1024  # most unread body worth reading to keep a connection
 DRAIN_SECONDS = 1.0  # most time an early response waits for the rest of a body
@@ -47,7 +47,7 @@ class ConnectionGuard:
         self.drain_bytes = drain_bytes
         self.drain_seconds = drain_seconds
 
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:  # typed as the app it stands for
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -83,7 +83,8 @@ class _Exchange:
         self._wait = wait
         self._declared = _declared_length(scope.get("headers", []))
         self._received = 0
-        self.body_complete = self._declared == 0
+        # HTTP/2 and 3 streams end on their own (and forbid ``Connection``): nothing to wait for.
+        self.body_complete = self._declared == 0 or not str(scope.get("http_version", "1.1")).startswith("1")
         self._settled = trio.Event()  # body complete, client gone, or more body than worth draining
         if self.body_complete:
             self._settled.set()
