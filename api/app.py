@@ -114,9 +114,8 @@ def create_app(
         if status == 404:  # no route: an OpenAI API not served here, or an unknown URL
             error = not_found(request.method, request.path)
             return _json(error.body(), error.status)
-        code = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}.get(
-            status
-        )
+        codes = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+        code = codes.get(status)
         message = exc.description or exc.name
         if status == 413:
             message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
