@@ -22,6 +22,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from trillm.api import auth, chat, completions, front_door, request_body, responses_api, tokenize
 from trillm.api import body as body_decoding
+from trillm.api.asgi_guard import ConnectionGuard
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.input_limits import Preparer, check_counts
@@ -81,6 +82,9 @@ def create_app(
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = server.body_timeout or None  # Quart's 408 for a body that stops arriving
+    # Connections closed and recycled as they should be (Quart-Trio cut Hypercorn short): asgi_guard.py.
+    app.asgi_app = ConnectionGuard(app.asgi_app)  # type: ignore[method-assign]
     model_name = server.served_model_name or engine.config.model
     registry, observer = metrics_registry(engine, model_name)
     host = EngineHost(engine, observer)
@@ -126,7 +130,8 @@ def create_app(
         if status == 404:  # no route: an OpenAI API not served here, or an unknown URL
             error = not_found(request.method, request.path)
             return _json(error.body(), error.status)
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+        codes = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "request_too_large"}
+        code = codes.get(status)
         message = exc.description or exc.name
         if status == 413:
             message = f"the request body is larger than {MAX_BODY_BYTES} bytes"

@@ -11,13 +11,16 @@ import logging
 import signal
 import sys
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.engine.config import EngineConfig
 from trillm.engine.settings import add_arguments, overrides_from
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,19 +34,36 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     add_arguments(p, ServerConfig)
 
 
-async def serve(app: Any, host: str, port: int) -> None:
+def hypercorn_config(server: ServerConfig) -> Config:
+    """Hypercorn's settings from ours: bind, backlog, keep-alive, TLS, HTTP/2, root path, access log.
+
+    Hypercorn's own ``read_timeout`` stays off: it limits every read, so it would cut a long
+    stream whose client sends nothing while it reads; ``--body-timeout`` is Quart's instead.
+    """
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"{server.host}:{server.port}"]
+    config.backlog = server.backlog
+    config.keep_alive_timeout = server.keep_alive_timeout
+    config.certfile = server.ssl_certfile
+    config.keyfile = server.ssl_keyfile
+    config.alpn_protocols = ["h2", "http/1.1"] if server.http2 else ["http/1.1"]
+    config.root_path = server.root_path
+    config.accesslog = server.access_log
+    config.graceful_timeout = 5
+    return config
+
+
+async def serve(app: Any, server: ServerConfig) -> None:
     """Serve until SIGINT/SIGTERM; then end open streams with a final chunk and exit.
 
     The engine is stopped before Hypercorn, so every stream gets its last
     chunk and ``[DONE]`` before the connections close.
     """
-    from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
-    config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.graceful_timeout = 5
+    config = hypercorn_config(server)
 
     async def shutdown_trigger() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -52,8 +72,11 @@ async def serve(app: Any, host: str, port: int) -> None:
         print("[trillm] shutting down: ending open streams", file=sys.stderr, flush=True)
         await app.extensions["trillm_host"].stop()
 
+    scheme = "https" if config.ssl_enabled else "http"
     print(
-        f"[trillm] serving {app.extensions['trillm_model_name']} on http://{host}:{port}", file=sys.stderr, flush=True
+        f"[trillm] serving {app.extensions['trillm_model_name']} on {scheme}://{server.host}:{server.port}",
+        file=sys.stderr,
+        flush=True,
     )
     await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
 
@@ -73,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         engine_config = config_from_env(**overrides_from(args, EngineConfig))
         server_config = server_config_from_env(**overrides_from(args, ServerConfig))
         app = create_app(config=engine_config, server=server_config)
-        trio.run(partial(serve, app, server_config.host, server_config.port))
+        trio.run(partial(serve, app, server_config))
     elif args.command == "bench":
         from trillm.bench.run import run_bench
 

@@ -29,12 +29,50 @@ def _positive(_: Any, attribute: attrs.Attribute, value: int | None) -> None:
         raise ValueError(f"{attribute.name} must be >= 1")
 
 
+def _root_path(_: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value and not value.startswith("/"):
+        raise ValueError(f"{attribute.name} must start with / (got {value!r})")
+
+
 @attrs.frozen
 class ServerConfig:
     """What the HTTP front door needs; the engine never sees it."""
 
     host: str = setting("127.0.0.1", "address `trillm serve` listens on (hypercorn takes `-b` instead)")
     port: int = setting(8000, "port `trillm serve` listens on")
+    # How `trillm serve` runs Hypercorn (api/cli.py `hypercorn_config`; docs/deploy.md).
+    backlog: int = setting(
+        2048,
+        "connections the kernel queues before `trillm serve` accepts them (capped by `net.core.somaxconn`)",
+        validator=_positive,
+    )
+    keep_alive_timeout: float = setting(
+        5.0,
+        "seconds an idle connection stays open, before its first request and between requests; then it is closed",
+        validator=_not_negative,
+    )
+    body_timeout: float | None = setting(
+        60.0,
+        "seconds a request's body may take to arrive; then 408 and the connection is closed; 0: none",
+        validator=_not_negative,
+    )
+    ssl_certfile: str | None = setting(
+        None, "TLS certificate (PEM) for `trillm serve`; with `--ssl-keyfile`, it serves https", doc_default="none"
+    )
+    ssl_keyfile: str | None = setting(None, "TLS private key (PEM) for `--ssl-certfile`", doc_default="none")
+    http2: bool = setting(
+        True, "offer HTTP/2 to TLS clients (ALPN `h2`); off: HTTP/1.1 only over TLS", flag="--no-http2"
+    )
+    root_path: str = setting(
+        "",
+        "path prefix the API is served under behind a proxy, e.g. `/llm` (ASGI `root_path`); paths are served "
+        "with it or without it (a proxy that strips it)",
+        doc_default="none",
+        validator=_root_path,
+    )
+    access_log: str | None = setting(
+        None, "write an access log line per request to this file, or `-` for stdout", doc_default="none"
+    )
     served_model_name: str | None = setting(None, "the id clients must send as `model`", doc_default="the model string")
     request_timeout: float | None = setting(
         None,
@@ -97,6 +135,10 @@ class ServerConfig:
     allowed_headers: tuple[str, ...] = setting(
         ("*",), "request headers CORS preflights may ask for; `*`: whatever the browser asks (`Authorization` too)"
     )
+
+    def __attrs_post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: give both or neither")
 
     @property
     def timeout_seconds(self) -> float:
