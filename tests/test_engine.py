@@ -75,7 +75,7 @@ async def test_cancelling_waiting_and_running_requests_frees_every_page(engine, 
             with trio.move_on_after(0):
                 nursery.start_soon(_drain, engine, ids, params)
         await trio.sleep(0.05)
-        nursery.cancel_scope.deadline = trio.current_time() + 5
+        nursery.cancel_scope.deadline = trio.current_time() + 60  # a guard against a hang, not a speed test
     assert got_some == 20
     await wait_idle(engine)
     stats = engine.stats()
