@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+GREEDY_TEMPERATURE = 1e-5  # below it, a temperature is taken as 0
+
 @attrs.frozen
 class SamplingParams:
     """What one request asks of the sampler and the stop checks.
@@ -73,7 +75,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperatures below ``GREEDY_TEMPERATURE`` are greedy too (as vLLM): dividing float32
+        logits by them overflows to inf and the draw would read NaNs."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_history(self) -> bool:

@@ -69,7 +69,7 @@ class GenerationBody(StructuredFields):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="modern name of `max_tokens`; if both are given they must agree"
     )
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 is greedy")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 (or anything below 1e-5) is greedy")
     top_k: Annotated[int, Not(0)] = Field(-1, ge=-1, description="-1 is off; 1 is greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than `min_p` x the most likely one")
