@@ -16,6 +16,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 GREEDY_TEMPERATURE = 1e-5  # below it, a temperature is taken as 0
 
+
 @attrs.frozen
 class SamplingParams:
     """What one request asks of the sampler and the stop checks.
