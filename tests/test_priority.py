@@ -265,11 +265,18 @@ def test_preempted_requests_lose_and_repeat_no_token(seed):
         prompt = [rng.randint(1, VOCAB - 1) for _ in range(rng.randint(1, 12))]
         params = SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True, priority=rng.choice([-2, 0, 0, 3]))
         requests.append((arrival, Sequence(f"r{i}", prompt, params, 10_000, frozenset({EOS}), arrival_time=arrival)))
+        for j in range(rng.choice([0, 0, 2])):  # n > 1: followers of equal rank share the prompt's pages
+            requests.append(
+                (arrival, Sequence(f"r{i}.{j}", prompt, params, 10_000, frozenset({EOS}), arrival_time=arrival))
+            )
     for depth in (1, 2):
-        fresh = [
-            (a, Sequence(q.request_id, list(q.prompt_ids), q.params, q.max_len, q.eos_ids, arrival_time=q.arrival_time))
-            for a, q in requests
-        ]
+        fresh: list[tuple[int, Sequence]] = []
+        for a, q in requests:
+            fresh.append(
+                (a, Sequence(q.request_id, list(q.prompt_ids), q.params, q.max_len, q.eos_ids, arrival_time=a))
+            )
+            if "." in q.request_id:
+                fresh[-1][1].leader = next(c for _, c in fresh if c.request_id == q.request_id.split(".")[0])
         run_pipeline(random.Random(seed), fresh, policy, depth)
         for _, q in fresh:
             assert (q.output_ids, q.finish_reason) == (expected(q), "length"), (depth, q.request_id)

@@ -62,9 +62,10 @@ class SchedulingPolicy:
             waiting.append(seq)
 
     def requeue(self, waiting: deque[Sequence], seq: Sequence) -> None:
-        """A preempted sequence goes back: to the front (fcfs), or to its rank's place."""
+        """A preempted sequence goes back: to the front (fcfs), or to its rank's place, before
+        its equals (as under fcfs: so an ``n > 1`` leader goes back before its followers)."""
         if self.by_priority:
-            bisect.insort_right(waiting, seq, key=self.rank)
+            bisect.insort_left(waiting, seq, key=self.rank)
         else:
             waiting.appendleft(seq)
 
