@@ -31,6 +31,7 @@ from trillm.engine.scheduling.sequence import PENDING, Sequence
 from trillm.engine.scheduling.step_loop import Step, StepLoop
 
 from tests.helpers import make_engine, wait_idle
+from tests.server import MODEL, client, in_thread, running_server
 
 PRIORITY = SchedulingPolicy("priority")
 VOCAB, EOS = 6, 0
@@ -337,9 +338,7 @@ async def test_a_high_priority_request_is_served_at_once_under_a_full_batch_of_l
     """Three long low-priority streams fill the batch and a fourth waits; a high-priority request
     is answered, start to end, while every low one still generates. Under fcfs it could not start
     before one of them ended. The displaced stream loses no tokens; pages are all free afterwards."""
-    from tests.server import MODEL, client, in_thread, running_server
-
-    n_low, low_tokens = 4, 120
+    n_low, low_tokens = 4, 64
     async with running_server(
         model_parts, scheduling_policy="priority", max_num_seqs=3, max_batch_tokens=128
     ) as server:
@@ -376,6 +375,8 @@ async def test_a_high_priority_request_is_served_at_once_under_a_full_batch_of_l
             n.start_soon(in_thread, stream, "high", -10, 8)
         first_low_done = min(done[f"low-{i}"] for i in range(n_low))
         assert done["high"] < first_low_done, "the high-priority request waited for a low-priority one to end"
+        # The low one that found the batch full waited for a seat until another ended; the high one did not.
+        assert done["high:ttft"] < max(done[f"low-{i}:ttft"] for i in range(n_low))
         assert counts == {**{f"low-{i}": low_tokens for i in range(n_low)}, "high": 8}
         assert server.engine.stats().num_preemptions >= 1
         async with httpx.AsyncClient(base_url=server.url) as http:

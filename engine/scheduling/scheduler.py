@@ -171,16 +171,18 @@ class Scheduler:
                 break  # its leader is still prefilling the shared prompt
             if full:
                 self._displace(seq, draft)
-            matched = self._reuse_cached_prefix(seq)
+            self._reuse_cached_prefix(seq)
             length = min(seq.num_pending, draft.budget)
             need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
             while not self._make_room(need) and self._displace(seq, draft):
                 pass  # under priority: a running sequence it outranks gives its pages back
             if not self.allocator.can_allocate(need):
-                if matched:  # give the cached pages back; try again next step
+                # Admission never over-commits: it waits for pages, holding none. Cached or leader's
+                # pages taken above go back (else a sequence requeued before it could wait for them).
+                if seq.pages:
                     self.allocator.free(seq.pages)
                     seq.pages, seq.num_computed, seq.num_settled = [], 0, 0
-                break  # admission never over-commits: it waits for pages
+                break
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
