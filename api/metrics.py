@@ -88,6 +88,12 @@ _LATENCY_BUCKETS = (
 )
 
 
+def priority_class(priority: int) -> str:
+    """The ``priority`` label: the request's priority by sign, so the label has three values
+    whatever integers clients send ("high" below 0, sooner; "low" above 0)."""
+    return "high" if priority < 0 else "low" if priority > 0 else "normal"
+
+
 class PrometheusObserver:
     """The engine's per-request timings as Prometheus histograms and counters."""
 
@@ -100,6 +106,21 @@ class PrometheusObserver:
         self._itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
         self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self._queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
+        # The same two timings again by priority class (``priority_class``), beside the totals above.
+        self._queue_by_priority = Histogram(
+            "trillm:request_queue_time_by_priority_seconds",
+            "Arrival to first scheduled step, by the request's priority class (high < 0, normal 0, low > 0).",
+            ["model_name", "priority"],
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self._ttft_by_priority = Histogram(
+            "trillm:time_to_first_token_by_priority_seconds",
+            "Arrival to first token, by the request's priority class (high < 0, normal 0, low > 0).",
+            ["model_name", "priority"],
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
         self._success = Counter(
             "trillm:request_success",
             "Requests that finished, by finish reason.",
@@ -108,11 +129,13 @@ class PrometheusObserver:
         )
         self._model_name = model_name
 
-    def queue_time(self, seconds: float) -> None:
+    def queue_time(self, seconds: float, priority: int = 0) -> None:
         self._queue.observe(seconds)
+        self._queue_by_priority.labels(self._model_name, priority_class(priority)).observe(seconds)
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, priority: int = 0) -> None:
         self._ttft.observe(seconds)
+        self._ttft_by_priority.labels(self._model_name, priority_class(priority)).observe(seconds)
 
     def inter_token(self, seconds: float) -> None:
         self._itl.observe(seconds)

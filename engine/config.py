@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "cpu", "triton", "reference")
 LOAD_FORMATS = ("auto", "dummy")
 WEIGHT_FORMATS = ("auto", "dense", "blocks")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MB = 1024 * 1024
 
 
@@ -49,6 +50,20 @@ class EngineConfig:
     max_num_seqs: int = setting(64, "most sequences in the running batch")
     max_waiting: int = setting(
         1024, "requests queued (not yet running) beyond this get 503 with `Retry-After: 1` at once"
+    )
+    scheduling_policy: str = setting(
+        "fcfs",
+        "`fcfs`: first come, first served (a request's `priority` is accepted and ignored); "
+        "`priority`: waiting requests go by `priority` (lower is sooner), then arrival, and a waiting "
+        "request displaces the lowest-priority running one when pages or seats are short",
+        choices=SCHEDULING_POLICIES,
+    )
+    priority_aging_seconds: float = setting(
+        10.0,
+        "under `priority`: a request's priority improves by one per this many seconds since it arrived, "
+        "so a request is overtaken only by ones arriving less than (its priority - theirs) x this later; "
+        "0: no aging (strict priority, as vLLM)",
+        validator=attrs.validators.ge(0),
     )
     max_batch_tokens: int = setting(512, "token budget per step (decodes + prefill chunks); must exceed `max_num_seqs`")
     max_model_len: int | None = setting(None, "context limit (also capped by the pool size)", doc_default="the model's")
@@ -131,6 +146,7 @@ class EngineConfig:
             ("kernels", KERNELS),
             ("load_format", LOAD_FORMATS),
             ("weight_format", WEIGHT_FORMATS),
+            ("scheduling_policy", SCHEDULING_POLICIES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")

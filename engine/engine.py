@@ -36,6 +36,7 @@ from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
+from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Batch, Scheduler
 from trillm.engine.scheduling.sequence import Sequence
@@ -79,8 +80,9 @@ class Engine:
         num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
         self.allocator = PageAllocator(num_pages)
         cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
+        policy = SchedulingPolicy(config.scheduling_policy, config.priority_aging_seconds)
         self.scheduler = Scheduler(
-            self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens, cache
+            self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens, cache, policy
         )
         self.max_model_len = min(
             config.max_model_len or model.shape.max_position_embeddings,

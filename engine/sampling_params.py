@@ -12,14 +12,14 @@ if TYPE_CHECKING:
 
 # What ``torch.Generator.manual_seed`` takes (a negative seed is read as its 64-bit two's complement).
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-
-
+# Priorities are bounded so that aging (priority x seconds) stays exact in a float.
+MAX_PRIORITY = 1_000_000
 GREEDY_TEMPERATURE = 1e-5  # below it, a temperature is taken as 0
 
 
 @attrs.frozen
 class SamplingParams:
-    """What one request asks of the sampler and the stop checks.
+    """What one request asks of the sampler, the stop checks and the scheduler (``priority``).
 
     ``max_tokens`` of None means "until EOS or the context is full".
     Penalties follow OpenAI (presence/frequency, over generated tokens) and
@@ -48,6 +48,9 @@ class SamplingParams:
     # Every output token must keep the text inside this grammar; it ends the sequence ("stop")
     # when complete. ``min_tokens`` and ``ignore_eos`` do not hold back its end.
     grammar: CompiledGrammar | None = attrs.field(default=None, eq=False)
+    # Lower is sooner (as vLLM); read only under the ``priority`` scheduling policy. It rides here,
+    # not beside the params, so that each of ``n`` choices and every entry point carries it as is.
+    priority: int = 0
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)
@@ -73,6 +76,8 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from trillm.api.schemas.base import Not, RequestModel, invalid
 from trillm.api.schemas.structured import StructuredFields
-from trillm.engine.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from trillm.engine.sampling_params import MAX_PRIORITY, SEED_MAX, SEED_MIN, SamplingParams
 from trillm.engine.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 4
@@ -110,6 +110,15 @@ class GenerationBody(StructuredFields):
         description="choices per prompt, `index` 0 ... n-1; with a `seed`, choice j samples with seed + j. "
         "The prompt is prefilled once: the other choices share its full KV pages and compute "
         "only the last partial page themselves",
+    )
+    priority: int = Field(
+        0,
+        ge=-MAX_PRIORITY,
+        le=MAX_PRIORITY,
+        description="lower is sooner (vLLM's convention). Under `--scheduling-policy priority` waiting requests "
+        "go by priority, then arrival, and one that finds no pages or no seat preempts the lowest-priority "
+        "running request, which resumes later losing no tokens; aging (`--priority-aging-seconds`) bounds how "
+        "long a low priority can wait. Under `fcfs` (the default) it is accepted and ignored",
     )
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(

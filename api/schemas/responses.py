@@ -174,6 +174,7 @@ class ResponsesBody(RequestModel):
     )
     temperature: float = _shared("temperature")
     top_p: float = _shared("top_p")
+    priority: int = _shared("priority")
     stream: bool = Field(False, description="Server-Sent Events, typed as OpenAI sends them (see below)")
     tools: Annotated[list[_Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None,
@@ -270,7 +271,9 @@ class ResponsesBody(RequestModel):
 
     def request(self) -> ResponsesRequest:
         given = self.max_output_tokens is not None
-        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens)
+        params = SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens, priority=self.priority
+        )
         common = CommonFields(
             self.model, params, self.stream, False, 1, given, self.grammar(), max_tokens_param="max_output_tokens"
         )

@@ -60,7 +60,7 @@ class OutputRouter:
             IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
             StopStringMatcher(seq.params.stop),
             index,
-            RequestTimer(seq.arrival_time),
+            RequestTimer(seq.arrival_time, seq.params.priority),
         )
         if seq.params.prompt_logprobs is not None:
             live.prompt_logprobs = [None] * (len(seq.prompt_ids) - 1)

@@ -12,6 +12,7 @@ from collections import deque
 import attrs
 
 from trillm.engine.scheduling.kv_pages import PageAllocator, pages_needed
+from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.sequence import PENDING, Sequence
 
@@ -41,6 +42,30 @@ class ScheduledChunk:
         return self.start + self.length
 
 
+@attrs.define
+class _Draft:
+    """The step being built: its chunks, the token budget left, and the best rank preempted in it."""
+
+    budget: int
+    chunks: list[ScheduledChunk] = attrs.field(factory=list)
+    floor: tuple[float, float] | None = None
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.budget -= chunk.length
+
+    def holds(self, seq: Sequence) -> bool:
+        return any(c.seq is seq for c in self.chunks)
+
+    def drop(self, seq: Sequence) -> None:
+        """A sequence preempted after it was scheduled in this step: its chunk and tokens go."""
+        for i, chunk in enumerate(self.chunks):
+            if chunk.seq is seq:
+                del self.chunks[i]
+                self.budget += chunk.length
+                return
+
+
 @attrs.frozen
 class Batch:
     chunks: tuple[ScheduledChunk, ...]
@@ -54,9 +79,12 @@ class Scheduler:
     """Continuous batching with chunked prefill and preemption by recompute.
 
     Each step: every running sequence gets its next tokens (decodes first, one
-    token each), then waiting sequences are admitted FCFS while the token
-    budget, the sequence limit and the free pages allow. A running sequence
-    that cannot grow preempts the newest running one instead of failing.
+    token each), then waiting sequences are admitted in the policy's order
+    (``policy.py``: arrival, or priority then arrival) while the token budget,
+    the sequence limit and the free pages allow. A running sequence that cannot
+    grow preempts the newest (fcfs) or lowest-ranked (priority) running one
+    instead of failing; under priority a waiting sequence short of pages or of a
+    seat also displaces a running one it outranks.
 
     A step is ``schedule``d, then ``launch``ed (its sequences advance, with a
     ``PENDING`` token for each sample), then ``resolve``d with the sampled
@@ -72,8 +100,10 @@ class Scheduler:
         max_num_seqs: int,
         max_batch_tokens: int,
         prefix_cache: PrefixCache | None = None,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.allocator = allocator
+        self.policy = policy or SchedulingPolicy()
         self.prefix_cache = prefix_cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
@@ -89,7 +119,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if pages_needed(min(seq.max_len, seq.num_tokens + 1), self.page_size) > self.allocator.num_pages:
             raise ValueError("sequence can never fit in the KV cache")
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a sequence wherever it is and free its pages; idempotent.
@@ -112,38 +142,47 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------
 
     def schedule(self) -> Batch:
-        budget = self.max_batch_tokens
-        chunks: list[ScheduledChunk] = []
-        # Decodes first (one token each), then running prefills, oldest first.
-        order = sorted(self.running, key=lambda s: s.num_pending != 1)
-        scheduled: set[int] = set()
+        draft = _Draft(self.max_batch_tokens)
+        rank = self.policy.rank
+        by_priority = self.policy.by_priority
+        # Decodes first (one token each), then running prefills: oldest first (fcfs) or by rank.
+        order = sorted(self.running, key=lambda s: (s.num_pending != 1, rank(s) if by_priority else 0.0))
         for seq in order:
-            if budget <= 0:
+            if draft.budget <= 0:
                 break
             if seq not in self.running:
-                continue  # preempted while making room for an older one
+                continue  # preempted while making room for another
             if seq.awaits_last_token:
                 continue  # it ends when the step in flight returns
-            length = min(seq.num_pending, budget)
-            if not self._grow(seq, seq.num_computed + length, scheduled):
+            length = min(seq.num_pending, draft.budget)
+            if not self._grow(seq, seq.num_computed + length, draft):
                 continue  # it preempted itself
-            chunks.append(ScheduledChunk.next_for(seq, length))
-            scheduled.add(id(seq))
-            budget -= length
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            draft.add(ScheduledChunk.next_for(seq, length))
+        while draft.budget > 0 and self.waiting:
             seq = self.waiting[0]
             if seq.awaits_last_token:
                 break  # preempted while its last token is in flight: it ends when that returns
+            if draft.floor is not None and rank(seq) >= draft.floor:
+                break  # preempted this step (or behind one that was): admitting it would undo that
+            full = len(self.running) >= self.max_num_seqs
+            if full and not self._can_displace(seq):
+                break
             if seq.leader is not None and not self._follow(seq):
                 break  # its leader is still prefilling the shared prompt
-            matched = self._reuse_cached_prefix(seq)
-            length = min(seq.num_pending, budget)
+            if full:
+                self._displace(seq, draft)
+            self._reuse_cached_prefix(seq)
+            length = min(seq.num_pending, draft.budget)
             need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
-            if not self._make_room(need):
-                if matched:  # give the cached pages back; try again next step
+            while not self._make_room(need) and self._displace(seq, draft):
+                pass  # under priority: a running sequence it outranks gives its pages back
+            if not self.allocator.can_allocate(need):
+                # Admission never over-commits: it waits for pages, holding none. Cached or leader's
+                # pages taken above go back (else a sequence requeued before it could wait for them).
+                if seq.pages:
                     self.allocator.free(seq.pages)
                     seq.pages, seq.num_computed, seq.num_settled = [], 0, 0
-                break  # admission never over-commits: it waits for pages
+                break
             if not seq.admitted:
                 seq.admitted = True
                 seq.num_cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
@@ -152,9 +191,19 @@ class Scheduler:
             seq.pages += self.allocator.allocate(need)
             self.waiting.popleft()
             self.running.append(seq)
-            chunks.append(ScheduledChunk.next_for(seq, length))
-            budget -= length
-        return Batch(tuple(chunks))
+            draft.add(ScheduledChunk.next_for(seq, length))
+        return Batch(tuple(draft.chunks))
+
+    def _can_displace(self, seq: Sequence) -> bool:
+        """Under priority: whether some running sequence ranks below waiting ``seq``."""
+        return bool(self.running) and self.policy.outranks(seq, self.policy.victim(self.running))
+
+    def _displace(self, seq: Sequence, draft: _Draft) -> bool:
+        """Preempt the lowest-ranked running sequence if waiting ``seq`` outranks it."""
+        if not self._can_displace(seq):
+            return False
+        self._preempt(self.policy.victim(self.running), draft)
+        return True
 
     def _reuse_cached_prefix(self, seq: Sequence) -> bool:
         """Start ``seq`` after the longest prefix of its tokens found in the cache.
@@ -204,30 +253,36 @@ class Scheduler:
         seq.leader = None  # the leader is gone: compute the prompt alone
         return True
 
-    def _grow(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
-        """Give ``seq`` pages for ``num_tokens``, preempting newer sequences if needed.
-
-        Returns False when ``seq`` itself had to be preempted.
+    def _grow(self, seq: Sequence, num_tokens: int, draft: _Draft) -> bool:
+        """Give ``seq`` pages for ``num_tokens``, preempting others if needed: under fcfs the
+        newest not yet scheduled this step, under priority the lowest-ranked (its chunk in
+        this step is dropped). Returns False when ``seq`` itself had to be preempted.
         """
         need = pages_needed(num_tokens, self.page_size) - len(seq.pages)
         while not self._make_room(need):
-            victims = [s for s in self.running if id(s) not in scheduled]
-            victim = max(victims, key=lambda s: s.arrival_time)
-            self._preempt(victim)
+            victims = self.running if self.policy.by_priority else [s for s in self.running if not draft.holds(s)]
+            victim = self.policy.victim(victims)
+            self._preempt(victim, draft)
             if victim is seq:
                 return False
         if need > 0:
             seq.pages += self.allocator.allocate(need)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, draft: _Draft) -> None:
+        """Back to the waiting queue, pages released (full computed ones stay in the prefix
+        cache); it is recomputed later with its generated tokens kept."""
+        draft.drop(seq)
+        if self.policy.by_priority:
+            rank = self.policy.rank(seq)
+            draft.floor = rank if draft.floor is None else min(draft.floor, rank)
         self.running.remove(seq)
         self._release(seq)
         seq.num_computed = seq.num_settled = 0
         seq.leader = None
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.policy.requeue(self.waiting, seq)
 
     def launch(self, batch: Batch) -> None:
         """A step goes into flight: its sequences advance past its chunks, and each

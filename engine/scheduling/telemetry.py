@@ -12,17 +12,19 @@ import attrs
 
 
 class EngineObserver(Protocol):
-    def queue_time(self, seconds: float) -> None: ...
-    def first_token(self, seconds: float) -> None: ...
+    """``priority`` is the request's own (``SamplingParams.priority``), whatever the policy."""
+
+    def queue_time(self, seconds: float, priority: int = 0) -> None: ...
+    def first_token(self, seconds: float, priority: int = 0) -> None: ...
     def inter_token(self, seconds: float) -> None: ...
     def finished(self, reason: str, seconds: float) -> None: ...
 
 
 class NullObserver:
-    def queue_time(self, seconds: float) -> None:
+    def queue_time(self, seconds: float, priority: int = 0) -> None:
         pass
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, priority: int = 0) -> None:
         pass
 
     def inter_token(self, seconds: float) -> None:
@@ -35,20 +37,21 @@ class NullObserver:
 @attrs.define
 class RequestTimer:
     """When a request arrived (its sequence's ``arrival_time``), was first scheduled,
-    and produced its last token."""
+    and produced its last token; ``priority`` labels its queue time and first token."""
 
     arrival: float
+    priority: int = 0
     scheduled: float | None = None
     last_token: float | None = None
 
     def on_scheduled(self, observer: EngineObserver, now: float) -> None:
         if self.scheduled is None:
             self.scheduled = now
-            observer.queue_time(now - self.arrival)
+            observer.queue_time(now - self.arrival, self.priority)
 
     def on_token(self, observer: EngineObserver, now: float) -> None:
         if self.last_token is None:
-            observer.first_token(now - self.arrival)
+            observer.first_token(now - self.arrival, self.priority)
         else:
             observer.inter_token(now - self.last_token)
         self.last_token = now
