@@ -18,6 +18,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from trillm.api import chat, completions, responses_api, tokenize
+from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.metrics import metrics_registry, render
@@ -78,6 +79,7 @@ def create_app(
     registry, observer = metrics_registry(engine, model_name)
     host = EngineHost(engine, observer)
     app.extensions["trillm_host"] = host
+    drain = app.extensions["trillm_drain"] = Drain(server.shutdown_timeout)  # `trillm serve` runs the drain
     app.extensions["trillm_model_name"] = model_name
     created = int(time.time())
     context = ServerContext(tool_call_parser=server.tool_call_parser)
@@ -152,7 +154,9 @@ def create_app(
 
     async def generation(endpoint: GenerationEndpoint) -> Response:
         """The one path of both generation endpoints: validate, check limits, then reply or stream."""
-        req = endpoint.parse(await json_body())
+        body = await json_body()
+        drain.check()  # read the body first, so the connection stays usable for the client's next request
+        req = endpoint.parse(body)
         req = attrs.evolve(req, common=req.common.capped(default_max_tokens))
         check_model(req.common.model)
         check_serving()
@@ -221,6 +225,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if (draining := drain.health()) is not None:
+            return _json(draining, 503)
         if engine.is_running:
             return _json({"status": "ok"})
         return _json(ApiError("the engine is not serving", 503).body(), 503)
