@@ -1,7 +1,8 @@
-"""Graceful drain of ``trillm serve`` on SIGTERM, as a real process (``trillm.api.drain``).
+"""Graceful drain of ``trillm serve`` on SIGTERM (``trillm.api.drain``).
 
-Each test starts a server, opens streams, signals it, and checks what clients
-saw and how (and how soon) the process ended.
+Two quick tests of its parts in process (admission and counting; shutting down a
+connection whose send is blocked); then ``trillm serve`` as a real process: start
+it, open streams, signal it, and check what clients saw and how soon it ended.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
+import trio
+import trio.testing
 
+from trillm.api.drain import Drain, shut_down_connections
+from trillm.api.errors import ApiError
 from trillm.bench.run import wait_healthy
-
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
 GRACE = 5  # Hypercorn's graceful_timeout in ``trillm serve``
@@ -50,6 +53,76 @@ def serving(shutdown_timeout: float) -> Iterator[tuple[subprocess.Popen, str]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_drain_refuses_after_it_begins_and_waits_only_for_requests_that_came_before():
+    drain = Drain(timeout=30)
+    drain.check()  # admitting
+    assert drain.health() is None
+    release = trio.Event()
+    seen: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(scope["path"])
+        if scope["path"] == "/slow":
+            await release.wait()
+
+    tracked = drain.track(app)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracked, {"type": "http", "path": "/slow"}, None, None)
+        nursery.start_soon(tracked, {"type": "lifespan", "path": ""}, None, None)  # not a request: not counted
+        await trio.testing.wait_all_tasks_blocked()
+        assert drain.in_flight == 1
+        drain.begin()
+        with pytest.raises(ApiError) as refused:
+            drain.check()
+        assert refused.value.status == 503 and refused.value.code == "server_draining"
+        assert refused.value.headers == {"Retry-After": "1"}
+        assert drain.health() == {"status": "draining", **refused.value.body()}
+        await tracked({"type": "http", "path": "/late"}, None, None)  # served (refused by the app), not waited for
+        assert drain.in_flight == 1
+        with trio.move_on_after(0.2) as waiting:
+            await drain.wait_idle()
+        assert waiting.cancelled_caught  # /slow is still running
+        release.set()
+        with trio.fail_after(5):
+            await drain.wait_idle()
+    assert drain.in_flight == 0 and sorted(seen) == ["", "/late", "/slow"]
+
+
+async def test_shutting_down_a_connection_fails_a_send_blocked_on_a_client_that_does_not_read():
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listener.accept()
+    other = trio.socket.socket()  # a connection to another port is left alone
+    other_listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    await other.connect(other_listener.socket.getsockname())
+    blocked = trio.Event()
+    failed: list[BaseException] = []
+
+    async def send_forever() -> None:
+        try:
+            while True:
+                with trio.move_on_after(0.2) as timer:
+                    await server.send_all(b"x" * 65536)
+                if timer.cancelled_caught:  # the buffers are full: this send blocks
+                    blocked.set()
+                    with trio.CancelScope(shield=True):  # as Hypercorn sends
+                        await server.send_all(b"x" * 65536)
+        except trio.BrokenResourceError as exc:
+            failed.append(exc)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_forever)
+            await blocked.wait()
+            assert shut_down_connections({port}) == 1  # the accepted socket; not the listener, not `other`
+    assert failed
+    other.getpeername()  # still connected
+    for resource in (client, server, listener, other_listener):
+        await resource.aclose()
+    other.close()
 
 
 class Stream(threading.Thread):
@@ -123,6 +196,8 @@ def stuck_reader(url: str) -> socket.socket:
     return sock
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_sigterm_lets_running_streams_finish_refuses_new_requests_and_a_second_signal_ends_at_once():
     with serving(shutdown_timeout=120) as (proc, url):
         stuck = stuck_reader(url)
@@ -153,6 +228,8 @@ def test_sigterm_lets_running_streams_finish_refuses_new_requests_and_a_second_s
         stuck.close()
 
 
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_after_a_short_timeout_streams_end_with_a_final_chunk_and_a_stuck_reader_does_not_hold_the_exit():
     timeout = 1
     with serving(shutdown_timeout=timeout) as (proc, url):
