@@ -226,7 +226,7 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         if (draining := drain.health()) is not None:
-            return _json(draining, 503)
+            return _json(draining, 503, drain.error().headers)
         if engine.is_running:
             return _json({"status": "ok"})
         return _json(ApiError("the engine is not serving", 503).body(), 503)

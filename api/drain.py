@@ -67,7 +67,8 @@ class Drain:
             "the server is shutting down and accepts no new requests; retry (another replica will answer)",
             503,
             code="server_draining",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            # A client's retry opens a new connection, which the load balancer sends elsewhere.
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS), "Connection": "close"},
         )
 
     def check(self) -> None:

@@ -77,7 +77,7 @@ async def test_drain_refuses_after_it_begins_and_waits_only_for_requests_that_ca
         with pytest.raises(ApiError) as refused:
             drain.check()
         assert refused.value.status == 503 and refused.value.code == "server_draining"
-        assert refused.value.headers == {"Retry-After": "1"}
+        assert refused.value.headers == {"Retry-After": "1", "Connection": "close"}
         assert drain.health() == {"status": "draining", **refused.value.body()}
         await tracked({"type": "http", "path": "/late"}, None, None)  # served (refused by the app), not waited for
         assert drain.in_flight == 1
@@ -213,6 +213,7 @@ def test_sigterm_lets_running_streams_finish_refuses_new_requests_and_a_second_s
         late = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=10)
         assert late.status_code == 503
         assert late.headers["Retry-After"] == "1"
+        assert late.headers["Connection"] == "close"
         error = late.json()["error"]
         assert (error["type"], error["param"], error["code"]) == ("service_unavailable_error", None, "server_draining")
         # The running streams finish normally; the drain waits on for the long one.
