@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from trillm.api import auth, chat, completions, front_door, request_body, responses_api, tokenize
 from trillm.api import body as body_decoding
 from trillm.api.asgi_guard import ConnectionGuard
+from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
 from trillm.api.input_limits import Preparer, check_counts
@@ -89,6 +90,7 @@ def create_app(
     registry, observer = metrics_registry(engine, model_name)
     host = EngineHost(engine, observer)
     app.extensions["trillm_host"] = host
+    drain = app.extensions["trillm_drain"] = Drain(server.shutdown_timeout)  # `trillm serve` runs the drain
     app.extensions["trillm_model_name"] = model_name
     keys = auth.load_keys(server)
     auth.warn_if_open(keys, server)
@@ -195,6 +197,7 @@ def create_app(
     async def generation(endpoint: GenerationEndpoint) -> Response:
         """The one path of every generation endpoint: validate, check limits, then reply or stream."""
         body = await json_body(endpoint.schema)
+        drain.check()  # after reading the body, so the connection stays usable for the client's next request
         req, prompts = await preparer.run(lambda: prepare(endpoint, body))
         for ids in prompts:
             check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
@@ -259,6 +262,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if (draining := drain.health()) is not None:
+            return _json(draining, 503, drain.error().headers)
         if engine.is_running:
             return _json({"status": "ok"})
         return _json(ApiError("the engine is not serving", 503).body(), 503)

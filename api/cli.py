@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
 import sys
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
 
+from trillm.api.drain import shutdown_on_signals
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.engine.config import EngineConfig
 from trillm.engine.settings import add_arguments, overrides_from
@@ -56,7 +57,8 @@ def hypercorn_config(server: ServerConfig) -> Config:
 
 
 async def serve(app: Any, server: ServerConfig) -> None:
-    """Serve until SIGINT/SIGTERM; then end open streams with a final chunk and exit.
+    """Serve until SIGINT/SIGTERM; then drain (``trillm.api.drain``): refuse new work, let running
+    requests finish up to ``--shutdown-timeout``, end the rest with a final chunk, and return.
 
     The engine is stopped before Hypercorn, so every stream gets its last
     chunk and ``[DONE]`` before the connections close.
@@ -65,20 +67,38 @@ async def serve(app: Any, server: ServerConfig) -> None:
 
     config = hypercorn_config(server)
 
-    async def shutdown_trigger() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
-        print("[trillm] shutting down: ending open streams", file=sys.stderr, flush=True)
-        await app.extensions["trillm_host"].stop()
-
     scheme = "https" if config.ssl_enabled else "http"
+    drain = app.extensions["trillm_drain"]
+    stop_serving = trio.Event()
+    ports: set[int] = set()
     print(
         f"[trillm] serving {app.extensions['trillm_model_name']} on {scheme}://{server.host}:{server.port}",
         file=sys.stderr,
         flush=True,
     )
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+    async with trio.open_nursery() as nursery:
+        stop_engine = app.extensions["trillm_host"].stop
+        await nursery.start(partial(shutdown_on_signals, drain, stop_engine, stop_serving, lambda: ports, config))
+
+        async def run_hypercorn(task_status: trio.TaskStatus[list[str]]) -> None:
+            trigger = stop_serving.wait
+            await hypercorn_serve(
+                drain.track(app), config, shutdown_trigger=trigger, task_status=task_status, mode="asgi"
+            )
+            nursery.cancel_scope.cancel()  # Hypercorn has returned: the shutdown task is done
+
+        binds = await nursery.start(run_hypercorn)
+        ports.update(int(bind.rsplit(":", 1)[1]) for bind in binds)
+
+
+def exit_now() -> None:
+    """Exit 0 once the server has stopped, skipping the interpreter's teardown: every request has
+    ended and every connection is closed, and tearing down the loaded model took seconds (C
+    destructors) that a deploy waits for and nothing gains from."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         server_config = server_config_from_env(**overrides_from(args, ServerConfig))
         app = create_app(config=engine_config, server=server_config)
         trio.run(partial(serve, app, server_config))
+        exit_now()
     elif args.command == "bench":
         from trillm.bench.run import run_bench
 

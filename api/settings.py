@@ -81,6 +81,12 @@ class ServerConfig:
         doc_default="none",
         validator=_not_negative,
     )
+    shutdown_timeout: float = setting(
+        30.0,
+        "on SIGTERM/SIGINT, `trillm serve` stops admitting (503 `server_draining`, `/health` 503 `draining`) and "
+        "lets running requests finish for up to this many seconds; then the rest end with a final chunk",
+        validator=_not_negative,
+    )
 
     tool_call_parser: str = setting(
         "auto",

@@ -52,9 +52,8 @@ def test_hypercorn_cli_with_environment_settings():
 def test_trillm_serve_sigterm_ends_open_streams_with_a_final_chunk():
     port = _free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(port), "--dtype", "float32"], env=env
-    )
+    command = [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(port), "--dtype", "float32"]
+    proc = subprocess.Popen([*command, "--shutdown-timeout", "0"], env=env)  # no drain (tests/test_drain.py)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout=180)
