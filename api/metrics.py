@@ -106,21 +106,17 @@ class PrometheusObserver:
         self._itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
         self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
         self._queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
+
         # The same two timings again by priority class (``priority_class``), beside the totals above.
-        self._queue_by_priority = Histogram(
-            "trillm:request_queue_time_by_priority_seconds",
-            "Arrival to first scheduled step, by the request's priority class (high < 0, normal 0, low > 0).",
-            ["model_name", "priority"],
-            registry=registry,
-            buckets=_LATENCY_BUCKETS,
+        def by_priority(name: str, doc: str) -> Histogram:
+            doc += " by the request's priority class (high < 0, normal 0, low > 0)."
+            labels = ["model_name", "priority"]
+            return Histogram(f"trillm:{name}", doc, labels, registry=registry, buckets=_LATENCY_BUCKETS)
+
+        self._queue_by_priority = by_priority(
+            "request_queue_time_by_priority_seconds", "Arrival to first scheduled step,"
         )
-        self._ttft_by_priority = Histogram(
-            "trillm:time_to_first_token_by_priority_seconds",
-            "Arrival to first token, by the request's priority class (high < 0, normal 0, low > 0).",
-            ["model_name", "priority"],
-            registry=registry,
-            buckets=_LATENCY_BUCKETS,
-        )
+        self._ttft_by_priority = by_priority("time_to_first_token_by_priority_seconds", "Arrival to first token,")
         self._success = Counter(
             "trillm:request_success",
             "Requests that finished, by finish reason.",
