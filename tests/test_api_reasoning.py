@@ -120,10 +120,11 @@ async def test_without_the_setting_nothing_is_split_and_kwargs_are_checked(serve
 
 
 class _Handle:
-    """What ``chat.prompt_ids`` uses of the engine: its tokenizer."""
+    """What ``chat.prompt_ids`` uses of the engine: its tokenizer, and the context its input limits read."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.max_model_len = 8192
 
 
 def test_chat_template_kwargs_reach_the_template(model_dir):
