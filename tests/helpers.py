@@ -42,3 +42,17 @@ def all_tasks() -> set[trio.lowlevel.Task]:
         found.add(task)
         stack.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
     return found
+
+
+async def outputs_by_prompt(engine: Engine, tokenizer: Any, prompts: list[str], params: Any) -> dict[str, list[Any]]:
+    """Every prompt through ``engine`` at once: each prompt's outputs, in order."""
+    out: dict[str, list[Any]] = {}
+
+    async def one(prompt: str) -> None:
+        async with engine.generate(tokenizer(prompt)["input_ids"], params) as outputs:
+            out[prompt] = [o async for o in outputs]
+
+    async with trio.open_nursery() as nursery:
+        for prompt in prompts:
+            nursery.start_soon(one, prompt)
+    return out

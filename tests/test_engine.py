@@ -8,7 +8,7 @@ import trio
 from trillm.engine.engine import EngineNotRunning, RequestRejected
 from trillm.engine.sampling_params import SamplingParams
 
-from tests.helpers import make_engine, wait_idle
+from tests.helpers import make_engine, outputs_by_prompt, wait_idle
 
 
 async def _drain(engine, ids, params):
@@ -115,15 +115,8 @@ async def test_preemption_under_a_tiny_pool_gives_identical_greedy_outputs(model
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def run_all(eng) -> dict[str, list[int]]:
-        out: dict[str, list[int]] = {}
-
-        async def one(p):
-            out[p] = [t for o in await _drain(eng, tokenizer(p)["input_ids"], params) for t in o.token_ids]
-
-        async with trio.open_nursery() as n:
-            for p in prompts:
-                n.start_soon(one, p)
-        return out
+        outputs = await outputs_by_prompt(eng, tokenizer, prompts, params)
+        return {p: [t for o in outs for t in o.token_ids] for p, outs in outputs.items()}
 
     roomy = make_engine(model_parts, num_pages=256, page_size=4)
     tight = make_engine(model_parts, num_pages=30, page_size=4)

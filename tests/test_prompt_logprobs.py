@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from trillm.engine.sampling_params import SamplingParams
 
-from tests.helpers import make_engine, wait_idle
+from tests.helpers import make_engine, outputs_by_prompt, wait_idle
 from tests.server import MODEL, client, in_thread, running_server
 
 PROMPTS = ["The capital of France is Paris, and the capital of Italy is", "def add(a, b):\n    return a + b"]
@@ -177,26 +177,16 @@ async def test_prompt_logprobs_survive_preemption_and_skip_the_prefix_cache(mode
     prompts = [f"Story {i}: the old wizard and the young dragon met" for i in range(6)]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2)
 
-    async def run_all(eng) -> dict[str, list]:
-        out: dict[str, list] = {}
-
-        async def one(p: str) -> None:
-            async with eng.generate(tokenizer(p)["input_ids"], params) as outputs:
-                out[p] = [o async for o in outputs]
-
-        async with trio.open_nursery() as n:
-            for p in prompts:
-                n.start_soon(one, p)
-        return out
-
     roomy = make_engine(model_parts, num_pages=256, page_size=4)
     tight = make_engine(model_parts, num_pages=30, page_size=4)
     async with trio.open_nursery() as n:
         await n.start(roomy.run)
         await n.start(tight.run)
-        expected = await run_all(roomy)
-        got = await run_all(tight)
-        again = await run_all(roomy)  # its prefix cache holds these prompts now; they are computed anyway
+        expected = await outputs_by_prompt(roomy, tokenizer, prompts, params)
+        got = await outputs_by_prompt(tight, tokenizer, prompts, params)
+        again = await outputs_by_prompt(
+            roomy, tokenizer, prompts, params
+        )  # its prefix cache holds these prompts now; they are computed anyway
         await wait_idle(roomy)
         await wait_idle(tight)
         n.cancel_scope.cancel()
