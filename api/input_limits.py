@@ -104,5 +104,13 @@ class Preparer:
 
     async def run(self, fn: Callable[[], T]) -> T:
         """``fn()`` in a worker thread. If cancelled while waiting for a thread, it never runs; once
-        it runs, cancellation waits for it to return (it holds no engine resources)."""
-        return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+        it runs, cancellation waits for it to return (it holds no engine resources).
+
+        A refusal (``ApiError``) comes back without the worker's frames: they hold the request's
+        body, and Trio's relay forms a reference cycle with them, so a refused 50 MB body lived
+        on until the next full garbage collection."""
+        try:
+            return await trio.to_thread.run_sync(fn, limiter=self.limiter)
+        except ApiError as exc:
+            exc.__traceback__ = None
+            raise exc from exc.__cause__

@@ -15,7 +15,8 @@ the tags themselves are never sent. The two styles, named as vLLM names them:
 
 In both, a ``chat_template_kwargs`` of ``{"enable_thinking": false}`` turns splitting off
 for the request (the template then puts an empty think block in the prompt, and the
-whole reply is the answer). After ``</think>`` everything is content, tags included.
+whole reply is the answer). After ``</think>`` everything is content, tags included, but
+the blank characters that open it (templates write ``</think>\n\n``) are dropped, as SGLang does.
 
 The parser is incremental: a tag split across deltas (``"</th"`` + ``"ink>"``) is held
 back until it is complete or proven not to be a tag, so no piece of a tag leaks out.
@@ -49,7 +50,7 @@ class ReasoningParser:
         if style not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, not {style!r}")
         self.implicit_start = style == "deepseek_r1"  # thinking from the first token, <think> or not
-        self._state = "start"  # start (is <think> coming?) -> reasoning -> content
+        self._state = "start"  # start (is <think> coming?) -> reasoning -> (after_end ->) content
         self._pending = ""  # text held back: a possible tag not yet complete
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -65,15 +66,24 @@ class ReasoningParser:
                 return "", ""
             else:
                 self._state = "reasoning" if self.implicit_start else "content"
+        if self._state == "after_end":
+            return "", self._answer(buf)
         if self._state == "content":
             return "", buf
         end = buf.find(END)
         if end >= 0:
-            self._state = "content"
-            return buf[:end], buf[end + len(END) :]
+            self._state = "after_end"
+            return buf[:end], self._answer(buf[end + len(END) :])
         keep = _held_back(buf, END)
         self._pending = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], ""
+
+    def _answer(self, text: str) -> str:
+        """The answer after ``</think>``: its opening blanks dropped, however they are split."""
+        answer = text.lstrip()
+        if answer:
+            self._state = "content"
+        return answer
 
     def finish(self) -> tuple[str, str]:
         """The reply ended: what was held back, as thinking or answer (it never became a tag)."""

@@ -159,7 +159,13 @@ async def test_a_grammar_holds_the_answer_not_the_thinking(model_parts, style):
         assert (_joined(deltas, "reasoning_content"), _joined(deltas, "content")) == (reasoning, message["content"])
 
         # Without thinking the answer still matches (qwen3: no <think> block needed).
-        body = {"model": MODEL, "messages": QUESTION, "max_tokens": 40, "guided_choice": ["yes", "no"]}
+        body = {
+            "model": MODEL,
+            "messages": QUESTION,
+            "max_tokens": 40,
+            "temperature": 0,
+            "guided_choice": ["yes", "no"],
+        }
         async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
             r = await http.post("/v1/chat/completions", json=body)
             if style == "qwen3":

@@ -12,7 +12,9 @@ from trillm.api.reasoning import ChoiceSplitter, ReasoningParser, request_style,
 # (reply, deepseek_r1 split, qwen3 split), each split (reasoning, content)
 CASES = [
     ("<think>I add.</think>It is 4.", ("I add.", "It is 4."), ("I add.", "It is 4.")),
-    ("\n <think>\nhm\n</think>\n\nYes", ("\nhm\n", "\n\nYes"), ("\nhm\n", "\n\nYes")),
+    ("\n <think>\nhm\n</think>\n\nYes", ("\nhm\n", "Yes"), ("\nhm\n", "Yes")),
+    ("<think>a</think> \n", ("a", ""), ("a", "")),
+    ("<think>a</think>\n b \n", ("a", "b \n"), ("a", "b \n")),
     ("I add.</think>It is 4.", ("I add.", "It is 4."), ("", "I add.</think>It is 4.")),
     ("It is 4.", ("It is 4.", ""), ("", "It is 4.")),
     ("<think>cut short by max_tok", ("cut short by max_tok", ""), ("cut short by max_tok", "")),
@@ -67,7 +69,8 @@ def test_tag_pieces_are_held_back_then_released():
     assert parser.feed("</") == ("", "")  # could still close it
     assert parser.feed("b> is html ") == ("</b> is html ", "")
     assert parser.feed("</think") == ("", "")
-    assert parser.feed(">\n\nDone") == ("", "\n\nDone")
+    assert parser.feed(">\n") == ("", "")  # the blanks that open the answer are dropped
+    assert parser.feed("\nDone") == ("", "Done")
     assert parser.feed("</think>") == ("", "</think>")  # after the thinking, tags are answer text
     assert parser.finish() == ("", "")
 
