@@ -123,6 +123,21 @@ class EngineConfig:
         doc_default="none",
         validator=attrs.validators.optional(attrs.validators.ge(0)),
     )
+    tp: int = setting(
+        1,
+        "tensor-parallel ranks: each holds 1/N of every layer (whole GQA groups of heads, MLP columns, "
+        "vocabulary rows) in its own process; rank 0 serves, schedules and samples",
+        validator=attrs.validators.ge(1),
+    )
+    nnodes: int = setting(1, "machines the `--tp` ranks span (each runs `trillm serve` with its `--node-rank`)")
+    node_rank: int = setting(0, "this machine's place among `--nnodes`; 0 serves HTTP, the others only compute")
+    master_addr: str = setting("127.0.0.1", "address of node 0, where the ranks meet (as torchrun's)")
+    master_port: int = setting(0, "port on node 0 where the ranks meet; 0: a free one (one node only)")
+    dist_timeout: float = setting(
+        60.0,
+        "seconds a rank may wait for the others in a collective (start-up included) before it gives up",
+        validator=attrs.validators.gt(0),
+    )
     cache_dir: str = setting(
         str(cpu_build.DEFAULT_CACHE_DIR),
         "where converted weights and the compiled CPU kernels live",
@@ -150,6 +165,10 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        if self.tp % self.nnodes:
+            raise ValueError(f"tp ({self.tp}) must divide evenly over nnodes ({self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
 

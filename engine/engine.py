@@ -30,6 +30,7 @@ from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLo
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult, kv_bytes_per_token
+from trillm.engine.execution.parallel.workers import WorkerDied, Workers
 from trillm.engine.execution.sampler import Sampled
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
@@ -94,7 +95,7 @@ class Engine:
             model,
             num_pages,
             config.page_size,
-            config.num_threads or os.cpu_count() or 1,
+            config.num_threads or max(1, (os.cpu_count() or 1) // (config.tp // config.nnodes)),
             graph_batch=config.max_num_seqs if graphs else 0,
             max_model_len=self.max_model_len,
         )
@@ -265,8 +266,11 @@ class Engine:
         # batch runs: the worker goes from step to step without waiting for us.
         batch_tx, batch_rx = trio.open_memory_channel[tuple[Step[StepInputs], trio.Event]](1)
         result_tx, result_rx = trio.open_memory_channel[Sampled | Exception](1)
+        workers = self.model.tp.workers
         try:
             async with trio.open_nursery() as nursery:
+                if workers is not None:
+                    nursery.start_soon(self._watch_workers, workers)
                 nursery.start_soon(self._runner_actor, batch_rx, result_tx)
                 self._running = True
                 task_status.started()
@@ -276,6 +280,18 @@ class Engine:
             self._end_all("abort")
             self.loop.in_flight.clear()
             self.scheduler.flush_cache()  # nothing outlives the engine: every page is free again
+            if workers is not None and not workers.dead():  # the other ranks stop with us
+                await trio.to_thread.run_sync(self.runner.close, limiter=self._limiter)
+                await trio.to_thread.run_sync(workers.join, 10.0)
+
+    async def _watch_workers(self, workers: Workers) -> None:
+        """Fail fast when a tensor-parallel rank dies: the group can compute nothing more, so the
+        engine stops (every open request ends) rather than wait on a collective forever."""
+        while not (dead := workers.dead()):
+            await trio.sleep(0.2)
+        names = ", ".join(f"{name} (exit code {code})" for name, code in dead)
+        log.critical("tensor-parallel worker %s exited; the engine stops", names)
+        raise WorkerDied(f"tensor-parallel worker {names} exited")
 
     async def _runner_actor(
         self,

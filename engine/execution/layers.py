@@ -19,6 +19,8 @@ from trillm.kernels.block_weights import BlockWeight, pack_exact
 
 # A projection: dense and transposed, [in, out], or exact GGUF blocks, [out, in].
 Weight: TypeAlias = torch.Tensor | BlockWeight
+# Sums a row-parallel projection's partial outputs over the ranks, in place.
+Reduce: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 # An RMSNorm over the last dimension: (x, weight, eps) -> normed x of x's shape.
 Norm: TypeAlias = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -64,8 +66,13 @@ def project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> tor
     return out if bias is None else out.add_(bias)
 
 
-def project_add(h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
-    """``h + x @ W``: the residual add rides on the GEMM (in place into ``h`` for blocks)."""
+def project_add(h: torch.Tensor, x: torch.Tensor, w: Weight, reduce: Reduce | None = None) -> torch.Tensor:
+    """``h + x @ W``: the residual add rides on the GEMM (in place into ``h`` for blocks).
+
+    ``reduce``: ``W`` is row-parallel (``parallel/``): ``x @ W`` is this rank's partial sum,
+    reduced over the ranks before the residual is added (once, not once per rank)."""
+    if reduce is not None:
+        return h.add_(reduce(project(x, w)))
     if isinstance(w, torch.Tensor):
         return torch.addmm(h, x, w)
     return cpu_matmul.matmul(x, w, out=h, accumulate=True)

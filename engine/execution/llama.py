@@ -10,6 +10,8 @@ in those blocks (``kernels/block_weights.py``).
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache, StepMetadata, create_backend
 from trillm.engine.execution.layers import LayerWeights, Weight, make_weight, project
+from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
+from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
@@ -124,6 +128,17 @@ def dummy_weights(
     return w
 
 
+def fingerprint(weights: dict[str, torch.Tensor]) -> str:
+    """What must be equal on every tensor-parallel rank: the tensors' names, shapes and dtypes,
+    and a sample of their values (reading a whole 70B checkpoint again would cost minutes)."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        t = weights[name]
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 class LlamaModel:
     """Weights, the embedding and the LM head; the backend runs the layers. The KV cache
     is owned by the caller."""
@@ -137,11 +152,16 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         backend: Backend | str = "auto",
         block_weights: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """``backend``: a ``Backend``, or a ``--kernels`` value for the registry
         (``auto``: Triton on CUDA, the CPU fast path elsewhere). ``block_weights`` keeps
-        projections that are exact GGUF blocks in that form, where the backend can run them."""
+        projections that are exact GGUF blocks in that form, where the backend can run them.
+        ``tp``: this model is one rank's shard (``parallel/sharding.py``): ``shape`` is the
+        rank's own, ``weights`` already cut to it."""
         self.shape = shape
+        self.tp = tp
+        self.fingerprint = ""  # of the whole checkpoint (``sharded``): ranks compare it at start
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend = backend if isinstance(backend, Backend) else create_backend(backend, self.device, dtype)
@@ -213,11 +233,43 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         backend: Backend | str = "auto",
         seed: int = 0,
+        tp: TensorParallel = SINGLE,
     ) -> LlamaModel:
         """Random weights for ``config``: throughput of any model size can be measured
-        without downloading it."""
-        shape = LlamaShape.from_config(config)
-        return cls(shape, dummy_weights(shape, dtype, device, seed), dtype, max_len, device, backend)
+        without downloading it. Every rank makes the whole model's (same seed) and keeps its part."""
+        return cls.sharded(
+            LlamaShape.from_config(config),
+            lambda shape: dummy_weights(shape, dtype, device, seed),
+            dtype,
+            max_len,
+            device,
+            backend,
+            False,
+            tp,
+        )
+
+    @classmethod
+    def sharded(
+        cls,
+        shape: LlamaShape,
+        weights: Callable[[LlamaShape], dict[str, torch.Tensor]],
+        dtype: torch.dtype,
+        max_len: int,
+        device: torch.device | str,
+        backend: Backend | str,
+        block_weights: bool,
+        tp: TensorParallel,
+    ) -> LlamaModel:
+        """The model of the whole ``shape``, or ``tp``'s rank's shard of it: ``weights`` (of the whole
+        model) are cut before they are moved or fused, and the rest freed."""
+        whole = weights(shape)
+        if tp.part is None:
+            model = cls(shape, whole, dtype, max_len, device, backend, block_weights)
+        else:
+            mine = shard_weights(whole, shape, tp.part)
+            model = cls(local_shape(shape, tp.part), mine, dtype, max_len, device, backend, block_weights, tp)
+        model.fingerprint = fingerprint(whole)
+        return model
 
     @classmethod
     def load(
@@ -229,15 +281,19 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         backend: Backend | str = "auto",
         block_weights: bool = False,
+        tp: TensorParallel = SINGLE,
     ) -> LlamaModel:
-        weights: dict[str, torch.Tensor] = {}
-        for file in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    weights[key] = f.get_tensor(key)
-        if not weights:
-            raise FileNotFoundError(f"no .safetensors files in {folder}")
-        return cls(LlamaShape.from_config(config), weights, dtype, max_len, device, backend, block_weights)
+        def read(shape: LlamaShape) -> dict[str, torch.Tensor]:
+            weights: dict[str, torch.Tensor] = {}
+            for file in sorted(folder.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        weights[key] = f.get_tensor(key)
+            if not weights:
+                raise FileNotFoundError(f"no .safetensors files in {folder}")
+            return weights
+
+        return cls.sharded(LlamaShape.from_config(config), read, dtype, max_len, device, backend, block_weights, tp)
 
     def forward(
         self,
@@ -252,5 +308,7 @@ class LlamaModel:
 
         ``bound``: what the backend's ``bind`` made for this ``kv_cache``, if the caller
         keeps it (the runner does; on the CPU path, the C layer loop of decode steps)."""
-        h = self.backend.run_layers(self, self.embed[input_ids], positions, kv_cache, meta, logits_rows, bound)
-        return project(h, self.lm_head).float()
+        h = self.backend.run_layers(
+            self, self.tp.embed(self.embed, input_ids), positions, kv_cache, meta, logits_rows, bound
+        )
+        return self.tp.gather_vocab(project(h, self.lm_head).float())

@@ -7,13 +7,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import Backend, create_backend
-from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.llama import LlamaModel, LlamaShape
 from trillm.engine.execution.model_runner import choose_dtype
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
+from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
+from trillm.engine.execution.parallel.sharding import partition
+from trillm.engine.execution.parallel.workers import Topology, Workers, check_same_model, join_group, rank_device
 from trillm.kernels import cpu_build, cpu_matmul
 
 log = logging.getLogger("trillm.engine")
@@ -31,6 +35,9 @@ def eos_ids_of(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozense
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -91,8 +98,14 @@ def _use_block_weights(config: EngineConfig, backend: Backend) -> bool:
     return possible and config.weight_format != "dense" and config.load_format != "dummy"
 
 
-def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
-    """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread)."""
+def load_model(
+    config: EngineConfig, topology: Topology | None = None, rank: int = 0
+) -> tuple[LlamaModel, Any, frozenset[int]]:
+    """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread).
+
+    With ``--tp`` > 1, the shard of rank ``rank`` (0 unless a worker calls): rank 0 first
+    spawns this machine's other ranks, then every rank joins the group, loads its part and
+    checks that all loaded the same model."""
     from transformers import AutoTokenizer
 
     # The forward pass runs in the runner's worker thread with all cores. A
@@ -104,13 +117,25 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)
     dtype = resolve_dtype(config.dtype, device)
+    tp, workers = SINGLE, None
+    if config.tp > 1:
+        if topology is None:  # the serving rank: the others are started with the dtype it chose
+            topology = Topology.of(config)
+            config = attrs.evolve(config, dtype=DTYPE_NAMES[dtype], master_port=topology.master_port)
+            workers = Workers(config, topology)
+        device = rank_device(device, topology, rank)
+        join_group(topology, rank, device)
+        shape = LlamaShape.from_config(model_config)
+        tp = TensorParallel(partition(shape, topology.size, rank), None, shape.vocab_size, workers)
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     backend = create_backend(config.kernels, device, dtype)
     blocks = _use_block_weights(config, backend)
     if config.load_format == "dummy":
-        model = LlamaModel.dummy(model_config, dtype, max_len, device, backend)
+        model = LlamaModel.dummy(model_config, dtype, max_len, device, backend, tp=tp)
     else:
-        model = LlamaModel.load(folder, model_config, dtype, max_len, device, backend, blocks)
+        model = LlamaModel.load(folder, model_config, dtype, max_len, device, backend, blocks, tp)
+    if tp.size > 1:
+        check_same_model(f"{model.fingerprint}:{dtype}:{model.num_block_weights}")
     if config.weight_format == "blocks" and model.num_block_weights < len(model.projections()):
         raise ValueError(
             f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "

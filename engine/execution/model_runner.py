@@ -25,6 +25,7 @@ from trillm.engine.execution.backends import StepInputs
 from trillm.engine.execution.backends.base import PromptSpan
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.parallel.workers import RunnerSetup, StepChannel
 from trillm.engine.execution.sampler import Sampled, SampleRow, TokenLogprobs, sample_with_logprobs
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.engine.scheduling.sequence import PENDING
@@ -145,9 +146,20 @@ class ModelRunner:
         self._bound: Any = self.backend.bind(model, self.kv_cache)  # the backend's state over this cache
         self._last_sampled: list[int] | None = None  # the tokens of the step that ran last
         self.mask_stats = MaskStats()  # written by the runner thread, read by /metrics
+        # Rank 0 of a tensor-parallel group sends every step to the other ranks, which run it alike.
+        self.steps: StepChannel | None = None
+        if model.tp.size > 1 and model.tp.rank == 0:
+            self.steps = StepChannel()
+            self.steps.send(RunnerSetup(num_pages, page_size, graph_batch, max_model_len))
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
             self.graphs = self._capture(graph_batch, -(-(max_model_len or s.max_position_embeddings) // page_size))
+
+    def close(self) -> None:
+        """Tell the other tensor-parallel ranks to stop (nothing to do alone); call once no step runs."""
+        steps, self.steps = self.steps, None
+        if steps is not None:
+            steps.send(None)
 
     def _capture(self, max_batch: int, max_pages: int) -> DecodeGraphs | None:
         """Decode graphs, or None (logged) where capture fails: eager steps still work."""
@@ -171,6 +183,8 @@ class ModelRunner:
 
     def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass alone: float32 logits of the sampling rows, on the model's device."""
+        if self.steps is not None:  # what the other ranks need to run the same forward, no more
+            self.steps.send(attrs.evolve(inputs, rows=(), pending_inputs=(), pending_history=()))
         device = self.model.device
         replay = not inputs.prompt_spans  # a graph computes the rows of the batch in order, no more
         if replay and self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.logits_rows):

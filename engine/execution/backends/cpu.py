@@ -68,6 +68,7 @@ class CpuBackend(Backend):
         return (
             self.c_ops
             and cpu_forward.available()
+            and model.tp.size == 1  # the C loop has no all-reduce between layers
             and all(
                 layer.qkv_bias is None
                 and layer.q_norm is None  # the C loop has no per-head Q/K norm (Qwen3): the Python loop runs it
@@ -162,6 +163,7 @@ class CpuBackend(Backend):
         s = model.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
+        reduce = model.tp.all_reduce if model.tp.size > 1 else None
         for layer, (k_cache, v_cache) in zip(model.layers, kv_cache):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = project(x, layer.qkv, layer.qkv_bias)
@@ -175,7 +177,7 @@ class CpuBackend(Backend):
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale)
-            h = project_add(h, attn.reshape(-1, q_size), layer.o_proj)
+            h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
             x = norm(h, layer.post_norm, s.rms_norm_eps)
             gate_up = project(x, layer.gate_up)
             if self.c_ops:
@@ -183,7 +185,7 @@ class CpuBackend(Backend):
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            h = project_add(h, act, layer.down)
+            h = project_add(h, act, layer.down, reduce)
         return h
 
 

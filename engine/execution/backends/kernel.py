@@ -127,10 +127,10 @@ class KernelBackend(Backend):
                 attn = ops.extend_attention(
                     q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens, model.scale
                 )
-            delta = project(attn.reshape(-1, q_size), layer.o_proj)
+            delta = model.tp.all_reduce(project(attn.reshape(-1, q_size), layer.o_proj))
             x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
             gate, up = project(x, layer.gate_up).chunk(2, dim=-1)
-            delta = project(F.silu(gate) * up, layer.down)
+            delta = model.tp.all_reduce(project(F.silu(gate) * up, layer.down))
         assert residual is not None, "a model has at least one layer"
         rows = logits_rows.to(delta.device)
         h, _ = ops.add_rms_norm(

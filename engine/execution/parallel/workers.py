@@ -1,0 +1,168 @@
+"""The ranks of a tensor-parallel group: starting them, feeding them each step, watching them.
+
+Rank 0 is the serving process: the Trio front end, the scheduler, the page books and
+the sampler. The other ranks only compute: each loads its shard, builds the same
+``ModelRunner`` over its own KV heads, then runs whatever step rank 0 broadcasts,
+until rank 0 broadcasts the end. They join in the forward's collectives; rank 0
+alone reads the logits.
+
+What crosses each step is the step's inputs (token ids, positions, the backend's
+attention metadata, the logits rows): one ``broadcast_object_list`` of a few
+kilobytes. The sequences' sampling state (generators, grammar matchers) never does.
+
+Ranks are numbered ``node_rank * per_node + local``; this machine's ranks other than
+its first are spawned processes. On node 0 the first rank is the server; on other
+nodes it is a worker too (``trillm serve --node-rank 1 ...`` serves no HTTP).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from trillm.engine.config import EngineConfig
+
+log = logging.getLogger("trillm.engine")
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel rank exited or stopped answering: the group cannot compute any more."""
+
+
+@attrs.frozen
+class Topology:
+    """Where this process sits: its rank among ``size``, and how to meet the others."""
+
+    size: int
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    timeout: float
+
+    @property
+    def per_node(self) -> int:
+        return self.size // self.nnodes
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.per_node
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Topology:
+        if config.tp % config.nnodes:
+            raise ValueError(f"--tp {config.tp} does not split over --nnodes {config.nnodes}")
+        if not 0 <= config.node_rank < config.nnodes:
+            raise ValueError(f"--node-rank {config.node_rank} is not one of {config.nnodes} nodes")
+        port = config.master_port or (free_port() if config.nnodes == 1 else 0)
+        if not port:
+            raise ValueError("--master-port is needed to launch over several nodes")
+        return cls(config.tp, config.nnodes, config.node_rank, config.master_addr, port, config.dist_timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def join_group(topology: Topology, rank: int, device: torch.device) -> None:
+    """This process as ``rank`` of the default group (gloo on CPUs, NCCL on GPUs)."""
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{topology.master_addr}:{topology.master_port}",
+        rank=rank,
+        world_size=topology.size,
+        timeout=datetime.timedelta(seconds=topology.timeout),
+    )
+
+
+def rank_device(device: torch.device, topology: Topology, rank: int) -> torch.device:
+    """Each rank of a node on its own GPU; CPUs share the machine."""
+    if device.type != "cuda":
+        return device
+    local = torch.device("cuda", rank - topology.first_rank)
+    torch.cuda.set_device(local)
+    return local
+
+
+def check_same_model(mine: str) -> None:
+    """Every rank loaded the same model, or none serves: a mismatch is a startup error on rank 0."""
+    prints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, mine)
+    odd = [rank for rank, p in enumerate(prints) if p != prints[0]]
+    if odd:
+        raise RuntimeError(f"tensor-parallel ranks {odd} loaded a different model than rank 0 (checkpoint or config)")
+
+
+class StepChannel:
+    """Rank 0 -> every other rank: a setup once, then each step's inputs, then None (stop)."""
+
+    def send(self, message: Any) -> None:
+        dist.broadcast_object_list([message], src=0)
+
+    def receive(self) -> Any:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+@attrs.frozen
+class RunnerSetup:
+    """What the workers' runners must agree on with rank 0's: the KV pool and the graphs."""
+
+    num_pages: int
+    page_size: int
+    graph_batch: int
+    max_model_len: int
+
+
+def worker_main(config: EngineConfig, topology: Topology, rank: int) -> None:
+    """A rank that only computes (the body of each spawned process, and of node k's first rank)."""
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    from trillm.engine.execution.loading import load_model
+    from trillm.engine.execution.model_runner import ModelRunner
+
+    model, _, _ = load_model(config, topology, rank)
+    channel = StepChannel()
+    setup: RunnerSetup = channel.receive()
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // topology.per_node)
+    runner = ModelRunner(model, setup.num_pages, setup.page_size, threads, setup.graph_batch, setup.max_model_len)
+    log.info("rank %d ready: %d KV pages of %d heads", rank, setup.num_pages, model.shape.num_kv_heads)
+    while (inputs := channel.receive()) is not None:
+        runner.execute_logits(inputs)
+    dist.destroy_process_group()
+
+
+class Workers:
+    """This machine's spawned ranks, as rank 0 (or a node's first rank) sees them."""
+
+    def __init__(self, config: EngineConfig, topology: Topology) -> None:
+        self.topology = topology
+        context = multiprocessing.get_context("spawn")
+        first = topology.first_rank
+        self.processes = [
+            context.Process(target=worker_main, args=(config, topology, rank), name=f"trillm-rank-{rank}", daemon=True)
+            for rank in range(first + 1, first + topology.per_node)
+        ]
+        for process in self.processes:
+            process.start()
+
+    def dead(self) -> list[tuple[str, int | None]]:
+        """The spawned ranks that have exited, with their exit codes."""
+        return [(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
+
+    def join(self, timeout: float) -> None:
+        for process in self.processes:
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join()
