@@ -90,15 +90,21 @@ async def serve(app: Any, server: ServerConfig) -> None:
         binds = await nursery.start(run_hypercorn)
         ports.update(int(bind.rsplit(":", 1)[1]) for bind in binds)
 
+        async def stop_when_the_engine_fails() -> None:
+            await app.extensions["trillm_host"].failed.wait()
+            stop_serving.set()  # a dead engine serves nothing: the process ends, non-zero (``main``)
 
-def exit_now() -> None:
-    """Exit 0 once the server has stopped, skipping the interpreter's teardown: every request has
+        nursery.start_soon(stop_when_the_engine_fails)
+
+
+def exit_now(code: int = 0) -> None:
+    """Exit once the server has stopped, skipping the interpreter's teardown: every request has
     ended and every connection is closed, and tearing down the loaded model took seconds (C
     destructors) that a deploy waits for and nothing gains from."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,10 +120,18 @@ def main(argv: list[str] | None = None) -> None:
         from trillm.api.app import create_app
 
         engine_config = config_from_env(**overrides_from(args, EngineConfig))
+        if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: compute only
+            from trillm.engine.execution.parallel.workers import serve_node
+
+            serve_node(engine_config)
+            exit_now()
         server_config = server_config_from_env(**overrides_from(args, ServerConfig))
         app = create_app(config=engine_config, server=server_config)
         trio.run(partial(serve, app, server_config))
-        exit_now()
+        failure = app.extensions["trillm_host"].failure
+        if failure is not None:
+            print(f"[trillm] the engine failed: {failure}; exiting with status 1", file=sys.stderr, flush=True)
+        exit_now(1 if failure is not None else 0)
     elif args.command == "bench":
         from trillm.bench.run import run_bench
 

@@ -114,6 +114,7 @@ class Engine:
         self._running = False
         self._limiter = trio.CapacityLimiter(1)
         self.num_aborted = 0
+        self._group_broken = False  # a tensor-parallel rank died or hung: no collective can run again
         self.num_stalled = 0  # aborted because their consumer stopped taking outputs (``stall_timeout``)
         self.num_steps = 0
         self.prompt_tokens_total = 0
@@ -280,15 +281,17 @@ class Engine:
             self._end_all("abort")
             self.loop.in_flight.clear()
             self.scheduler.flush_cache()  # nothing outlives the engine: every page is free again
-            if workers is not None and not workers.dead():  # the other ranks stop with us
-                await trio.to_thread.run_sync(self.runner.close, limiter=self._limiter)
-                await trio.to_thread.run_sync(workers.join, 10.0)
+            if workers is not None:  # the other ranks stop with us (a broken group: at once)
+                if not self._group_broken:
+                    await trio.to_thread.run_sync(self.runner.close, limiter=self._limiter)
+                await trio.to_thread.run_sync(workers.join, 0.0 if self._group_broken else 10.0)
 
     async def _watch_workers(self, workers: Workers) -> None:
         """Fail fast when a tensor-parallel rank dies: the group can compute nothing more, so the
         engine stops (every open request ends) rather than wait on a collective forever."""
         while not (dead := workers.dead()):
             await trio.sleep(0.2)
+        self._group_broken = True
         names = ", ".join(f"{name} (exit code {code})" for name, code in dead)
         log.critical("tensor-parallel worker %s exited; the engine stops", names)
         raise WorkerDied(f"tensor-parallel worker {names} exited")
@@ -311,6 +314,10 @@ class Engine:
                 try:
                     result: Sampled | Exception = await trio.to_thread.run_sync(execute, limiter=self._limiter)
                 except Exception as exc:  # a failed step fails its batch, not the server
+                    if self.model.tp.size > 1:  # ... unless a collective failed: the group is broken
+                        self._group_broken = True
+                        log.critical("a tensor-parallel step failed (a rank died or stopped answering): %s", exc)
+                        raise WorkerDied(f"a tensor-parallel step failed: {exc}") from exc
                     log.exception("model step failed")
                     result = exc
                 # An idle engine holds no finished step (nor its sequences' grammar state).

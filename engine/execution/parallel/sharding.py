@@ -28,10 +28,13 @@ BLOCK = 32  # GGUF block width: row-parallel splits of the input dimension fall 
 
 def even_ranges(n: int, parts: int, align: int = 1) -> list[range]:
     """``range(n)`` cut into ``parts`` contiguous pieces as even as ``align``-sized units allow
-    (the first pieces one unit longer); the last piece ends at ``n`` whatever ``align`` is."""
+    (the first pieces one unit longer; units of one where ``n`` has too few); the last piece
+    ends at ``n`` whatever ``align`` is."""
+    if -(-n // align) < parts:
+        align = 1
     units = -(-n // align)
     if units < parts:
-        raise ValueError(f"{n} cannot be split over {parts} ranks in units of {align}")
+        raise ValueError(f"{n} cannot be split over {parts} ranks")
     bounds = [min(n, align * (i * (units // parts) + min(i, units % parts))) for i in range(parts + 1)]
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 

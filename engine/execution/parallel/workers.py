@@ -166,3 +166,17 @@ class Workers:
             if process.is_alive():
                 process.kill()
                 process.join()
+
+
+def serve_node(config: EngineConfig) -> None:
+    """``trillm serve --node-rank K`` (K > 0): this machine's ranks compute for node 0's server
+    until it stops them; no HTTP here. Returns when they are done."""
+    from trillm.engine.execution.loading import DTYPE_NAMES, choose_device, resolve_dtype
+
+    topology = Topology.of(config)
+    config = attrs.evolve(config, dtype=DTYPE_NAMES[resolve_dtype(config.dtype, choose_device(config))])
+    workers = Workers(config, topology)
+    try:
+        worker_main(config, topology, topology.first_rank)
+    finally:
+        workers.join(10.0)
