@@ -288,9 +288,23 @@ class Engine:
 
     async def _watch_workers(self, workers: Workers) -> None:
         """Fail fast when a tensor-parallel rank dies: the group can compute nothing more, so the
-        engine stops (every open request ends) rather than wait on a collective forever."""
+        engine stops (every open request ends) rather than wait on a collective forever. This
+        machine's ranks are watched as processes; every rank, here or on other nodes, through a
+        heartbeat broadcast whenever no step has run for a quarter of ``dist_timeout``."""
+        period = self.config.dist_timeout / 4
+        last_steps, next_beat = self.num_steps, trio.current_time() + period
         while not (dead := workers.dead()):
             await trio.sleep(0.2)
+            if self.num_steps != last_steps:
+                last_steps, next_beat = self.num_steps, trio.current_time() + period
+            elif trio.current_time() >= next_beat:
+                try:
+                    await trio.to_thread.run_sync(self.runner.heartbeat, limiter=self._limiter)
+                except Exception as exc:
+                    self._group_broken = True
+                    log.critical("a tensor-parallel rank stopped answering: %s", exc)
+                    raise WorkerDied(f"a tensor-parallel rank stopped answering: {exc}") from exc
+                next_beat = trio.current_time() + period
         self._group_broken = True
         names = ", ".join(f"{name} (exit code {code})" for name, code in dead)
         log.critical("tensor-parallel worker %s exited; the engine stops", names)

@@ -25,7 +25,7 @@ from trillm.engine.execution.backends import StepInputs
 from trillm.engine.execution.backends.base import PromptSpan
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from trillm.engine.execution.llama import LlamaModel
-from trillm.engine.execution.parallel.workers import RunnerSetup, StepChannel
+from trillm.engine.execution.parallel.workers import HEARTBEAT, RunnerSetup, StepChannel
 from trillm.engine.execution.sampler import Sampled, SampleRow, TokenLogprobs, sample_with_logprobs
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.engine.scheduling.sequence import PENDING
@@ -154,6 +154,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
             self.graphs = self._capture(graph_batch, -(-(max_model_len or s.max_position_embeddings) // page_size))
+
+    def heartbeat(self) -> None:
+        """Show the other tensor-parallel ranks that rank 0 lives (between steps, never during one)."""
+        if self.steps is not None:
+            self.steps.send(HEARTBEAT)
 
     def close(self) -> None:
         """Tell the other tensor-parallel ranks to stop (nothing to do alone); call once no step runs."""

@@ -103,6 +103,11 @@ def check_same_model(mine: str) -> None:
         raise RuntimeError(f"tensor-parallel ranks {odd} loaded a different model than rank 0 (checkpoint or config)")
 
 
+# Sent by an idle rank 0 every ``dist_timeout / 4``: the others' wait for the next step would time
+# out otherwise, and a rank that died is noticed even while no request runs.
+HEARTBEAT = "heartbeat"
+
+
 class StepChannel:
     """Rank 0 -> every other rank: a setup once, then each step's inputs, then None (stop)."""
 
@@ -138,7 +143,8 @@ def worker_main(config: EngineConfig, topology: Topology, rank: int) -> None:
     runner = ModelRunner(model, setup.num_pages, setup.page_size, threads, setup.graph_batch, setup.max_model_len)
     log.info("rank %d ready: %d KV pages of %d heads", rank, setup.num_pages, model.shape.num_kv_heads)
     while (inputs := channel.receive()) is not None:
-        runner.execute_logits(inputs)
+        if inputs != HEARTBEAT:
+            runner.execute_logits(inputs)
     dist.destroy_process_group()
 
 
