@@ -36,6 +36,7 @@ from trillm.api.submission import check_prompt, with_grammar
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
+from trillm.engine.replicas.front import ReplicaSet
 from trillm.engine.scheduling.telemetry import EngineObserver
 
 VERSION = "0.1.0"
@@ -45,7 +46,7 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 class EngineHost:
     """Runs the engine in its own cancel scope so it can be stopped before the server."""
 
-    def __init__(self, engine: Engine, observer: EngineObserver) -> None:
+    def __init__(self, engine: Engine | ReplicaSet, observer: EngineObserver) -> None:
         self.engine = engine
         self.observer = observer
         self._scope: trio.CancelScope | None = None
@@ -80,12 +81,13 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def create_app(
-    engine: Engine | None = None, config: EngineConfig | None = None, server: ServerConfig | None = None
+    engine: Engine | ReplicaSet | None = None, config: EngineConfig | None = None, server: ServerConfig | None = None
 ) -> QuartTrio:
     """The app around ``engine`` (loaded from ``config`` or ``TRILLM_*`` if not given), with the
     HTTP settings ``server`` (``TRILLM_*`` if not given)."""
     if engine is None:
-        engine = Engine.load(config or config_from_env())
+        config = config or config_from_env()
+        engine = ReplicaSet(config) if config.dp > 1 else Engine.load(config)
     if server is None:
         server = server_config_from_env()
     request_timeout = server.timeout_seconds

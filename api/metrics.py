@@ -8,12 +8,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trillm.engine.engine import Engine
+from trillm.engine.replicas.front import ReplicaSet
 
 
 class EngineCollector:
     """Reads ``engine.stats()`` on every scrape, so the numbers are never stale copies."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine | ReplicaSet, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -27,7 +28,7 @@ class EngineCollector:
             "kv_cache_total_pages": ("All KV cache pages.", s.total_pages),
             "kv_cache_usage_perc": (
                 "Fraction of KV cache pages held by requests.",
-                1 - (s.free_pages + s.evictable_pages) / s.total_pages,
+                1 - (s.free_pages + s.evictable_pages) / max(1, s.total_pages),
             ),
             "model_weight_bytes_per_step": (
                 "Bytes of projection weights each decode step reads "
@@ -141,7 +142,7 @@ class PrometheusObserver:
         self._success.labels(self._model_name, reason).inc()
 
 
-def metrics_registry(engine: Engine, model_name: str) -> tuple[CollectorRegistry, PrometheusObserver]:
+def metrics_registry(engine: Engine | ReplicaSet, model_name: str) -> tuple[CollectorRegistry, PrometheusObserver]:
     """A registry of this app's own: the engine's gauges and counters read at scrape
     time, and the observer whose request-timing histograms the engine reports into
     (passed to ``Engine.run``)."""

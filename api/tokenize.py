@@ -9,9 +9,10 @@ from trillm.api.input_limits import check_counts, check_text, message_texts
 from trillm.api.schemas.describe import parse
 from trillm.api.schemas.tokenize import DetokenizeBody, TokenizeBody
 from trillm.engine.engine import Engine
+from trillm.engine.replicas.front import ReplicaSet
 
 
-def tokenize(engine: Engine, body: Any) -> dict[str, Any]:
+def tokenize(engine: Engine | ReplicaSet, body: Any) -> dict[str, Any]:
     """``{"prompt"}`` or ``{"messages"}`` (chat template applied) -> ``{tokens, count, max_model_len}``.
 
     Text that obviously cannot fit the context is refused before templating (``input_limits``);
@@ -30,7 +31,7 @@ def tokenize(engine: Engine, body: Any) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
 
-def detokenize(engine: Engine, body: Any) -> dict[str, Any]:
+def detokenize(engine: Engine | ReplicaSet, body: Any) -> dict[str, Any]:
     """``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids past the vocabulary are a 400."""
     req: DetokenizeBody = parse(DetokenizeBody, body)
     vocab = engine.model.shape.vocab_size

@@ -129,6 +129,12 @@ class EngineConfig:
         "vocabulary rows) in its own process; rank 0 serves, schedules and samples",
         validator=attrs.validators.ge(1),
     )
+    dp: int = setting(
+        1,
+        "data-parallel replicas: whole engines in their own processes (each with `--tp` ranks of its own), "
+        "behind this one front end, which routes each request by prefix affinity and load",
+        validator=attrs.validators.ge(1),
+    )
     nnodes: int = setting(1, "machines the `--tp` ranks span (each runs `trillm serve` with its `--node-rank`)")
     node_rank: int = setting(0, "this machine's place among `--nnodes`; 0 serves HTTP, the others only compute")
     master_addr: str = setting("127.0.0.1", "address of node 0, where the ranks meet (as torchrun's)")

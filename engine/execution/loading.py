@@ -154,3 +154,15 @@ def load_model(
         folder,
     )
     return model, tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer)
+
+
+def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str, Any]]:
+    """The tokenizer, EOS ids and ``config.json`` of ``config.model``, without its weights: what a
+    front end of several replicas needs (each replica loads the model itself)."""
+    from transformers import AutoTokenizer
+
+    folder = _model_folder(config)
+    model_config = json.loads(_config_file(config, folder).read_text())
+    tokenizer_folder = _tokenizer_folder(config, folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    return tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer), model_config

@@ -1,0 +1,343 @@
+"""``--dp M``: the HTTP layer's engine, made of M replica processes.
+
+``ReplicaSet`` offers what the API asks of an ``Engine`` (``api/gateway.py``), so the
+handlers do not know there are replicas. It checks a call as an engine would (prompt,
+parameters, capacity, grammar compiled once here to answer a bad one with a 400), routes
+it (``router.PrefixRouter``), and gives the handler a local ``OutputMailbox`` that a
+reader task fills from the replica's pipe. Cancellation goes the same way back: a
+closed mailbox or ``abort`` sends ``Abort`` to the replica that holds the request,
+which frees its pages there.
+
+A replica whose process dies is taken out of rotation: its open requests end with
+``finish_reason: "error"`` and the others keep serving; when none is left, ``run``
+raises (``trillm serve`` then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import attrs
+import trio
+
+from trillm.engine.config import EngineConfig
+from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
+from trillm.engine.execution.loading import load_tokenizer
+from trillm.engine.mailbox import OutputMailbox
+from trillm.engine.outputs import EngineStats, RequestOutput
+from trillm.engine.replicas.protocol import Abort, Flush, Outputs, Ready, Refused, Stats, Stop, Submit
+from trillm.engine.replicas.replica import replica_main
+from trillm.engine.replicas.router import PrefixRouter
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver
+from trillm.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
+
+log = logging.getLogger("trillm.engine")
+_ids = itertools.count()
+
+
+class ReplicaDied(RuntimeError):
+    """Every replica has died: nothing can serve."""
+
+
+@attrs.frozen
+class _Shape:
+    vocab_size: int
+    max_position_embeddings: int
+
+
+@attrs.frozen
+class ModelInfo:
+    """The little of the model the API reads (``/metrics``, token-id checks)."""
+
+    shape: _Shape
+    projection_bytes: int
+
+
+@attrs.define
+class _Open:
+    """A request routed to a replica, until its last output."""
+
+    replica: int
+    mailbox: OutputMailbox
+    index: int
+    arrival: float
+    priority: int
+    last: float | None = None
+
+
+class _Replica:
+    def __init__(self, index: int, process: Any, conn: Connection) -> None:
+        self.index = index
+        self.process = process
+        self.conn = conn
+        self.alive = False  # ready and not dead
+        self.stats: EngineStats | None = None
+        self.max_model_len = 0
+        self.projection_bytes = 0
+        self.open: set[str] = set()
+        self.calls: dict[str, tuple[str, ...]] = {}  # first id -> the ids of one submit_many
+
+
+class ReplicaSet:
+    """M engines in M processes behind one interface (see the module's docstring)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.dp < 2:
+            raise ValueError("a replica set has at least two replicas (--dp)")
+        self.config = config
+        self.tokenizer, self.eos_ids, model_config = load_tokenizer(config)
+        vocab = model_config["vocab_size"]
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            vocab,
+            self.eos_ids,
+            cache_size=config.grammar_cache_size,
+            timeout=config.grammar_compile_timeout,
+        )
+        self.model = ModelInfo(_Shape(vocab, model_config.get("max_position_embeddings", 2048)), 0)
+        self.router = PrefixRouter(config.dp, config.page_size)
+        self.replicas: list[_Replica] = []
+        self._open: dict[str, _Open] = {}
+        self._running = False
+        self._observer: EngineObserver = NullObserver()
+        self.max_model_len = config.max_model_len or self.model.shape.max_position_embeddings
+
+    # -- the interface handlers use (as ``Engine``'s) ----------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    def replica_stats(self) -> list[EngineStats | None]:
+        """Each replica's last reported numbers (None: not yet, or dead)."""
+        return [r.stats if r.alive else None for r in self.replicas]
+
+    def stats(self) -> EngineStats:
+        """The replicas' numbers added up; ``num_open_requests`` counts what this front end holds."""
+        live = [s for s in self.replica_stats() if s is not None]
+        fields = [f.name for f in attrs.fields(EngineStats)]
+        total = {name: sum(getattr(s, name) for s in live) for name in fields}
+        total["num_open_requests"] = len(self._open)
+        return EngineStats(**total)
+
+    def flush_cache(self) -> int:
+        """Every live replica drops its cached pages; returns the pages they last reported evictable."""
+        flushed = 0
+        for r in self.replicas:
+            if r.alive:
+                flushed += r.stats.evictable_pages if r.stats else 0
+                r.conn.send(Flush())
+                self.router.forget(r.index)
+        return flushed
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(len(prompt_ids), self.max_model_len)
+        vocab = self.model.shape.vocab_size
+        if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab - 1}]", "prompt")
+
+    def check_params(self, params: SamplingParams) -> None:
+        vocab = self.model.shape.vocab_size
+        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
+            raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab - 1}]", "logit_bias")
+
+    def check_capacity(self, count: int) -> None:
+        running = sum(s.num_running for s in self.replica_stats() if s is not None)
+        queued = len(self._open) - running
+        limit = self.config.max_waiting * sum(r.alive for r in self.replicas)
+        if queued + count > limit:
+            raise EngineOverloaded(f"{queued} requests are already waiting (the limit is {limit})")
+
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compiled here to refuse a bad one at once; the replica compiles its own from the spec."""
+        return await self.grammars.compile(spec)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[str, OutputMailbox]:
+        ids, mailbox = self.submit_many([(prompt_ids, params)])
+        return ids[0], mailbox
+
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[str], OutputMailbox]:
+        """Checked here, sent whole to one replica (choices of one call share its prefix cache)."""
+        if not self._running:
+            raise EngineNotRunning("the engine is not running")
+        self.check_capacity(len(requests))
+        for prompt_ids, params in requests:
+            self.check_prompt(prompt_ids)
+            self.check_params(params)
+        loads = [len(r.open) for r in self.replicas]
+        replica = self.replicas[self.router.choose(requests[0][0], loads, [r.alive for r in self.replicas])]
+        ids = tuple(f"dp{replica.index}-{next(_ids)}" for _ in requests)
+        mailbox = OutputMailbox()
+        now = time.monotonic()
+        for index, (request_id, (_, params)) in enumerate(zip(ids, requests)):
+            mailbox.add_sender()
+            self._open[request_id] = _Open(replica.index, mailbox, index, now, params.priority)
+            replica.open.add(request_id)
+        replica.calls[ids[0]] = ids
+        sent = tuple(
+            (list(p), attrs.evolve(params, grammar=None), params.grammar.spec if params.grammar else None)
+            for p, params in requests
+        )
+        replica.conn.send(Submit(ids, sent))
+        return list(ids), mailbox
+
+    def abort(self, request_id: str) -> None:
+        """Forwarded to the replica that holds the request; idempotent, never blocks."""
+        request = self._open.get(request_id)
+        if request is not None and self.replicas[request.replica].alive:
+            self.replicas[request.replica].conn.send(Abort(request_id))
+
+    # -- the actors ----------------------------------------------------------------
+
+    async def run(
+        self, *, observer: EngineObserver | None = None, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the replicas, serve until cancelled (or until every replica has died), then stop
+        them: open requests end with "abort", the processes exit."""
+        if observer is not None:
+            self._observer = observer
+        self._start_processes()
+        try:
+            async with trio.open_nursery() as nursery:
+                ready = [trio.Event() for _ in self.replicas]
+                for replica, event in zip(self.replicas, ready):
+                    nursery.start_soon(self._reader, replica, event)
+                for event in ready:
+                    await event.wait()
+                if not any(r.alive for r in self.replicas):
+                    raise ReplicaDied("no replica started")
+                self.max_model_len = min(r.max_model_len for r in self.replicas if r.alive)
+                self.model = attrs.evolve(self.model, projection_bytes=self.replicas[0].projection_bytes)
+                self._running = True
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._running = False
+            for request_id in list(self._open):
+                self._finish(request_id, "abort")
+            for replica in self.replicas:
+                if replica.process.is_alive():
+                    try:
+                        replica.conn.send(Stop())
+                    except OSError:
+                        pass
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self._join)
+
+    def _start_processes(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        per_replica_threads = max(1, (os.cpu_count() or 1) // (self.config.dp * (self.config.tp // self.config.nnodes)))
+        config = attrs.evolve(self.config, dp=1, num_threads=self.config.num_threads or per_replica_threads)
+        gpus = self.config.tp // self.config.nnodes
+        for index in range(self.config.dp):
+            front, back = context.Pipe()
+            devices = None
+            if os.environ.get("CUDA_VISIBLE_DEVICES") is None and _has_cuda(config):
+                devices = ",".join(str(index * gpus + g) for g in range(gpus))
+            # Not a daemon: a replica with --tp starts processes of its own.
+            process = context.Process(
+                target=replica_main, args=(config, index, back, devices), name=f"trillm-replica-{index}"
+            )
+            process.start()
+            back.close()
+            self.replicas.append(_Replica(index, process, front))
+
+    def _join(self) -> None:
+        for replica in self.replicas:
+            replica.process.join(30)
+            if replica.process.is_alive():
+                replica.process.kill()
+                replica.process.join()
+            replica.conn.close()
+
+    async def _reader(self, replica: _Replica, ready: trio.Event) -> None:
+        """Everything one replica says, until its pipe ends (it died, or it was stopped)."""
+        ended = False  # the pipe ended: the process has gone (not this task cancelled)
+        try:
+            while True:
+                try:
+                    message = await trio.to_thread.run_sync(replica.conn.recv, abandon_on_cancel=True)
+                except (EOFError, OSError):
+                    ended = True
+                    break
+                if isinstance(message, Ready):
+                    replica.alive = True
+                    replica.max_model_len, replica.projection_bytes = message.max_model_len, message.projection_bytes
+                    ready.set()
+                elif isinstance(message, Outputs):
+                    self._deliver(replica, message)
+                elif isinstance(message, Stats):
+                    replica.stats = message.stats
+                elif isinstance(message, Refused):
+                    log.warning("replica %d refused a request: %s", replica.index, message.reason)
+                    for request_id in replica.calls.pop(message.first_id, ()):
+                        self._finish(request_id, "error")
+        finally:
+            ready.set()
+        if ended and self._running and replica.alive:
+            self._lost(replica)
+
+    def _deliver(self, replica: _Replica, message: Outputs) -> None:
+        now = time.monotonic()
+        for request_id, out in message.outputs:
+            request = self._open.get(request_id)
+            if request is None:
+                continue
+            self._observe(request, out, now)
+            if not request.mailbox.put(attrs.evolve(out, request_id=request_id, index=request.index)):
+                replica.conn.send(Abort(request_id))  # its consumer has gone
+        for first_id in message.done:
+            for request_id in replica.calls.pop(first_id, ()):
+                self._close(request_id)
+
+    def _observe(self, request: _Open, out: RequestOutput, now: float) -> None:
+        if request.last is None and out.token_ids:
+            self._observer.first_token(now - request.arrival, request.priority)
+        elif request.last is not None:
+            self._observer.inter_token((now - request.last) / max(1, len(out.token_ids)))
+        request.last = now
+        if out.finish_reason is not None:
+            self._observer.finished(out.finish_reason, now - request.arrival)
+
+    def _close(self, request_id: str) -> None:
+        request = self._open.pop(request_id, None)
+        if request is not None:
+            self.replicas[request.replica].open.discard(request_id)
+            request.mailbox.end()
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        """End a request here, with a last output that says why (its replica cannot)."""
+        request = self._open.get(request_id)
+        if request is None:
+            return
+        request.mailbox.put(RequestOutput(request_id, request.index, "", (), reason, 0, 0))
+        self._close(request_id)
+
+    def _lost(self, replica: _Replica) -> None:
+        replica.alive = False
+        code = replica.process.exitcode
+        log.error(
+            "replica %d died (exit code %s): out of rotation; its requests end with an error", replica.index, code
+        )
+        self.router.forget(replica.index)
+        for request_id in list(replica.open):
+            self._finish(request_id, "error")
+        replica.calls.clear()
+        if not any(r.alive for r in self.replicas):
+            raise ReplicaDied("every replica has died")
+
+
+def _has_cuda(config: EngineConfig) -> bool:
+    import torch
+
+    return config.device != "cpu" and torch.cuda.is_available()

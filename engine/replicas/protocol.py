@@ -1,0 +1,69 @@
+"""What crosses the pipe between the front end and a replica process (pickled by ``Connection``).
+
+Requests carry their constraint as a ``GrammarSpec`` (the replica compiles it with its own
+cached compiler; compiled grammars do not pickle). Outputs travel in batches, one message
+per turn of the replica's event loop rather than one per token.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from trillm.engine.outputs import EngineStats, RequestOutput
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.structured.spec import GrammarSpec
+
+
+# -- front end -> replica -------------------------------------------------------------
+@attrs.frozen
+class Submit:
+    """One ``submit_many`` call: its requests, under the front end's ids."""
+
+    ids: tuple[str, ...]
+    requests: tuple[tuple[list[int], SamplingParams, GrammarSpec | None], ...]
+
+
+@attrs.frozen
+class Abort:
+    request_id: str
+
+
+@attrs.frozen
+class Flush:
+    pass
+
+
+@attrs.frozen
+class Stop:
+    pass
+
+
+# -- replica -> front end -------------------------------------------------------------
+@attrs.frozen
+class Ready:
+    """The replica has loaded its model and runs."""
+
+    max_model_len: int
+    projection_bytes: int
+
+
+@attrs.frozen
+class Outputs:
+    """Outputs of any requests, in order; ``done``: ``Submit`` calls (by first id) all of whose
+    requests have finished."""
+
+    outputs: tuple[tuple[str, RequestOutput], ...]
+    done: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Refused:
+    """A ``Submit`` the replica's engine refused (a race the front end's checks missed)."""
+
+    first_id: str
+    reason: str
+
+
+@attrs.frozen
+class Stats:
+    stats: EngineStats
