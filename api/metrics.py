@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trillm.engine.engine import Engine
+from trillm.engine.outputs import EngineStats
 from trillm.engine.replicas.front import ReplicaSet
 
 
@@ -19,52 +20,65 @@ class EngineCollector:
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.stats()
-        gauges = {
-            "num_requests_running": ("Requests in the running batch.", s.num_running),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
-            "kv_cache_free_pages": ("Free KV cache pages.", s.free_pages),
-            "kv_cache_evictable_pages": ("Cached pages no request holds (reclaimed on demand).", s.evictable_pages),
-            "kv_cache_total_pages": ("All KV cache pages.", s.total_pages),
-            "kv_cache_usage_perc": (
-                "Fraction of KV cache pages held by requests.",
-                1 - (s.free_pages + s.evictable_pages) / max(1, s.total_pages),
-            ),
-            "model_weight_bytes_per_step": (
-                "Bytes of projection weights each decode step reads "
-                "(float32, or fewer where they stay in GGUF blocks).",
-                self.engine.model.projection_bytes,
-            ),
-        }
-        for name, (doc, value) in gauges.items():
-            g = GaugeMetricFamily(f"trillm:{name}", doc, labels=["model_name"])
-            g.add_metric([self.model_name], value)
-            yield g
-        counters = {
-            "num_requests_aborted": ("Requests cancelled by their client or a deadline.", s.num_aborted),
-            "num_requests_stalled": (
-                "Requests aborted because their client read nothing for the stall timeout.",
-                s.num_stalled,
-            ),
-            "stream_outputs_merged": ("Outputs merged into one their client had not taken yet.", s.num_merged_outputs),
-            "num_preemptions": ("Running requests preempted for lack of pages.", s.num_preemptions),
-            "prompt_tokens": ("Prompt tokens admitted.", s.prompt_tokens_total),
-            "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            "grammar_compiles": ("Structured-output grammars compiled (cache misses).", s.grammar_compiles),
-            "grammar_compile_seconds": ("Seconds spent compiling grammars.", s.grammar_compile_seconds),
-            "grammar_cache_hits": ("Grammars found compiled in the cache.", s.grammar_cache_hits),
-            "grammar_masked_steps": ("Steps with at least one grammar-constrained row.", s.grammar_masked_steps),
-            "grammar_mask_seconds": (
-                "Seconds the model-runner thread spent filling, applying and advancing grammar masks.",
-                s.grammar_mask_seconds,
-            ),
-        }
-        for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(f"trillm:{name}", doc, labels=["model_name"])
-            c.add_metric([self.model_name], value)
-            yield c
+        """One series per family; with ``--dp``, one per replica (label ``replica``) and the total
+        (``replica=""``, which Prometheus reads as no label)."""
+        series: list[tuple[list[str], EngineStats]] = [([self.model_name], self.engine.stats())]
+        labels = ["model_name"]
+        if isinstance(self.engine, ReplicaSet):
+            labels.append("replica")
+            series = [([self.model_name, ""], series[0][1])]
+            series += [([self.model_name, str(i)], s) for i, s in enumerate(self.engine.replica_stats()) if s]
+        weight_bytes = self.engine.model.projection_bytes
+        for kind, family in ((GaugeMetricFamily, _gauges), (CounterMetricFamily, _counters)):
+            by_name: dict[str, Metric] = {}
+            for label_values, s in series:
+                for name, (doc, value) in family(s, weight_bytes).items():
+                    if name not in by_name:
+                        by_name[name] = kind(f"trillm:{name}", doc, labels=labels)
+                    by_name[name].add_metric(label_values, value)  # type: ignore[attr-defined]
+            yield from by_name.values()
+
+
+def _gauges(s: EngineStats, weight_bytes: int) -> dict[str, tuple[str, float]]:
+    return {
+        "num_requests_running": ("Requests in the running batch.", s.num_running),
+        "num_requests_waiting": ("Requests waiting to be scheduled.", s.num_waiting),
+        "kv_cache_free_pages": ("Free KV cache pages.", s.free_pages),
+        "kv_cache_evictable_pages": ("Cached pages no request holds (reclaimed on demand).", s.evictable_pages),
+        "kv_cache_total_pages": ("All KV cache pages.", s.total_pages),
+        "kv_cache_usage_perc": (
+            "Fraction of KV cache pages held by requests.",
+            1 - (s.free_pages + s.evictable_pages) / max(1, s.total_pages),
+        ),
+        "model_weight_bytes_per_step": (
+            "Bytes of projection weights each decode step reads (float32, or fewer where they stay in GGUF blocks).",
+            weight_bytes,
+        ),
+    }
+
+
+def _counters(s: EngineStats, weight_bytes: int) -> dict[str, tuple[str, float]]:
+    return {
+        "num_requests_aborted": ("Requests cancelled by their client or a deadline.", s.num_aborted),
+        "num_requests_stalled": (
+            "Requests aborted because their client read nothing for the stall timeout.",
+            s.num_stalled,
+        ),
+        "stream_outputs_merged": ("Outputs merged into one their client had not taken yet.", s.num_merged_outputs),
+        "num_preemptions": ("Running requests preempted for lack of pages.", s.num_preemptions),
+        "prompt_tokens": ("Prompt tokens admitted.", s.prompt_tokens_total),
+        "generation_tokens": ("Tokens generated.", s.generation_tokens_total),
+        "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
+        "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+        "grammar_compiles": ("Structured-output grammars compiled (cache misses).", s.grammar_compiles),
+        "grammar_compile_seconds": ("Seconds spent compiling grammars.", s.grammar_compile_seconds),
+        "grammar_cache_hits": ("Grammars found compiled in the cache.", s.grammar_cache_hits),
+        "grammar_masked_steps": ("Steps with at least one grammar-constrained row.", s.grammar_masked_steps),
+        "grammar_mask_seconds": (
+            "Seconds the model-runner thread spent filling, applying and advancing grammar masks.",
+            s.grammar_mask_seconds,
+        ),
+    }
 
 
 _LATENCY_BUCKETS = (

@@ -47,6 +47,7 @@ class Replica:
 
     async def serve(self) -> None:
         self.engine = engine = await trio.to_thread.run_sync(Engine.load, self.config)
+        log.info("serving as process %d", os.getpid())
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
             self.conn.send(Ready(engine.max_model_len, engine.model.projection_bytes))
