@@ -63,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="dummy: random weights for --model's config.json (server and baseline alike)",
     )
     p.add_argument("--kernels", default=None, help="passed to trillm serve --kernels")
+    p.add_argument("--tp", default="1", help="tensor-parallel ranks; a comma list runs one server per value")
+    p.add_argument("--dp", default="1", help="data-parallel replicas; a comma list runs one server per value")
     p.add_argument(
         "--weight-format",
         default="auto",
@@ -281,8 +283,13 @@ def run_bench(args: argparse.Namespace) -> None:
     overlaps = args.overlap.split(",")
     if not set(overlaps) <= {"on", "off"}:
         raise SystemExit(f"--overlap takes on, off or on,off, not {args.overlap!r}")
-    servers = [(f, o) for f in formats for o in overlaps] if args.url is None else [(None, None)]
-    for weight_format, overlap in servers:
+    tps, dps = [int(t) for t in args.tp.split(",")], [int(d) for d in args.dp.split(",")]
+    servers = (
+        [(f, o, t, d) for f in formats for o in overlaps for t in tps for d in dps]
+        if args.url is None
+        else [(None, None, 1, 1)]
+    )
+    for weight_format, overlap, tp, dp in servers:
         proc = None
         url = args.url
         if url is None:
@@ -309,6 +316,8 @@ def run_bench(args: argparse.Namespace) -> None:
                     str(weight_format),
                     *(["--disable-overlap-schedule"] if overlap == "off" else []),
                     *(["--kernels", str(args.kernels)] if args.kernels else []),
+                    *(["--tp", str(tp)] if tp > 1 else []),
+                    *(["--dp", str(dp)] if dp > 1 else []),
                     *(["--no-prefix-cache"] if args.no_prefix_cache else []),
                 ],
                 env={**os.environ},
@@ -326,6 +335,8 @@ def run_bench(args: argparse.Namespace) -> None:
                 "trillm (HTTP, streaming)"
                 + (f", {weight_format} weights" if len(formats) > 1 else "")
                 + (f", overlap {overlap}" if len(overlaps) > 1 else "")
+                + (f", tp {tp}" if len(tps) > 1 or tp > 1 else "")
+                + (f", dp {dp}" if len(dps) > 1 or dp > 1 else "")
             )
             for level in levels:
                 for mode in structured:
