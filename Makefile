@@ -45,10 +45,16 @@ bench: install
 	$(VENV)/bin/trillm bench --model $(MODEL)
 
 # On a CUDA machine: the Triton kernels compiled (not interpreted) against their
-# references, then a Llama-3-8B-shaped model with random weights through the server.
+# references, then a Llama-3-8B-shaped model with random weights through the server
+# (and split over two GPUs where there are two).
 gpu-check: install
 	$(PY) -m pytest -q -m gpu
 	$(VENV)/bin/trillm bench --load-format dummy --model engine/configs/llama-3-8b.json --concurrency 1,16,64
+	# With two GPUs or more: the same model at --tp 2 (NCCL) beside --tp 1.
+	if [ "$$(nvidia-smi -L | wc -l)" -ge 2 ]; then \
+	  $(VENV)/bin/trillm bench --load-format dummy --model engine/configs/llama-3-8b.json \
+	    --concurrency 1,16,64 --tp 1,2 --no-baseline; \
+	fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import signal
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,8 +21,9 @@ from trillm.engine.execution.layers import make_weight, project, project_add
 from trillm.engine.execution.llama import LlamaShape
 from trillm.engine.execution.parallel.group import TensorParallel
 from trillm.engine.execution.parallel.sharding import even_ranges, local_shape, partition, shard_weights
-from trillm.engine.execution.parallel.workers import WorkerDied, free_port
+from trillm.engine.execution.parallel.workers import WorkerDied, check_same_model, free_port
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.structured import GrammarSpec
 
 from tests.helpers import outputs_by_prompt, wait_idle
 
@@ -135,6 +138,14 @@ def _rank_body(rank: int, size: int, port: int, failures: mp.Queue) -> None:
         logits = tp.gather_vocab(project(x, make_weight(mine["lm_head.weight"], False)))
         torch.testing.assert_close(logits, x @ whole["lm_head.weight"].T, rtol=1e-5, atol=1e-4)
         assert local_shape(shape, part).num_heads == len(part.heads)
+        # Every rank loaded the same model, or the start fails on every rank.
+        check_same_model("same")
+        try:
+            check_same_model("same" if rank == 0 else "other")
+        except RuntimeError as exc:
+            assert "loaded a different model" in str(exc)
+        else:
+            raise AssertionError("a rank with another model was not refused")
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the test, which fails with it
         failures.put(f"rank {rank}: {exc!r}")
@@ -183,6 +194,17 @@ async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_p
                 for a, b in zip([lp for o in mine for lp in o.logprobs], [lp for o in theirs for lp in o.logprobs]):
                     assert abs(a.logprob - b.logprob) < 1e-3
                     assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+            # A grammar and n = 2 (choices sharing one prompt): rank 0's alone, they work as at --tp 1.
+            grammar = await two.compile_grammar(GrammarSpec("regex", "(yes|no), because [a-z ]{3,20}\\."))
+            constrained = SamplingParams(max_tokens=30, temperature=0.8, seed=3, grammar=grammar)
+            ids = tokenizer("Is the sky blue? Answer:")["input_ids"]
+            _, mailbox = two.submit_many([(ids, constrained), (ids, attrs.evolve(constrained, seed=4))])
+            texts = ["", ""]
+            with mailbox:
+                async for out in mailbox:
+                    texts[out.index] += out.text
+            assert all(re.fullmatch("(yes|no), because [a-z ]{3,20}\\.", t) for t in texts), texts
 
             # Cancelled mid-stream and while waiting: every page comes back.
             async def cancelled(prompt: str) -> None:

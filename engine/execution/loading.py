@@ -135,7 +135,8 @@ def load_model(
     else:
         model = LlamaModel.load(folder, model_config, dtype, max_len, device, backend, blocks, tp)
     if tp.size > 1:
-        check_same_model(f"{model.fingerprint}:{dtype}:{model.num_block_weights}")
+        settings = json.dumps(model_config, sort_keys=True, default=str)
+        check_same_model(f"{model.fingerprint}:{settings}:{dtype}:{model.num_block_weights}")
     if config.weight_format == "blocks" and model.num_block_weights < len(model.projections()):
         raise ValueError(
             f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
