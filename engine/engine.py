@@ -26,7 +26,7 @@ import torch
 import trio
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
+from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected, check_logit_bias, check_prompt_ids
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult, kv_bytes_per_token
@@ -159,18 +159,11 @@ class Engine:
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ``RequestRejected`` for a prompt that can never run here."""
-        if not prompt_ids:
-            raise RequestRejected("the prompt is empty", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLong(len(prompt_ids), self.max_model_len)
-        if max(prompt_ids) >= self.model.shape.vocab_size or min(prompt_ids) < 0:
-            raise RequestRejected(f"prompt token ids must be in [0, {self.model.shape.vocab_size - 1}]", "prompt")
+        check_prompt_ids(prompt_ids, self.max_model_len, self.model.shape.vocab_size)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ``RequestRejected`` for sampling parameters this model cannot honour."""
-        vocab = self.model.shape.vocab_size
-        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
-            raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab - 1}]", "logit_bias")
+        check_logit_bias(params.logit_bias, self.model.shape.vocab_size)
 
     def check_capacity(self, count: int) -> None:
         """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the waiting queue."""

@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
+from trillm.engine.errors import EngineNotRunning, EngineOverloaded, check_logit_bias, check_prompt_ids
 from trillm.engine.execution.loading import load_tokenizer
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
@@ -138,18 +138,12 @@ class ReplicaSet:
         return flushed
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise RequestRejected("the prompt is empty", "prompt")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLong(len(prompt_ids), self.max_model_len)
-        vocab = self.model.shape.vocab_size
-        if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab - 1}]", "prompt")
+        """Raise ``RequestRejected`` for a prompt that can never run here."""
+        check_prompt_ids(prompt_ids, self.max_model_len, self.model.shape.vocab_size)
 
     def check_params(self, params: SamplingParams) -> None:
-        vocab = self.model.shape.vocab_size
-        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
-            raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab - 1}]", "logit_bias")
+        """Raise ``RequestRejected`` for sampling parameters this model cannot honour."""
+        check_logit_bias(params.logit_bias, self.model.shape.vocab_size)
 
     def check_capacity(self, count: int) -> None:
         running = sum(s.num_running for s in self.replica_stats() if s is not None)
