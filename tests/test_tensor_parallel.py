@@ -166,12 +166,18 @@ def test_sharded_layers_match_the_whole_ones_over_gloo(size):
     assert [p.exitcode for p in ranks] == [0] * size
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "1, 2, 3,",
+    "Numbers: " + ", ".join(str(i) for i in range(150)),  # > max_batch_tokens: prefilled in chunks
+]
 
 
 async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_parts, tokenizer):
-    """The same prompts through ``--tp 2`` and ``--tp 1``: the same greedy tokens, logprobs within
-    float tolerance; cancelled requests free every page on rank 0's books; a rank that stops
+    """The same prompts through ``--tp 2`` and ``--tp 1`` (overlap on, one prefilled in chunks): the
+    same greedy tokens, logprobs within float tolerance; cancelled requests free every page on rank 0's books; a rank that stops
     answering (SIGSTOP) stops the engine within ``--dist-timeout``, not never."""
     settings = dict(dtype="float32", num_pages=128, page_size=16, max_num_seqs=8, max_batch_tokens=128)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
