@@ -275,9 +275,10 @@ class Engine:
             self.loop.in_flight.clear()
             self.scheduler.flush_cache()  # nothing outlives the engine: every page is free again
             if workers is not None:  # the other ranks stop with us (a broken group: at once)
-                if not self._group_broken:
-                    await trio.to_thread.run_sync(self.runner.close, limiter=self._limiter)
-                await trio.to_thread.run_sync(workers.join, 0.0 if self._group_broken else 10.0)
+                with trio.CancelScope(shield=True):  # we are most often here because we were cancelled
+                    if not self._group_broken:
+                        await trio.to_thread.run_sync(self.runner.close, limiter=self._limiter)
+                    await trio.to_thread.run_sync(workers.join, 0.0 if self._group_broken else 10.0)
 
     async def _watch_workers(self, workers: Workers) -> None:
         """Fail fast when a tensor-parallel rank dies: the group can compute nothing more, so the

@@ -177,8 +177,8 @@ PROMPTS = [
 
 async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_parts, tokenizer):
     """The same prompts through ``--tp 2`` and ``--tp 1`` (overlap on, one prefilled in chunks): the
-    same greedy tokens, logprobs within float tolerance; cancelled requests free every page on rank 0's books; a rank that stops
-    answering (SIGSTOP) stops the engine within ``--dist-timeout``, not never."""
+    same greedy tokens, logprobs within float tolerance; cancelled requests free every page on rank
+    0's books; a rank that stops answering (SIGSTOP) stops the engine within ``--dist-timeout``."""
     settings = dict(dtype="float32", num_pages=128, page_size=16, max_num_seqs=8, max_batch_tokens=128)
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
     one = Engine(EngineConfig(**settings), *model_parts)

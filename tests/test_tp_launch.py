@@ -86,3 +86,34 @@ async def test_two_nodes_serve_tp_1s_replies_and_node_0_fails_fast_when_node_1_d
             if node.poll() is None:
                 node.kill()
             node.wait()
+
+
+def test_ctrl_c_to_the_process_group_drains_and_stops_every_rank():
+    """Ctrl-C reaches every process of the group: the worker ranks leave the stop to rank 0, which
+    drains, tells them to stop (even though it was cancelled) and exits 0, leaving no process."""
+    port = free_port()
+    command = [sys.executable, "-m", "trillm.api.cli", "serve", "--dtype", "float32", "--num-pages", "64"]
+    proc = subprocess.Popen([*command, "--tp", "2", "--port", str(port)], start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=180)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 15
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _group_alive(proc.pid), "a rank outlived the server"
+    finally:
+        if _group_alive(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -19,6 +19,7 @@ import trio
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
+from trillm.engine.execution.parallel.workers import ignore_stop_signals
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.replicas.protocol import Abort, Flush, Outputs, Ready, Refused, Stats, Stop, Submit
@@ -29,6 +30,7 @@ STATS_PERIOD = 0.1  # seconds between stats reports while they change
 
 def replica_main(config: EngineConfig, index: int, conn: Connection, visible_devices: str | None) -> None:
     """Process entry (``multiprocessing`` spawn): replica ``index`` on its own device(s)."""
+    ignore_stop_signals()  # the front end drains, then sends Stop; without it, the pipe's end stops us
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices  # before torch first touches CUDA
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(name)s: %(message)s")

@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 from typing import Any
 
@@ -32,6 +33,12 @@ import torch.distributed as dist
 from trillm.engine.config import EngineConfig
 
 log = logging.getLogger("trillm.engine")
+
+
+def ignore_stop_signals() -> None:
+    """For processes that their parent stops (ranks, replicas): the signals are the parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class WorkerDied(RuntimeError):
@@ -159,7 +166,11 @@ class RunnerSetup:
 
 
 def worker_main(config: EngineConfig, topology: Topology, rank: int) -> None:
-    """A rank that only computes (the body of each spawned process, and of node k's first rank)."""
+    """A rank that only computes (the body of each spawned process, and of node k's first rank).
+
+    It ignores SIGINT and SIGTERM (a Ctrl-C or a service manager signals the whole process
+    group): rank 0 drains, then tells it to stop; without rank 0 it stops at ``dist_timeout``."""
+    ignore_stop_signals()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
     from trillm.engine.execution.loading import load_model
     from trillm.engine.execution.model_runner import ModelRunner
