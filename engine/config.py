@@ -171,6 +171,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
+        if self.dp > 1 and self.nnodes > 1:
+            raise ValueError("dp with nnodes is not supported: run one --dp server per machine, or --tp across them")
         if self.tp % self.nnodes:
             raise ValueError(f"tp ({self.tp}) must divide evenly over nnodes ({self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from trillm.bench.run import wait_healthy
+from trillm.engine.config import EngineConfig
 from trillm.engine.execution.parallel.workers import free_port
 from trillm.engine.replicas.router import PrefixRouter, prefix_hashes
 
@@ -48,6 +49,11 @@ def test_no_match_goes_to_the_least_loaded_live_replica_and_a_dead_one_gets_noth
     assert router.match(0, prefix_hashes([1] * 8, PAGE)) == 0
     with pytest.raises(ValueError):
         router.choose([1], [0, 0, 0], [False, False, False])
+
+
+def test_replicas_span_one_machine():
+    with pytest.raises(ValueError, match="dp with nnodes"):
+        EngineConfig(dp=2, tp=2, nnodes=2)
 
 
 def _metric(text: str, name: str, replica: str) -> float:
