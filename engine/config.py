@@ -141,7 +141,8 @@ class EngineConfig:
     master_port: int = setting(0, "port on node 0 where the ranks meet; 0: a free one (one node only)")
     dist_timeout: float = setting(
         60.0,
-        "seconds a rank may wait for the others in a collective (start-up included) before it gives up",
+        "seconds a rank may wait for the others in a collective while serving before it gives up (a hung "
+        "rank stops the server that soon); start-up (spawning, loading) may take up to 10 minutes",
         validator=attrs.validators.gt(0),
     )
     cache_dir: str = setting(

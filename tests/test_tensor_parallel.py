@@ -180,14 +180,14 @@ async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_p
     same greedy tokens, logprobs within float tolerance; cancelled requests free every page on rank
     0's books; a rank that stops answering (SIGSTOP) stops the engine within ``--dist-timeout``."""
     settings = dict(dtype="float32", num_pages=128, page_size=16, max_num_seqs=8, max_batch_tokens=128)
-    params = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
     one = Engine(EngineConfig(**settings), *model_parts)
     async with trio.open_nursery() as nursery:
         await nursery.start(one.run)
         expected = await outputs_by_prompt(one, tokenizer, PROMPTS, params)
         nursery.cancel_scope.cancel()
 
-    two = await trio.to_thread.run_sync(Engine.load, EngineConfig(**settings, tp=2, dist_timeout=5.0))
+    two = await trio.to_thread.run_sync(Engine.load, EngineConfig(**settings, tp=2, dist_timeout=3.0))
     workers = two.model.tp.workers
     assert len(workers.processes) == 1 and two.model.shape.num_heads == 6  # rank 0: two of the three groups
     with pytest.raises(ExceptionGroup) as failure:
@@ -220,7 +220,7 @@ async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_p
                             pass
 
             async with trio.open_nursery() as storm:
-                for prompt in PROMPTS * 3:
+                for prompt in PROMPTS * 2:
                     storm.start_soon(cancelled, prompt)
             await wait_idle(two, timeout=30)
             assert two.stats().free_pages + two.stats().evictable_pages == two.stats().total_pages

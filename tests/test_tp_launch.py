@@ -38,9 +38,9 @@ async def _replies(base_url: str) -> list[tuple[str, str]]:
     out = []
     for question in QUESTIONS:
         messages = [{"role": "user", "content": question}]
-        whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+        whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
         stream = await client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True
         )
         pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
         out.append((whole.choices[0].message.content or "", "".join(pieces)))

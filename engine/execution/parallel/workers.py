@@ -82,18 +82,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join_group(topology: Topology, rank: int, device: torch.device) -> None:
-    """This process as ``rank`` of the default group (gloo on CPUs, NCCL on GPUs)."""
+START_TIMEOUT = 600.0  # seconds the ranks may take to start and load (a large model, a slow disk)
+
+
+def join_group(topology: Topology, rank: int, device: torch.device) -> Any:
+    """This process as ``rank`` of the default group (gloo on CPUs, NCCL on GPUs), whose time limit
+    covers start-up (spawning, loading); returns the group the forward's collectives run in, and
+    makes the one steps are broadcast over: both limited to ``--dist-timeout``, so that a rank
+    that hangs while serving is noticed that soon."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        backend,
         init_method=f"tcp://{topology.master_addr}:{topology.master_port}",
         rank=rank,
         world_size=topology.size,
-        timeout=datetime.timedelta(seconds=topology.timeout),
+        timeout=datetime.timedelta(seconds=max(START_TIMEOUT, topology.timeout)),
     )
     global _step_group
-    # Every rank, in the same order: the steps' channel, with the same time limit.
-    _step_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=topology.timeout))
+    # Every rank makes both, in the same order.
+    limit = datetime.timedelta(seconds=topology.timeout)
+    compute = dist.new_group(backend=backend, timeout=limit)
+    _step_group = dist.new_group(backend="gloo", timeout=limit)
+    return compute
 
 
 _step_group: Any = None  # the gloo group steps are broadcast over (``join_group`` makes it)
