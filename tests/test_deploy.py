@@ -26,8 +26,11 @@ def _free_port() -> int:
 
 
 def test_hypercorn_cli_with_environment_settings():
+    """Also at ``TRILLM_TP=2``: Hypercorn's workers are daemonic processes, which Python forbids to
+    start children unless asked otherwise (``parallel.workers.children_allowed``)."""
     port = _free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
+    env["TRILLM_TP"] = "2"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hypercorn", "-k", "trio", "-b", f"127.0.0.1:{port}", "trillm.api.app:create_app()"],
         env=env,

@@ -29,6 +29,7 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, check_logit_bias, check_prompt_ids
 from trillm.engine.execution.loading import load_tokenizer
+from trillm.engine.execution.parallel.workers import children_allowed
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.replicas.protocol import Abort, Flush, Outputs, Ready, Refused, Stats, Stop, Submit
@@ -242,7 +243,8 @@ class ReplicaSet:
             process = context.Process(
                 target=replica_main, args=(config, index, back, devices), name=f"trillm-replica-{index}"
             )
-            process.start()
+            with children_allowed():
+                process.start()
             back.close()
             self.replicas.append(_Replica(index, process, front))
 

@@ -17,6 +17,7 @@ nodes it is a worker too (``trillm serve --node-rank 1 ...`` serves no HTTP).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import multiprocessing
@@ -24,6 +25,7 @@ import os
 import pickle
 import signal
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -197,6 +199,21 @@ def worker_main(config: EngineConfig, topology: Topology, rank: int) -> None:
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def children_allowed() -> Iterator[None]:
+    """Let this process start children even when it is itself a daemonic ``multiprocessing`` child,
+    as Hypercorn's workers are (``hypercorn -k trio 'trillm.api.app:create_app()'``). Python forbids
+    it so that children are not orphaned when a daemon is killed; ours stop on their own then (a
+    rank at ``--dist-timeout`` without heartbeats, a replica when its pipe ends)."""
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was
+
+
 class Workers:
     """This machine's spawned ranks, as rank 0 (or a node's first rank) sees them."""
 
@@ -208,8 +225,9 @@ class Workers:
             context.Process(target=worker_main, args=(config, topology, rank), name=f"trillm-rank-{rank}", daemon=True)
             for rank in range(first + 1, first + topology.per_node)
         ]
-        for process in self.processes:
-            process.start()
+        with children_allowed():
+            for process in self.processes:
+                process.start()
 
     def dead(self) -> list[tuple[str, int | None]]:
         """The spawned ranks that have exited, with their exit codes."""
