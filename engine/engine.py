@@ -321,11 +321,11 @@ class Engine:
 
                 try:
                     result: Sampled | Exception = await trio.to_thread.run_sync(execute, limiter=self._limiter)
-                except Exception as exc:  # a failed step fails its batch, not the server
-                    if self.model.tp.size > 1:  # ... unless a collective failed: the group is broken
-                        self._group_broken = True
-                        log.critical("a tensor-parallel step failed (a rank died or stopped answering): %s", exc)
-                        raise WorkerDied(f"a tensor-parallel step failed: {exc}") from exc
+                except WorkerDied as exc:  # a tensor-parallel forward failed: the group is out of step
+                    self._group_broken = True
+                    log.critical("%s (a rank died or stopped answering); the engine stops", exc)
+                    raise
+                except Exception as exc:  # a failed step (sampling, a grammar) fails its batch, not the server
                     log.exception("model step failed")
                     result = exc
                 # An idle engine holds no finished step (nor its sequences' grammar state).

@@ -25,7 +25,7 @@ from trillm.engine.execution.backends import StepInputs
 from trillm.engine.execution.backends.base import PromptSpan
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from trillm.engine.execution.llama import LlamaModel
-from trillm.engine.execution.parallel.workers import HEARTBEAT, RunnerSetup, StepChannel
+from trillm.engine.execution.parallel.workers import HEARTBEAT, RunnerSetup, StepChannel, WorkerDied
 from trillm.engine.execution.sampler import Sampled, SampleRow, TokenLogprobs, sample_with_logprobs
 from trillm.engine.scheduling.scheduler import Batch
 from trillm.engine.scheduling.sequence import PENDING
@@ -175,7 +175,7 @@ class ModelRunner:
         try:
             graphs = DecodeGraphs(self.model, self.kv_cache, max_batch, max_pages, capture)
         except Exception:
-            if self.model.device.type != "cuda":
+            if self.model.device.type != "cuda" or self.model.tp.size > 1:  # the ranks' captures must agree
                 raise
             log.exception("capturing decode graphs failed; decode steps run eagerly")
             return None
@@ -215,7 +215,12 @@ class ModelRunner:
             torch.set_num_threads(self.num_threads)
         previous, self._last_sampled = self._last_sampled, None
         rows = _fill_pending(inputs, previous)
-        logits = self.execute_logits(inputs)
+        try:
+            logits = self.execute_logits(inputs)
+        except Exception as exc:
+            if self.model.tp.size > 1:  # a collective failed, or a rank's forward: the group is out of step
+                raise WorkerDied(f"a tensor-parallel step failed: {exc}") from exc
+            raise
         # On a GPU the forward is still running: the grammar masks are filled meanwhile.
         matchers = [row.matcher for row in rows]
         started = time.perf_counter()

@@ -32,7 +32,17 @@ from trillm.engine.execution.loading import load_tokenizer
 from trillm.engine.execution.parallel.workers import children_allowed
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
-from trillm.engine.replicas.protocol import Abort, Flush, Outputs, Ready, Refused, Stats, Stop, Submit
+from trillm.engine.replicas.protocol import (
+    Abort,
+    Flush,
+    Outputs,
+    PipeWriter,
+    Ready,
+    Refused,
+    Stats,
+    Stop,
+    Submit,
+)
 from trillm.engine.replicas.replica import replica_main
 from trillm.engine.replicas.router import PrefixRouter
 from trillm.engine.sampling_params import SamplingParams
@@ -77,7 +87,8 @@ class _Replica:
     def __init__(self, index: int, process: Any, conn: Connection) -> None:
         self.index = index
         self.process = process
-        self.conn = conn
+        self.conn = conn  # read by the reader task's thread
+        self.writer = PipeWriter(conn, f"trillm-replica-{index}-writer")  # never blocks the loop
         self.alive = False  # ready and not dead
         self.stats: EngineStats | None = None
         self.max_model_len = 0
@@ -108,6 +119,7 @@ class ReplicaSet:
         self._open: dict[str, _Open] = {}
         self._running = False
         self._observer: EngineObserver = NullObserver()
+        self._all_lost = trio.Event()
         self.max_model_len = config.max_model_len or self.model.shape.max_position_embeddings
 
     # -- the interface handlers use (as ``Engine``'s) ----------------------------------
@@ -134,7 +146,7 @@ class ReplicaSet:
         for r in self.replicas:
             if r.alive:
                 flushed += r.stats.evictable_pages if r.stats else 0
-                r.conn.send(Flush())
+                r.writer.send(Flush())
                 self.router.forget(r.index)
         return flushed
 
@@ -183,14 +195,14 @@ class ReplicaSet:
             (list(p), attrs.evolve(params, grammar=None), params.grammar.spec if params.grammar else None)
             for p, params in requests
         )
-        replica.conn.send(Submit(ids, sent))
+        replica.writer.send(Submit(ids, sent))
         return list(ids), mailbox
 
     def abort(self, request_id: str) -> None:
         """Forwarded to the replica that holds the request; idempotent, never blocks."""
         request = self._open.get(request_id)
         if request is not None and self.replicas[request.replica].alive:
-            self.replicas[request.replica].conn.send(Abort(request_id))
+            self.replicas[request.replica].writer.send(Abort(request_id))
 
     # -- the actors ----------------------------------------------------------------
 
@@ -211,34 +223,36 @@ class ReplicaSet:
                     await event.wait()
                 if not any(r.alive for r in self.replicas):
                     raise ReplicaDied("no replica started")
+                nursery.start_soon(self._fail_when_all_are_lost)
                 self.max_model_len = min(r.max_model_len for r in self.replicas if r.alive)
                 self.model = attrs.evolve(self.model, projection_bytes=self.replicas[0].projection_bytes)
                 self._running = True
                 task_status.started()
-                await trio.sleep_forever()
         finally:
             self._running = False
             for request_id in list(self._open):
                 self._finish(request_id, "abort")
             for replica in self.replicas:
-                if replica.process.is_alive():
-                    try:
-                        replica.conn.send(Stop())
-                    except OSError:
-                        pass
+                replica.writer.send(Stop())
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(self._join)
+
+    async def _fail_when_all_are_lost(self) -> None:
+        await self._all_lost.wait()
+        raise ReplicaDied("every replica has died")
 
     def _start_processes(self) -> None:
         context = multiprocessing.get_context("spawn")
         per_replica_threads = max(1, (os.cpu_count() or 1) // (self.config.dp * (self.config.tp // self.config.nnodes)))
-        config = attrs.evolve(self.config, dp=1, num_threads=self.config.num_threads or per_replica_threads)
+        # Each replica's ranks meet on a port of their own (0: a free one), not on one --master-port.
+        config = attrs.evolve(
+            self.config, dp=1, num_threads=self.config.num_threads or per_replica_threads, master_port=0
+        )
         gpus = self.config.tp // self.config.nnodes
+        visible = _visible_devices(config)
         for index in range(self.config.dp):
             front, back = context.Pipe()
-            devices = None
-            if os.environ.get("CUDA_VISIBLE_DEVICES") is None and _has_cuda(config):
-                devices = ",".join(str(index * gpus + g) for g in range(gpus))
+            devices = ",".join(visible[index * gpus : (index + 1) * gpus]) if visible else None
             # Not a daemon: a replica with --tp starts processes of its own.
             process = context.Process(
                 target=replica_main, args=(config, index, back, devices), name=f"trillm-replica-{index}"
@@ -249,8 +263,15 @@ class ReplicaSet:
             self.replicas.append(_Replica(index, process, front))
 
     def _join(self) -> None:
+        """Every replica stops within one 30 s deadline (they stop together), or is terminated."""
+        deadline = time.monotonic() + 30
         for replica in self.replicas:
-            replica.process.join(30)
+            replica.writer.close()
+            replica.process.join(max(0.0, deadline - time.monotonic()))
+        for replica in self.replicas:
+            if replica.process.is_alive():
+                replica.process.terminate()  # SIGTERM is ignored by replicas: then SIGKILL
+                replica.process.join(2)
             if replica.process.is_alive():
                 replica.process.kill()
                 replica.process.join()
@@ -280,7 +301,7 @@ class ReplicaSet:
                         self._finish(request_id, "error")
         finally:
             ready.set()
-        if ended and self._running and replica.alive:
+        if ended and replica.alive:  # died once ready (before all were ready, too)
             self._lost(replica)
 
     def _deliver(self, replica: _Replica, message: Outputs) -> None:
@@ -291,7 +312,7 @@ class ReplicaSet:
                 continue
             self._observe(request, out, now)
             if not request.mailbox.put(attrs.evolve(out, request_id=request_id, index=request.index)):
-                replica.conn.send(Abort(request_id))  # its consumer has gone
+                replica.writer.send(Abort(request_id))  # its consumer has gone
         for first_id in message.done:
             for request_id in replica.calls.pop(first_id, ()):
                 self._close(request_id)
@@ -330,10 +351,16 @@ class ReplicaSet:
             self._finish(request_id, "error")
         replica.calls.clear()
         if not any(r.alive for r in self.replicas):
-            raise ReplicaDied("every replica has died")
+            self._all_lost.set()  # ``run`` fails (here we may be in a handler's call)
 
 
-def _has_cuda(config: EngineConfig) -> bool:
+def _visible_devices(config: EngineConfig) -> list[str]:
+    """The GPUs replicas split among themselves (``CUDA_VISIBLE_DEVICES`` if set); none on CPUs."""
     import torch
 
-    return config.device != "cpu" and torch.cuda.is_available()
+    if config.device == "cpu" or not torch.cuda.is_available():
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]

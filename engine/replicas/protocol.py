@@ -7,6 +7,10 @@ per turn of the replica's event loop rather than one per token.
 
 from __future__ import annotations
 
+import queue
+import threading
+from multiprocessing.connection import Connection
+
 import attrs
 
 from trillm.engine.outputs import EngineStats, RequestOutput
@@ -67,3 +71,33 @@ class Refused:
 @attrs.frozen
 class Stats:
     stats: EngineStats
+
+
+class PipeWriter:
+    """Sends on a pipe from a thread of its own, so that neither event loop ever blocks on a full
+    pipe: with both sides sending on their loops, a large ``Submit`` one way and a burst of
+    ``Outputs`` the other could each wait for the other's loop to read. ``send`` never blocks
+    nor raises; a pipe that broke is noticed by its reader (the other side has gone)."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(conn,), name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, message: object) -> None:
+        self._queue.put(message)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then stop the thread."""
+        self._queue.put(_END)
+        self._thread.join(timeout)
+
+    def _run(self, conn: Connection) -> None:
+        while (message := self._queue.get()) is not _END:
+            try:
+                conn.send(message)
+            except OSError:  # the other side has gone: drop the rest, the reader will say so
+                return
+
+
+_END = object()

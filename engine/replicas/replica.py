@@ -22,7 +22,7 @@ from trillm.engine.engine import Engine
 from trillm.engine.execution.parallel.workers import ignore_stop_signals
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
-from trillm.engine.replicas.protocol import Abort, Flush, Outputs, Ready, Refused, Stats, Stop, Submit
+from trillm.engine.replicas.protocol import Abort, Flush, Outputs, PipeWriter, Ready, Refused, Stats, Stop, Submit
 
 log = logging.getLogger("trillm.engine")
 STATS_PERIOD = 0.1  # seconds between stats reports while they change
@@ -40,23 +40,27 @@ def replica_main(config: EngineConfig, index: int, conn: Connection, visible_dev
 class Replica:
     def __init__(self, config: EngineConfig, conn: Connection) -> None:
         self.config = config
-        self.conn = conn
+        self.conn = conn  # read by the command task's thread
+        self.writer = PipeWriter(conn, "trillm-replica-writer")  # never blocks the loop
         self.engine: Engine | None = None
         self._outbox: list[tuple[str, RequestOutput]] = []
         self._done: list[str] = []
         self._ready = trio.Event()  # something to send
         self._engine_ids: dict[str, str] = {}  # front end id -> engine id, while open
+        self._compiling: set[str] = set()  # ids whose call waits for its grammars
+        self._aborted_early: set[str] = set()  # of those, aborted meanwhile
 
     async def serve(self) -> None:
         self.engine = engine = await trio.to_thread.run_sync(Engine.load, self.config)
         log.info("serving as process %d", os.getpid())
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            self.conn.send(Ready(engine.max_model_len, engine.model.projection_bytes))
+            self.writer.send(Ready(engine.max_model_len, engine.model.projection_bytes))
             nursery.start_soon(self._sender)
             nursery.start_soon(self._stats)
             await self._commands(nursery)
             nursery.cancel_scope.cancel()
+        self.writer.close()
 
     async def _commands(self, nursery: trio.Nursery) -> None:
         """Until ``Stop`` or the pipe's end: each command handled in order."""
@@ -74,12 +78,15 @@ class Replica:
                 engine_id = self._engine_ids.get(message.request_id)
                 if engine_id is not None and self.engine is not None:
                     self.engine.abort(engine_id)
+                elif message.request_id in self._compiling:
+                    self._aborted_early.add(message.request_id)
             elif isinstance(message, Flush) and self.engine is not None:
                 self.engine.flush_cache()
 
     async def _serve_call(self, call: Submit) -> None:
         """One ``submit_many``: grammars compiled here, outputs forwarded until every request ends."""
         assert self.engine is not None
+        self._compiling.update(call.ids)
         try:
             requests = []
             for prompt_ids, params, spec in call.requests:
@@ -88,9 +95,16 @@ class Replica:
                 requests.append((prompt_ids, params))
             engine_ids, mailbox = self.engine.submit_many(requests)
         except Exception as exc:  # the engine refused what the front end let through
-            self.conn.send(Refused(call.ids[0], f"{type(exc).__name__}: {exc}"))
+            self._aborted_early.difference_update(call.ids)
+            self.writer.send(Refused(call.ids[0], f"{type(exc).__name__}: {exc}"))
             return
+        finally:
+            self._compiling.difference_update(call.ids)
         self._engine_ids.update(zip(call.ids, engine_ids))
+        for front_id, engine_id in zip(call.ids, engine_ids):
+            if front_id in self._aborted_early:
+                self._aborted_early.discard(front_id)
+                self.engine.abort(engine_id)
         try:
             with mailbox:
                 await self._forward(call, mailbox)
@@ -113,7 +127,7 @@ class Replica:
             self._ready = trio.Event()
             outputs, self._outbox = self._outbox, []
             done, self._done = self._done, []
-            self.conn.send(Outputs(tuple(outputs), tuple(done)))
+            self.writer.send(Outputs(tuple(outputs), tuple(done)))
             await trio.sleep(0)  # let more gather while the engine steps
 
     async def _stats(self) -> None:
@@ -122,6 +136,6 @@ class Replica:
             assert self.engine is not None
             stats = self.engine.stats()
             if stats != last:
-                self.conn.send(Stats(stats))
+                self.writer.send(Stats(stats))
                 last = stats
             await trio.sleep(STATS_PERIOD)

@@ -7,8 +7,8 @@ until rank 0 broadcasts the end. They join in the forward's collectives; rank 0
 alone reads the logits.
 
 What crosses each step is the step's inputs (token ids, positions, the backend's
-attention metadata, the logits rows): one ``broadcast_object_list`` of a few
-kilobytes. The sequences' sampling state (generators, grammar matchers) never does.
+attention metadata, the logits rows): one pickled buffer of a few kilobytes
+(``StepChannel``). The sequences' sampling state (generators, grammar matchers) never does.
 
 Ranks are numbered ``node_rank * per_node + local``; this machine's ranks other than
 its first are spawned processes. On node 0 the first rank is the server; on other
@@ -244,9 +244,10 @@ class Workers:
 def serve_node(config: EngineConfig) -> None:
     """``trillm serve --node-rank K`` (K > 0): this machine's ranks compute for node 0's server
     until it stops them; no HTTP here. Returns when they are done."""
-    from trillm.engine.execution.loading import DTYPE_NAMES, choose_device, resolve_dtype
+    from trillm.engine.execution.loading import DTYPE_NAMES, _model_folder, choose_device, resolve_dtype
 
     topology = Topology.of(config)
+    _model_folder(config)  # downloaded and converted once, here, before this node's ranks read it
     config = attrs.evolve(config, dtype=DTYPE_NAMES[resolve_dtype(config.dtype, choose_device(config))])
     workers = Workers(config, topology)
     try:
