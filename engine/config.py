@@ -7,6 +7,7 @@ flag, ``--help`` and the README's table are derived from this declaration
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import attrs
@@ -180,6 +181,14 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
+
+    @property
+    def forward_threads(self) -> int:
+        """Torch threads for one process's forward pass: ``num_threads``, else this machine's cores
+        shared by the processes that compute on it (``tp`` ranks per node, times ``dp`` replicas)."""
+        if self.num_threads:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // ((self.tp // self.nnodes) * self.dp))
 
     @property
     def cache_path(self) -> Path:

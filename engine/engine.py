@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -95,7 +94,7 @@ class Engine:
             model,
             num_pages,
             config.page_size,
-            config.num_threads or max(1, (os.cpu_count() or 1) // (config.tp // config.nnodes)),
+            config.forward_threads,
             graph_batch=config.max_num_seqs if graphs else 0,
             max_model_len=self.max_model_len,
         )

@@ -10,7 +10,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from trillm.api.app import create_app
 from trillm.api.cli import hypercorn_config
 from trillm.api.settings import ServerConfig
 from trillm.bench.run import wait_healthy
+from trillm.engine.execution.parallel.workers import free_port
 
 from tests.helpers import all_tasks, make_engine, wait_idle
 
@@ -35,12 +35,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "smollm2-135m-instruct"
 KEEP_ALIVE = 5.0  # the default: short ones close connections whose request is late to be read (docs/upstream.md)
 BODY_TIMEOUT = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _raise_file_limit(wanted: int) -> None:
@@ -60,7 +54,7 @@ class Served:
 def serve(*flags: str) -> Iterator[Served]:
     """``trillm serve`` on a free port with ``flags``; it must exit 0 on SIGINT afterwards."""
     _raise_file_limit(4096)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "256"}
     cmd = [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(port), "--dtype", "float32", *flags]
     proc = subprocess.Popen(cmd, env=env)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -13,22 +12,17 @@ import httpx
 import pytest
 
 from trillm.bench.run import wait_healthy
+from trillm.engine.execution.parallel.workers import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 MODEL = "smollm2-135m-instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_hypercorn_cli_with_environment_settings():
     """Also at ``TRILLM_TP=2``: Hypercorn's workers are daemonic processes, which Python forbids to
     start children unless asked otherwise (``parallel.workers.children_allowed``)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
     env["TRILLM_TP"] = "2"
     proc = subprocess.Popen(
@@ -53,7 +47,7 @@ def test_hypercorn_cli_with_environment_settings():
 
 
 def test_trillm_serve_sigterm_ends_open_streams_with_a_final_chunk():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64"}
     command = [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(port), "--dtype", "float32"]
     proc = subprocess.Popen([*command, "--shutdown-timeout", "0"], env=env)  # no drain (tests/test_drain.py)

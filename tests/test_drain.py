@@ -26,20 +26,15 @@ import trio.testing
 from trillm.api.drain import Drain, shut_down_connections
 from trillm.api.errors import ApiError
 from trillm.bench.run import wait_healthy
+from trillm.engine.execution.parallel.workers import free_port
 
 MODEL = "smollm2-135m-instruct"
 GRACE = 5  # Hypercorn's graceful_timeout in ``trillm serve``
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def serving(shutdown_timeout: float) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = _free_port()
+    port = free_port()
     # One torch thread: on a small machine shared with other work, two OpenMP threads
     # that wait on each other made every step ~10x slower.
     env = {**os.environ, "TRILLM_NUM_PAGES": "256", "TRILLM_MAX_NUM_SEQS": "32", "TRILLM_NUM_THREADS": "1"}

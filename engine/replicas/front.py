@@ -29,7 +29,7 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, check_logit_bias, check_prompt_ids
 from trillm.engine.execution.loading import load_tokenizer
-from trillm.engine.execution.parallel.workers import children_allowed
+from trillm.engine.execution.parallel.workers import children_allowed, join_or_kill
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.replicas.protocol import (
@@ -243,11 +243,8 @@ class ReplicaSet:
 
     def _start_processes(self) -> None:
         context = multiprocessing.get_context("spawn")
-        per_replica_threads = max(1, (os.cpu_count() or 1) // (self.config.dp * (self.config.tp // self.config.nnodes)))
         # Each replica's ranks meet on a port of their own (0: a free one), not on one --master-port.
-        config = attrs.evolve(
-            self.config, dp=1, num_threads=self.config.num_threads or per_replica_threads, master_port=0
-        )
+        config = attrs.evolve(self.config, dp=1, num_threads=self.config.forward_threads, master_port=0)
         gpus = self.config.tp // self.config.nnodes
         visible = _visible_devices(config)
         for index in range(self.config.dp):
@@ -263,18 +260,11 @@ class ReplicaSet:
             self.replicas.append(_Replica(index, process, front))
 
     def _join(self) -> None:
-        """Every replica stops within one 30 s deadline (they stop together), or is terminated."""
-        deadline = time.monotonic() + 30
+        """Every replica stops within one 30 s deadline (they stop together), or is killed."""
         for replica in self.replicas:
             replica.writer.close()
-            replica.process.join(max(0.0, deadline - time.monotonic()))
+        join_or_kill([r.process for r in self.replicas], 30.0)
         for replica in self.replicas:
-            if replica.process.is_alive():
-                replica.process.terminate()  # SIGTERM is ignored by replicas: then SIGKILL
-                replica.process.join(2)
-            if replica.process.is_alive():
-                replica.process.kill()
-                replica.process.join()
             replica.conn.close()
 
     async def _reader(self, replica: _Replica, ready: trio.Event) -> None:

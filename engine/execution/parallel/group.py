@@ -28,8 +28,8 @@ class TensorParallel:
         self.size = part.size if part else 1
         self.group = group
         self.vocab_size = vocab_size
-        # Every rank's slice of the vocabulary padded to the longest, for one all_gather.
-        self._vocab_pad = max(-(-vocab_size // self.size), 1)
+        # Every rank's slice of the vocabulary, padded to the longest for one all_gather.
+        self._vocab_sizes = [len(r) for r in even_ranges(vocab_size, self.size)] if part else [vocab_size]
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place (the partial outputs of a row-parallel projection)."""
@@ -51,12 +51,11 @@ class TensorParallel:
         """[S, local vocabulary] on each rank -> [S, vocabulary] (every rank gets it; rank 0 samples)."""
         if self.size == 1:
             return logits
-        pad = self._vocab_pad - logits.shape[1]
+        pad = self._vocab_sizes[0] - logits.shape[1]  # the first slice is the longest
         padded = torch.nn.functional.pad(logits, (0, pad)) if pad else logits.contiguous()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded, group=self.group)
-        sizes = [len(r) for r in even_ranges(self.vocab_size, self.size)]
-        return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+        return torch.cat([p[:, :n] for p, n in zip(parts, self._vocab_sizes)], dim=1)
 
 
 SINGLE = TensorParallel()

@@ -21,10 +21,10 @@ import contextlib
 import datetime
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,10 +68,7 @@ class Topology:
 
     @classmethod
     def of(cls, config: EngineConfig) -> Topology:
-        if config.tp % config.nnodes:
-            raise ValueError(f"--tp {config.tp} does not split over --nnodes {config.nnodes}")
-        if not 0 <= config.node_rank < config.nnodes:
-            raise ValueError(f"--node-rank {config.node_rank} is not one of {config.nnodes} nodes")
+        """``config``'s topology (``EngineConfig`` has checked that the ranks split over the nodes)."""
         port = config.master_port or (free_port() if config.nnodes == 1 else 0)
         if not port:
             raise ValueError("--master-port is needed to launch over several nodes")
@@ -190,8 +187,9 @@ def worker_main(config: EngineConfig, topology: Topology, rank: int) -> None:
     model, _, _ = load_model(config, topology, rank)
     channel = StepChannel()
     setup: RunnerSetup = channel.receive()
-    threads = config.num_threads or max(1, (os.cpu_count() or 1) // topology.per_node)
-    runner = ModelRunner(model, setup.num_pages, setup.page_size, threads, setup.graph_batch, setup.max_model_len)
+    runner = ModelRunner(
+        model, setup.num_pages, setup.page_size, config.forward_threads, setup.graph_batch, setup.max_model_len
+    )
     log.info("rank %d ready: %d KV pages of %d heads", rank, setup.num_pages, model.shape.num_kv_heads)
     while (inputs := channel.receive()) is not None:
         if inputs != HEARTBEAT:
@@ -234,11 +232,19 @@ class Workers:
         return [(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
 
     def join(self, timeout: float) -> None:
-        for process in self.processes:
-            process.join(timeout)
-            if process.is_alive():
-                process.kill()
-                process.join()
+        join_or_kill(self.processes, timeout)
+
+
+def join_or_kill(processes: list[Any], timeout: float) -> None:
+    """Wait for ``processes`` to exit, all within one ``timeout``; kill those still running then
+    (ranks and replicas ignore SIGTERM, so there is no gentler signal to try)."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def serve_node(config: EngineConfig) -> None:
