@@ -243,7 +243,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from trillm.bench.structured import compile_report, load_schema, mask_counters, mask_report, response_format
     from trillm.engine.config import EngineConfig
     from trillm.engine.execution.llama import LlamaShape
-    from trillm.engine.execution.loading import resolve_dtype
+    from trillm.engine.execution.loading import choose_model_dtype
     from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf, resolve_model
     from trillm.engine.settings import from_env
 
@@ -259,7 +259,15 @@ def run_bench(args: argparse.Namespace) -> None:
         raise SystemExit(f"--structured takes off, on or off,on, not {args.structured!r}")
     schema = load_schema(args.json_schema)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = resolve_dtype(args.dtype, device)  # the engine's own choice, so both sides use the same dtype
+    # The engine's own choice (for the first server's weight format), so both sides use the same dtype.
+    engine_config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        weight_format=args.weight_format.split(",")[0],
+        cache_dir=str(cache),
+    )
+    dtype = choose_model_dtype(engine_config, device).dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""

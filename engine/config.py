@@ -37,8 +37,9 @@ class EngineConfig:
     )
     dtype: str = setting(
         "auto",
-        "`auto` measures bfloat16 vs float32 matmuls at start and takes the faster "
-        "(float32 on CPUs without native bf16)",
+        "`auto`: bfloat16 on CUDA; on CPUs float32 where the projections are exact GGUF "
+        "blocks (they stay blocks for decode), else bfloat16 only where a decode-shaped "
+        "matmul runs clearly faster in it; the start-up log says which and why",
         choices=DTYPES,
     )
     page_size: int = setting(16, "tokens per KV page", validator=attrs.validators.ge(1))

@@ -12,8 +12,8 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import Backend, create_backend
+from trillm.engine.execution.dtype_choice import DTYPE_NAMES, DtypeChoice, choose_dtype
 from trillm.engine.execution.llama import LlamaModel, LlamaShape
-from trillm.engine.execution.model_runner import choose_dtype
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.sharding import partition
@@ -37,18 +37,12 @@ def eos_ids_of(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozense
     return frozenset(ids)
 
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The ``dtype`` setting as a torch dtype; ``auto``: bfloat16 on CUDA, else whichever this CPU
-    multiplies faster (measured)."""
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(name)
-    if dtype is not None:
-        return dtype
-    if name != "auto":
-        raise ValueError(f"dtype must be auto, float32 or bfloat16, not {name!r}")
-    return torch.bfloat16 if device.type == "cuda" else choose_dtype()
+def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoice:
+    """The dtype ``config`` serves its model in (``dtype_choice``); resolves the model first."""
+    cpu_build.use_cache_dir(config.cache_path)  # the probe may build the block kernels
+    folder = _model_folder(config)
+    model_config = json.loads(_config_file(config, folder).read_text())
+    return choose_dtype(config, device, None if config.load_format == "dummy" else folder, model_config)
 
 
 def choose_device(config: EngineConfig) -> torch.device:
@@ -116,7 +110,9 @@ def load_model(
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype_choice = choose_dtype(config, device, None if config.load_format == "dummy" else folder, model_config)
+    dtype = dtype_choice.dtype
+    log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
     tp, workers = SINGLE, None
     if config.tp > 1:
         if topology is None:  # the serving rank: the others are started with the dtype it chose

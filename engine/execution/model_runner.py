@@ -33,7 +33,7 @@ from trillm.engine.structured.matcher import GrammarMasks, advance
 
 log = logging.getLogger("trillm.engine")
 
-__all__ = ["ModelRunner", "PromptLogprobs", "StepInputs", "StepResult", "choose_dtype", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "PromptLogprobs", "StepInputs", "StepResult", "kv_bytes_per_token"]
 
 
 @attrs.frozen
@@ -73,25 +73,6 @@ def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tupl
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
     return model.shape.kv_bytes_per_token(model.dtype)
-
-
-def choose_dtype() -> torch.dtype:
-    """bfloat16 when this CPU multiplies it faster than float32, else float32."""
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    x32, w32 = torch.randn(32, 576), torch.randn(1536, 576)
-
-    def best(dtype: torch.dtype) -> float:
-        x, w = x32.to(dtype), w32.to(dtype)
-        times = []
-        for _ in range(8):
-            t = time.perf_counter()
-            for _ in range(10):
-                torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - t)
-        return min(times[2:])
-
-    return torch.bfloat16 if best(torch.bfloat16) < best(torch.float32) else torch.float32
 
 
 def _fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[SampleRow, ...]:

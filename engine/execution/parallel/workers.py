@@ -250,11 +250,11 @@ def join_or_kill(processes: list[Any], timeout: float) -> None:
 def serve_node(config: EngineConfig) -> None:
     """``trillm serve --node-rank K`` (K > 0): this machine's ranks compute for node 0's server
     until it stops them; no HTTP here. Returns when they are done."""
-    from trillm.engine.execution.loading import DTYPE_NAMES, _model_folder, choose_device, resolve_dtype
+    from trillm.engine.execution.loading import choose_device, choose_model_dtype
 
     topology = Topology.of(config)
-    _model_folder(config)  # downloaded and converted once, here, before this node's ranks read it
-    config = attrs.evolve(config, dtype=DTYPE_NAMES[resolve_dtype(config.dtype, choose_device(config))])
+    # The model is downloaded and converted once, here, before this node's ranks read it.
+    config = attrs.evolve(config, dtype=choose_model_dtype(config, choose_device(config)).name)
     workers = Workers(config, topology)
     try:
         worker_main(config, topology, topology.first_rank)

@@ -1,0 +1,126 @@
+"""The dtype ``--dtype auto`` serves in, chosen for the step a server runs most: decode.
+
+A decode step reads every projection weight once, so its cost is the bytes it reads.
+On the CPU fast path in float32, projections that are exact GGUF blocks stay blocks
+(Q4_1: 0.75 bytes a weight, Q8_0: 1.06) and run in the fused C decode loop; bfloat16
+reads 2 bytes a weight and has neither. A matmul timing alone cannot see that: on a
+CPU with AMX a batched bfloat16 matmul beats float32, and choosing by it once traded
+the whole block path away (7x slower decode on the default model). So the choice is
+made in two steps, and the start-up log says which and why:
+
+1. where the float32 block path applies, probe the first layer's projections: if
+   their blocks read fewer bytes than bfloat16 would, float32 (blocks) wins;
+2. else (dense weights: every decode step reads a matrix), time a decode-shaped
+   matmul on the model's own widths in both dtypes; bfloat16 only when clearly
+   faster (``BF16_MARGIN``): float32 is the exact reference and has the C kernels
+   for norms, rotary and paged decode attention, so a tie goes to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution.backends import create_backend
+from trillm.kernels import cpu_matmul
+from trillm.kernels.block_weights import pack_exact
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+BF16_MARGIN = 0.8  # bfloat16 must take at most this share of float32's time
+_LAYER0 = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(f"mlp.{p}_proj" for p in ("gate", "up", "down"))
+
+
+@attrs.frozen
+class DtypeChoice:
+    """The dtype to serve in, and the one line the start-up log gives for it."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+
+def matmul_seconds(rows: int, width: int, out: int, dtype: torch.dtype) -> float:
+    """Best time of ``[rows, width] @ [width, out]`` in ``dtype`` on this CPU (the probe tests fake)."""
+    x, w = torch.randn(rows, width).to(dtype), torch.randn(out, width).to(dtype)
+    times = []
+    for _ in range(8):
+        t = time.perf_counter()
+        for _ in range(10):
+            torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return min(times[2:])
+
+
+def _block_path_applies(config: EngineConfig, device: torch.device) -> bool:
+    """Whether float32 would keep exact GGUF blocks (``loading._use_block_weights`` in float32)."""
+    if config.weight_format == "dense" or config.load_format == "dummy":
+        return False
+    if not create_backend(config.kernels, device, torch.float32).supports_block_weights:
+        return False
+    return config.weight_format == "blocks" or cpu_matmul.simd() != "plain"
+
+
+def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
+    """(bytes the first layer's projections take as exact blocks or float32, weights in them), or
+    None where the checkpoint has none of them. Reads only those tensors (memory-mapped)."""
+    from safetensors import safe_open
+
+    block_bytes = weights = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            for name in _LAYER0:
+                key = f"model.layers.0.{name}.weight"
+                if key not in keys:
+                    continue
+                w = f.get_tensor(key).float()
+                packed = pack_exact(w)
+                block_bytes += packed.nbytes if packed is not None else w.numel() * 4
+                weights += w.numel()
+    return (block_bytes, weights) if weights else None
+
+
+def choose_dtype(
+    config: EngineConfig,
+    device: torch.device,
+    folder: Path | None,
+    model_config: dict[str, Any],
+    seconds: Callable[[int, int, int, torch.dtype], float] | None = None,
+) -> DtypeChoice:
+    """The dtype ``config.dtype`` names, or for ``auto`` the one a decode step runs fastest in.
+
+    ``folder``: the checkpoint (None for random dummy weights). ``seconds``: the matmul
+    timer, ``matmul_seconds`` by default (tests fake it to answer as an AMX machine would)."""
+    if config.dtype != "auto":
+        return DtypeChoice(torch.bfloat16 if config.dtype == "bfloat16" else torch.float32, "asked for")
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "auto on CUDA")
+    if folder is not None and _block_path_applies(config, device):
+        probed = first_layer_bytes(folder)
+        if probed is not None and probed[0] < 2 * probed[1]:
+            block_bytes, weights = probed
+            return DtypeChoice(
+                torch.float32,
+                f"auto: the projections are exact GGUF blocks ({block_bytes / weights:.2f} bytes a weight "
+                "in layer 0, against 2 in bfloat16): float32 keeps them for decode "
+                "(--dtype bfloat16 trades them for faster prefill where this CPU has AMX)",
+            )
+    hidden = int(model_config.get("hidden_size", 576))
+    inter = int(model_config.get("intermediate_size", 4 * hidden))
+    timer = seconds or matmul_seconds
+    bf16, f32 = (timer(1, hidden, inter, d) for d in (torch.bfloat16, torch.float32))
+    faster = torch.bfloat16 if bf16 < BF16_MARGIN * f32 else torch.float32
+    return DtypeChoice(
+        faster,
+        f"auto: dense weights; a decode-shaped matmul (1x{hidden} @ {hidden}x{inter}) takes "
+        f"{bf16 * 1e5:.1f} us in bfloat16 against {f32 * 1e5:.1f} us in float32",
+    )
