@@ -23,6 +23,7 @@ class RequestOutput:
     # With ``SamplingParams.prompt_logprobs``, on the first output only: prompt tokens 1, 2, ...
     # each with its log-probability given the tokens before it (the first token has none).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    error: str | None = None  # with finish_reason "error": what ended it, when the request is at fault
 
 
 @attrs.frozen
