@@ -150,6 +150,8 @@ class Engine:
             grammar_compiles=self.grammars.stats.compiled,
             grammar_compile_seconds=self.grammars.stats.compile_seconds_total,
             grammar_cache_hits=self.grammars.stats.cache_hits,
+            grammar_compile_timeouts=self.grammars.stats.timed_out,
+            grammar_compiler_busy=self.grammars.stats.busy,
             grammar_masked_steps=self.runner.mask_stats.steps,
             grammar_mask_seconds=self.runner.mask_stats.seconds,
         )

@@ -45,5 +45,7 @@ class EngineStats:
     grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
+    grammar_compile_timeouts: int = 0  # compiles killed at the time limit (a 400 each)
+    grammar_compiler_busy: int = 0  # requests that found no free compile worker in time (a 503 each)
     grammar_masked_steps: int = 0  # steps with at least one constrained row
     grammar_mask_seconds: float = 0.0  # filling, applying and advancing their masks

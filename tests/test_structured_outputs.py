@@ -347,6 +347,10 @@ async def test_slow_schemas_are_killed_at_the_limit_and_a_waiting_request_gets_5
                 while not all(process_gone(pid) for pid in pids):
                     await trio.sleep(0.02)
             assert grammars.stats.timed_out == 4 and grammars.stats.busy == 1
+            metrics = (await http.get("/metrics")).text
+            assert 'trillm:grammar_compile_timeouts_total{model_name="' in metrics
+            assert re.search(r"trillm:grammar_compile_timeouts_total\{[^}]*\} 4\.0", metrics)
+            assert re.search(r"trillm:grammar_compiler_busy_total\{[^}]*\} 1\.0", metrics)
             # And a trivial schema compiles and serves at once.
             started = trio.current_time()
             r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, **trivial})
