@@ -58,9 +58,25 @@ def test_the_cache_is_bounded_in_bytes(model_parts):
     assert tiny.compile_now(specs[0]) is not None and tiny.cached_bytes == 0  # used, never kept
 
 
-def test_an_empty_language_does_not_compile(compiler):
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        "root ::= [^\\x00-\\U0010FFFF]",
+        'root ::= "a" [^\\x00-\\U0010FFFF]',
+        'root ::= "a" b\nb ::= "x" [^\\x00-\\U0010FFFF] | "y" [^\\x00-\\U0010FFFF]',
+    ],
+)
+def test_an_empty_language_does_not_compile(compiler, grammar):
     with pytest.raises(GrammarError, match="matches no output"):
-        compiler.compile_now(GrammarSpec.ebnf("root ::= [^\\x00-\\U0010FFFF]"))
+        compiler.compile_now(GrammarSpec.ebnf(grammar))
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    ['root ::= "a" root', "root ::= [a-z]{0,3} [^\\x00-\\U0010FFFF]", 'root ::= "a" | "b" [^\\x00-\\U0010FFFF]'],
+)
+def test_what_the_search_cannot_prove_empty_compiles(compiler, grammar):
+    assert compiler.compile_now(GrammarSpec.ebnf(grammar)) is not None
 
 
 def test_a_token_outside_the_grammar_fails_the_matcher_instead_of_unconstraining_it(compiler, model_parts):
@@ -77,14 +93,16 @@ def test_a_token_outside_the_grammar_fails_the_matcher_instead_of_unconstraining
 
 def test_a_state_that_allows_no_token_fails_its_row_only(compiler, model_parts):
     tokenizer = model_parts[1]
-    dead_end = Matcher(compiler.compile_now(GrammarSpec.ebnf('root ::= "a" [^\\x00-\\U0010FFFF]')))
+    dead_end = Matcher(compiler.compile_now(GrammarSpec.ebnf("root ::= [a-z]{0,3} [^\\x00-\\U0010FFFF]")))
     fine = Matcher(compiler.compile_now(GrammarSpec.regex("[0-9]+")))
     vocab = len(tokenizer)
-    masks = GrammarMasks.fill([dead_end, fine], vocab)
-    assert masks is not None and masks.rows == [0, 1]
-    a = tokenizer("a", add_special_tokens=False)["input_ids"][0]
-    advance([dead_end, fine], [a, tokenizer("1", add_special_tokens=False)["input_ids"][0]])
+    letters = tokenizer("abc", add_special_tokens=False)["input_ids"]
+    digit = tokenizer("1", add_special_tokens=False)["input_ids"][0]
+    for token in letters:
+        masks = GrammarMasks.fill([dead_end, fine], vocab)
+        assert masks is not None and masks.rows == [0, 1]
+        advance([dead_end, fine], [token, digit])
     masks = GrammarMasks.fill([dead_end, fine], vocab)
     assert masks is not None and masks.rows == [1]  # the dead row is not masked (it is not sent either)
-    assert dead_end.failed_at == 1 and not dead_end.active and fine.active
+    assert dead_end.failed_at == len(letters) and not dead_end.active and fine.active
     assert GrammarMasks.fill([dead_end], vocab) is None

@@ -402,17 +402,21 @@ async def test_schemas_past_a_bound_are_400s_at_once_and_others_compile(server):
 async def test_an_empty_language_is_a_400_and_a_dead_end_ends_the_choice_with_an_error(server):
     """Regression (issue item 3): a grammar with no string answered 200 with free text ("token
     48127 is outside the grammar; the rest is unconstrained"). An empty language is refused before
-    generation; a grammar that allows a first token and then none (``"a"`` then an empty class:
-    the model must write "a", then nothing can follow) ends that choice with finish_reason "error",
-    never with unconstrained text: a 400 for a plain reply, an "error" finish in a stream."""
-    nothing = "root ::= [^\\x00-\\U0010FFFF]"
-    dead_end = 'root ::= "a" [^\\x00-\\U0010FFFF]'
+    generation, also one that allows a first token and then none (``"a"`` then an empty class); a
+    grammar whose dead end lies past what the compile searches (up to three letters, then an empty
+    class) ends that choice with finish_reason "error" where no token is allowed, never with
+    unconstrained text: a 400 for a plain reply, an "error" finish in a stream."""
+    empty = "[^\\x00-\\U0010FFFF]"
+    dead_end = f"root ::= [a-z]{{0,3}} {empty}"
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
-        r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "guided_grammar": nothing})
-        assert r.status_code == 400, r.text
-        err = r.json()["error"]
-        assert err["code"] == "invalid_grammar" and err["param"] == "guided_grammar"
-        assert "matches no output" in err["message"]
+        for grammar in (f"root ::= {empty}", f'root ::= "a" {empty}', f'root ::= "ab" ("c" | "d") {empty}'):
+            r = await http.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "guided_grammar": grammar}
+            )
+            assert r.status_code == 400, (grammar, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_grammar" and err["param"] == "guided_grammar"
+            assert "matches no output" in err["message"]
 
         body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "guided_grammar": dead_end}
         r = await http.post("/v1/chat/completions", json=body)
@@ -427,7 +431,7 @@ async def test_an_empty_language_is_a_400_and_a_dead_end_ends_the_choice_with_an
                     chunks.append(json.loads(line[6:]))
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
         finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-        assert text == "a" and finish == ["error"], chunks
+        assert re.fullmatch("[a-z]{1,3}", text) and finish == ["error"], chunks
         # Other requests are unaffected, and the failed choices left nothing behind.
         ok = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 5})
         assert ok.status_code == 200
