@@ -51,9 +51,8 @@ def proven_empty(compiled: Any, budget: int = 64) -> bool:
         if matcher.is_completed():
             return False
         matcher.fill_next_token_bitmask(bitmask)
-        allowed = [
-            index * 32 + bit for index, word in enumerate(bitmask[0].tolist()) if word for bit in range(32) if word >> bit & 1
-        ]
+        words = [(index, word) for index, word in enumerate(bitmask[0].tolist()) if word]
+        allowed = [index * 32 + bit for index, word in words for bit in range(32) if word >> bit & 1]
         if seen + len(stack) + len(allowed) > budget:
             return False
         for token in allowed:
