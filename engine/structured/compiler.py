@@ -97,7 +97,7 @@ class GrammarCompiler:
         self._idle: list[CompileWorker] = []
         self._busy: set[CompileWorker] = set()
         self._slots = trio.Semaphore(workers)
-        self._closed = False
+        self._generation = 0  # ``close`` moves it on: a worker of an older one is not kept
 
     # -- synchronous: any thread ---------------------------------------------------
 
@@ -165,15 +165,14 @@ class GrammarCompiler:
         """An idle worker, or a new one (blocking: a fork, or the fork server's first start)."""
         self._compiler()
         with self._lock:
-            if self._closed:
-                raise WorkerGone("the grammar compiler is closed")
             if self._idle:
                 worker = self._idle.pop()
                 self._busy.add(worker)
                 return worker
             assert self._info_json is not None
-            info_json = self._info_json
+            info_json, generation = self._info_json, self._generation
         worker = CompileWorker(info_json)
+        worker.generation = generation
         with self._lock:
             self.stats.workers_started += 1
             self._busy.add(worker)
@@ -183,7 +182,7 @@ class GrammarCompiler:
         """Back to the idle workers, or killed (the next compile that needs one starts another)."""
         with self._lock:
             self._busy.discard(worker)
-            if not kill and not self._closed:
+            if not kill and worker.generation == self._generation:
                 self._idle.append(worker)
                 return
         if kill:
@@ -206,10 +205,10 @@ class GrammarCompiler:
         return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info), seconds
 
     def close(self) -> None:
-        """Kill every worker (idle, starting or compiling); later compiles fail with
-        ``GrammarCompilerBusy`` (the engine closes it as it stops)."""
+        """Kill every worker (idle or compiling; one starting now is killed when given back);
+        the engine closes it as it stops. A later compile starts new workers."""
         with self._lock:
-            self._closed = True
+            self._generation += 1
             idle, busy = list(self._idle), list(self._busy)
             self._idle.clear()
         for worker in idle:

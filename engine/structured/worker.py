@@ -102,6 +102,7 @@ class CompileWorker:
         finally:
             theirs.close()
         self._dead = False
+        self.generation = 0  # the compiler's, when it was started
         try:
             self._conn.send_bytes(tokenizer_info_json.encode())
             if self._receive() != {"ready": True}:
