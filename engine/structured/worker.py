@@ -154,6 +154,7 @@ def zygote(fd: int) -> None:
     import trillm.engine.structured.build  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # killed workers are reaped by the kernel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: we end with its pipe
     sock = socket.socket(fileno=fd)
     while True:
         try:
