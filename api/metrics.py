@@ -73,6 +73,14 @@ def _counters(s: EngineStats, weight_bytes: int) -> dict[str, tuple[str, float]]
         "grammar_compiles": ("Structured-output grammars compiled (cache misses).", s.grammar_compiles),
         "grammar_compile_seconds": ("Seconds spent compiling grammars.", s.grammar_compile_seconds),
         "grammar_cache_hits": ("Grammars found compiled in the cache.", s.grammar_cache_hits),
+        "grammar_compile_timeouts": (
+            "Grammar compiles killed at the time limit (each a 400).",
+            s.grammar_compile_timeouts,
+        ),
+        "grammar_compiler_busy": (
+            "Requests that found every grammar compile worker busy for the whole time limit (each a 503).",
+            s.grammar_compiler_busy,
+        ),
         "grammar_masked_steps": ("Steps with at least one grammar-constrained row.", s.grammar_masked_steps),
         "grammar_mask_seconds": (
             "Seconds the model-runner thread spent filling, applying and advancing grammar masks.",

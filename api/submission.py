@@ -17,7 +17,7 @@ from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.structured import GrammarError
+from trillm.engine.structured import GrammarCompilerBusy, GrammarError
 
 log = logging.getLogger("trillm.api")
 
@@ -51,10 +51,18 @@ def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: Commo
 
 async def with_grammar(engine: EngineHandle, req: Any) -> Any:
     """``req`` with its output constraint compiled into its sampling parameters (in a worker
-    thread, cached, time-limited); an invalid one is a 400 naming the field that held it."""
+    process, cached, time-limited); an invalid, empty, too large or too slow one is a 400 naming
+    the field that held it; one that only waited for a busy compiler is a 503 with ``Retry-After``."""
     spec, param = req.common.grammar
     try:
         grammar = await engine.compile_grammar(spec)
+    except GrammarCompilerBusy as exc:
+        raise ApiError(
+            f"the grammar compiler is busy: {exc}",
+            503,
+            code="grammar_compiler_busy",
+            headers={"Retry-After": str(exc.retry_after)},
+        ) from None
     except GrammarError as exc:
         what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "grammar"}.get(spec.kind, "constraint")
         raise ApiError(f"'{param}': invalid {what}: {exc}", param=param, code="invalid_grammar") from None
@@ -169,6 +177,9 @@ async def collect(
         raise timeout_error() from None
     finally:
         abort_all(engine, request_ids)
+    for index, out in sorted(last.items()):
+        if out.finish_reason == "error" and out.error:  # the request's own fault (its grammar's dead end)
+            raise ApiError(f"choice {index}: {out.error}", code="invalid_grammar")
     if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
         raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
     return Collected(texts, logprobs, [last[i] for i in range(len(texts))], prompt_logprobs)

@@ -112,10 +112,24 @@ class EngineConfig:
         "compiled grammars (JSON schemas, regexes, ...) kept for reuse; a repeated one compiles once",
         validator=attrs.validators.ge(1),
     )
+    grammar_cache_bytes: int = setting(
+        256 * MB,
+        "memory the compiled-grammar cache may hold, in MB (xgrammar's own count of each grammar); the oldest go first",
+        flag="--grammar-cache-mb",
+        env="TRILLM_GRAMMAR_CACHE_MB",
+        scale=MB,
+        validator=attrs.validators.ge(0),
+    )
     grammar_compile_timeout: float = setting(
         10.0,
-        "seconds a grammar may take to compile before the request gets a 400",
+        "seconds a grammar may take to compile before its worker is killed and the request gets a 400; "
+        "also the longest a request waits for a free worker before a 503",
         validator=attrs.validators.gt(0),
+    )
+    grammar_compile_workers: int = setting(
+        2,
+        "grammar compile processes (started on first use): at most this many compiles run at once",
+        validator=attrs.validators.ge(1),
     )
     stall_timeout: float | None = setting(
         None,

@@ -104,7 +104,9 @@ class Engine:
             model.shape.vocab_size,
             eos_ids,
             cache_size=config.grammar_cache_size,
+            cache_bytes=config.grammar_cache_bytes,
             timeout=config.grammar_compile_timeout,
+            workers=config.grammar_compile_workers,
         )
         self.loop: StepLoop[StepInputs] = StepLoop(
             self.scheduler, self.runner.prepare, 2 if config.overlap_schedule else 1, self._on_scheduled
@@ -148,6 +150,8 @@ class Engine:
             grammar_compiles=self.grammars.stats.compiled,
             grammar_compile_seconds=self.grammars.stats.compile_seconds_total,
             grammar_cache_hits=self.grammars.stats.cache_hits,
+            grammar_compile_timeouts=self.grammars.stats.timed_out,
+            grammar_compiler_busy=self.grammars.stats.busy,
             grammar_masked_steps=self.runner.mask_stats.steps,
             grammar_mask_seconds=self.runner.mask_stats.seconds,
         )
@@ -271,6 +275,7 @@ class Engine:
         finally:
             self._running = False
             self._end_all("abort")
+            self.grammars.close()  # no compile process outlives the engine
             self.loop.in_flight.clear()
             self.scheduler.flush_cache()  # nothing outlives the engine: every page is free again
             if workers is not None:  # the other ranks stop with us (a broken group: at once)
@@ -377,6 +382,17 @@ class Engine:
             self.router.add_prompt_logprobs(batch.chunks[prompt.chunk].seq, prompt.start, prompt.entries)
         logprobs = {id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)}
         for seq, index in updated:
+            matcher = seq.matcher
+            if matcher is not None and matcher.failed_at is not None and index >= matcher.failed_at:
+                # Its grammar allowed no token here: the row's sample is not sent, the choice ends.
+                if self.router.close(
+                    seq.request_id,
+                    "error",
+                    f"the output reached a point where its grammar allows "
+                    f"no token ({matcher.reason}, after {matcher.failed_at} tokens)",
+                ):
+                    self.scheduler.abort(seq.request_id)
+                continue
             routed = self.router.route(seq, index, logprobs.get(id(seq)))
             if routed == "gone":  # its consumer has left
                 self.num_aborted += 1

@@ -23,6 +23,7 @@ class RequestOutput:
     # With ``SamplingParams.prompt_logprobs``, on the first output only: prompt tokens 1, 2, ...
     # each with its log-probability given the tokens before it (the first token has none).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    error: str | None = None  # with finish_reason "error": what ended it, when the request is at fault
 
 
 @attrs.frozen
@@ -44,5 +45,7 @@ class EngineStats:
     grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
     grammar_compile_seconds: float = 0.0
     grammar_cache_hits: int = 0
+    grammar_compile_timeouts: int = 0  # compiles killed at the time limit (a 400 each)
+    grammar_compiler_busy: int = 0  # requests that found no free compile worker in time (a 503 each)
     grammar_masked_steps: int = 0  # steps with at least one constrained row
     grammar_mask_seconds: float = 0.0  # filling, applying and advancing their masks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,13 @@ def test_hypercorn_cli_with_environment_settings():
             json={"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
         )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # Grammars compile in processes forked by a zygote, which a daemonic worker may start too.
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "guided_regex": "[0-9]{3}"},
+        )
+        assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["message"]["content"]), r.text
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

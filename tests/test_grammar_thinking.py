@@ -41,7 +41,7 @@ def _feed(compiler, tokenizer, spec: GrammarSpec, text: str, end: bool) -> Match
 def test_thinking_then_the_constraint(compiler, tokenizer, mode, text, valid):
     spec = GrammarSpec.json_schema(SCHEMA).after_thinking(mode)
     matcher = _feed(compiler, tokenizer, spec, text, end=True)
-    assert (matcher.terminated and not matcher.rejected) == valid
+    assert (matcher.terminated and matcher.failed_at is None) == valid
 
 
 def test_each_mode_compiles_apart(compiler):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 
 import httpx
@@ -13,7 +14,7 @@ import pydantic
 import pytest
 import trio
 
-from trillm.engine.structured import GrammarSpec, Matcher
+from trillm.engine.structured import GrammarLimits, GrammarSpec, Matcher
 
 from tests.helpers import wait_idle
 from tests.server import MODEL, client, in_thread, running_server
@@ -271,19 +272,170 @@ async def test_a_repeated_schema_compiles_once(server):
     assert stats.compiled == before_compiled + 1 and stats.cache_hits >= before_hits + 2
 
 
-async def test_compile_past_the_time_limit_is_a_400(model_parts):
-    async with running_server(model_parts, grammar_compile_timeout=1e-4) as srv:
+def ref_chain(n: int, tag: str = "") -> dict:
+    """A schema of ``n`` ``$ref`` each to the next: xgrammar's compile time grows steeply with
+    ``n`` (1,000: ~1 s; 3,000: minutes); ``tag`` makes distinct ones."""
+    defs: dict = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "string", "description": tag}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_slow_schemas_are_killed_at_the_limit_and_a_waiting_request_gets_503(model_parts):
+    """Regression (issue item 2): two slow schemas held both compile slots, their threads ran on
+    for minutes, and every other new grammar got a 400 blaming its schema. Now a compile past the
+    limit is killed (its process is gone), only the slow schemas get the 400, a request that merely
+    waited for a slot gets a 503 with Retry-After, and a trivial schema compiles at once afterwards."""
+    async with running_server(model_parts, grammar_compile_timeout=2.0) as srv:
+        grammars = srv.engine.grammars
+        grammars.limits = GrammarLimits(max_refs=10**6, max_ref_depth=10**6, max_source_bytes=10**7)
+        await srv.engine.compile_grammar(GrammarSpec.json_object())  # the workers' zygote is up
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
-            big = {
-                "type": "object",
-                "properties": {f"f{i}": {"type": "string", "pattern": "^[a-z]{3,9}@[a-z]+$"} for i in range(40)},
+
+            async def post(body: dict, out: dict, name: str) -> None:
+                started = trio.current_time()
+                r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body})
+                out[name] = (r, trio.current_time() - started)
+
+            slow = [
+                {"max_tokens": 5, "response_format": json_schema_format(ref_chain(3000, f"s{i}"))} for i in range(4)
+            ]
+            trivial = {
+                "max_tokens": 5,
+                "response_format": json_schema_format(
+                    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}}
+                ),
             }
+            out: dict = {}
+            pids: set[int] = set()
+            async with trio.open_nursery() as nursery:
+                for i in range(2):  # these two take both workers
+                    nursery.start_soon(post, slow[i], out, f"slow{i}")
+                with trio.fail_after(10):
+                    while len(grammars._busy) < 2:
+                        await trio.sleep(0.02)
+                pids |= {w.pid for w in grammars._busy}
+                for i in (2, 3):  # these wait, then take the workers when the first two are killed
+                    nursery.start_soon(post, slow[i], out, f"slow{i}")
+                    await trio.sleep(0.2)
+                nursery.start_soon(post, trivial, out, "waited")  # behind them: only waits
+                with trio.fail_after(10):
+                    while "slow0" not in out:
+                        await trio.sleep(0.02)
+                with trio.fail_after(5):
+                    while len(grammars._busy) < 2 or {w.pid for w in grammars._busy} & pids:
+                        await trio.sleep(0.02)
+                pids |= {w.pid for w in grammars._busy}
+            for i in range(4):
+                r, seconds = out[f"slow{i}"]
+                assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+                assert r.json()["error"]["code"] == "invalid_grammar"
+                assert "did not compile within 2 s" in r.json()["error"]["message"]
+            r, seconds = out["waited"]
+            assert r.status_code == 503 and r.json()["error"]["code"] == "grammar_compiler_busy", r.text
+            assert r.headers["Retry-After"] == "2" and 1.9 < seconds < 3.5
+            # Every slow compile's process is gone: its CPU is given back, not burnt for minutes.
+            assert len(pids) == 4
+            with trio.fail_after(5):  # SIGKILL is sent before the 400; the process ends just after
+                while not all(process_gone(pid) for pid in pids):
+                    await trio.sleep(0.02)
+            assert grammars.stats.timed_out == 4 and grammars.stats.busy == 1
+            metrics = (await http.get("/metrics")).text
+            assert 'trillm:grammar_compile_timeouts_total{model_name="' in metrics
+            assert re.search(r"trillm:grammar_compile_timeouts_total\{[^}]*\} 4\.0", metrics)
+            assert re.search(r"trillm:grammar_compiler_busy_total\{[^}]*\} 1\.0", metrics)
+            # And a trivial schema compiles and serves at once.
+            started = trio.current_time()
+            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, **trivial})
+            assert r.status_code == 200 and trio.current_time() - started < 5, r.text
+    assert grammars.worker_pids == []  # the engine stopped: no compile process is left
+
+
+async def test_schemas_past_a_bound_are_400s_at_once_and_others_compile(server):
+    """The issue's 5,000-long $ref chain (178 KB) never reaches a compile: it is refused in
+    microseconds, naming the bound, so it holds no worker and a trivial schema right after compiles."""
+    cases = [
+        (ref_chain(5000), "bytes long; the limit is 131072 bytes"),
+        (ref_chain(300), "more than 256 $ref"),
+        (ref_chain(100), "a chain of 101 $ref; the limit is 64"),
+        ({"enum": list(range(2000))}, "an enum has 2000 values; the limit is 1024"),
+        ({"type": "string", "maxLength": 10**6}, "maxLength is 1e+06; the limit is 65536"),
+        ({"type": "array", "minItems": 70000}, "minItems is 70000; the limit is 65536"),
+    ]
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for schema, message in cases:
+            started = trio.current_time()
             r = await http.post(
                 "/v1/chat/completions",
-                json={"model": MODEL, "messages": ASK, "response_format": json_schema_format(big)},
+                json={"model": MODEL, "messages": ASK, "response_format": json_schema_format(schema)},
             )
-            assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-            assert "did not compile within" in r.json()["error"]["message"]
+            assert r.status_code == 400 and trio.current_time() - started < 2, r.text
+            err = r.json()["error"]
+            assert err["code"] == "invalid_grammar" and err["param"] == "response_format"
+            assert message in err["message"], err
+        for extra, param, message in [
+            ({"guided_regex": "a{0,100000}"}, "guided_regex", "{0,100000} is past the limit of 65536"),
+            ({"guided_grammar": 'root ::= "a"{70000}'}, "guided_grammar", "{70000} is past the limit"),
+        ]:
+            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.text, r.text
+        assert server.engine.grammars.stats.compiled == 0  # none of them reached a worker
+        r = await http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": ASK,
+                "max_tokens": 20,
+                "response_format": json_schema_format({"type": "object", "properties": {"name": {"maxLength": 10}}}),
+            },
+        )
+        assert r.status_code == 200, r.text
+
+
+async def test_an_empty_language_is_a_400_and_a_dead_end_ends_the_choice_with_an_error(server):
+    """Regression (issue item 3): a grammar with no string answered 200 with free text ("token
+    48127 is outside the grammar; the rest is unconstrained"). An empty language is refused before
+    generation, also one that allows a first token and then none (``"a"`` then an empty class); a
+    grammar whose dead end lies past what the compile searches (up to three letters, then an empty
+    class) ends that choice with finish_reason "error" where no token is allowed, never with
+    unconstrained text: a 400 for a plain reply, an "error" finish in a stream."""
+    empty = "[^\\x00-\\U0010FFFF]"
+    dead_end = f"root ::= [a-z]{{0,3}} {empty}"
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for grammar in (f"root ::= {empty}", f'root ::= "a" {empty}', f'root ::= "ab" ("c" | "d") {empty}'):
+            r = await http.post(
+                "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "guided_grammar": grammar}
+            )
+            assert r.status_code == 400, (grammar, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_grammar" and err["param"] == "guided_grammar"
+            assert "matches no output" in err["message"]
+
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 20, "guided_grammar": dead_end}
+        r = await http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
+        assert "allows no token" in r.json()["error"]["message"]
+
+        chunks = []
+        async with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            async for line in s.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+        assert re.fullmatch("[a-z]{1,3}", text) and finish == ["error"], chunks
+        # Other requests are unaffected, and the failed choices left nothing behind.
+        ok = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 5})
+        assert ok.status_code == 200
+    assert await live_matchers(server.engine) == 0
 
 
 async def test_preemption_and_overlap_off_keep_outputs_valid(model_parts):
@@ -337,22 +489,28 @@ async def test_cancel_mid_grammar_frees_pages_and_matchers(server):
 
 
 async def test_client_gone_while_compiling_leaves_nothing(server):
-    big = {
-        "type": "object",
-        "properties": {f"g{i}": {"type": "string", "pattern": "^[a-z]{2,7}[0-9]+$"} for i in range(30)},
-    }
-    await server.engine.compile_grammar(GrammarSpec.json_object())  # the vocabulary is read: only the compile is left
-    compiled = server.engine.grammars.stats.compiled
-    async with httpx.AsyncClient(base_url=server.url, timeout=0.05) as http:
-        with pytest.raises(httpx.TimeoutException):
-            await http.post(
-                "/v1/chat/completions",
-                json={"model": MODEL, "messages": ASK, "response_format": json_schema_format(big)},
-            )
+    """A client that leaves while its grammar compiles: the compile's worker is killed (nothing
+    of it runs on), its slot is free, and the server is fine."""
+    grammars = server.engine.grammars
+    grammars.limits = GrammarLimits(max_refs=10**6, max_ref_depth=10**6, max_source_bytes=10**7)
+    await server.engine.compile_grammar(GrammarSpec.json_object())  # a worker is up: only the compile is left
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
+        async def leave() -> None:
+            body = {"model": MODEL, "messages": ASK, "response_format": json_schema_format(ref_chain(3000))}
+            await http.post("/v1/chat/completions", json=body)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leave)
+            with trio.fail_after(10):
+                while not grammars._busy:
+                    await trio.sleep(0.02)
+            (pid,) = [w.pid for w in grammars._busy]
+            nursery.cancel_scope.cancel()  # the client goes away mid-compile
+    with trio.fail_after(10):
+        while grammars._busy or not process_gone(pid):
+            await trio.sleep(0.02)
     await wait_idle(server.engine)
-    with trio.fail_after(30):  # the abandoned compile finishes on its own and is cached
-        while server.engine.grammars.stats.compiled == compiled:
-            await trio.sleep(0.05)
     assert server.engine.stats().num_open_requests == 0 and await live_matchers(server.engine) == 0
     # And the server is fine.
     out = await in_thread(lambda: client(server).chat.completions.create(model=MODEL, messages=ASK, max_tokens=3))

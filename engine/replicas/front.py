@@ -111,7 +111,9 @@ class ReplicaSet:
             vocab,
             self.eos_ids,
             cache_size=config.grammar_cache_size,
+            cache_bytes=config.grammar_cache_bytes,
             timeout=config.grammar_compile_timeout,
+            workers=config.grammar_compile_workers,
         )
         self.model = ModelInfo(_Shape(vocab, model_config.get("max_position_embeddings", 2048)), 0)
         self.router = PrefixRouter(config.dp, config.page_size)
@@ -230,6 +232,7 @@ class ReplicaSet:
                 task_status.started()
         finally:
             self._running = False
+            self.grammars.close()  # no compile process outlives the front
             for request_id in list(self._open):
                 self._finish(request_id, "abort")
             for replica in self.replicas:

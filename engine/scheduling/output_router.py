@@ -131,8 +131,9 @@ class OutputRouter:
         assert all(e is not None for e in entries), "every prompt chunk returns before the first token"
         return tuple(e for e in entries if e is not None)
 
-    def close(self, request_id: str, reason: str | None) -> bool:
-        """End a request's output now; with a reason, send a last output saying so.
+    def close(self, request_id: str, reason: str | None, error: str | None = None) -> bool:
+        """End a request's output now; with a reason, send a last output saying so (and
+        ``error``, what went wrong, with reason "error").
 
         Returns whether the request was open."""
         live = self.live.pop(request_id, None)
@@ -151,6 +152,7 @@ class OutputRouter:
                 seq.num_known_outputs,
                 (),
                 seq.num_cached_tokens,
+                error=error,
             )
             live.mailbox.put(output)
         live.mailbox.end()

@@ -7,7 +7,17 @@ masks the logits of its rows each step.
 """
 
 from trillm.engine.structured.compiler import CompiledGrammar, GrammarCompiler
+from trillm.engine.structured.limits import GrammarLimits
 from trillm.engine.structured.matcher import GrammarMasks, Matcher
-from trillm.engine.structured.spec import GrammarError, GrammarSpec
+from trillm.engine.structured.spec import GrammarCompilerBusy, GrammarError, GrammarSpec
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarMasks", "GrammarSpec", "Matcher"]
+__all__ = [
+    "CompiledGrammar",
+    "GrammarCompiler",
+    "GrammarCompilerBusy",
+    "GrammarError",
+    "GrammarLimits",
+    "GrammarMasks",
+    "GrammarSpec",
+    "Matcher",
+]

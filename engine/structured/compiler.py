@@ -1,20 +1,21 @@
-"""Grammars compiled for this model's tokenizer by xgrammar, off the event loop, cached.
+"""Grammars compiled for this model's tokenizer by xgrammar, in worker processes, cached.
 
 xgrammar (``docs/architecture.md`` says why it was chosen) turns a JSON schema,
 regex or EBNF grammar into per-token masks for one tokenizer. Compiling takes
-milliseconds to seconds, so it runs in a worker thread under a time limit; a
-repeated constraint is found in an LRU cache keyed by its canonical source and
-costs nothing. A compile past the limit leaves its thread to finish (xgrammar
-cannot be interrupted): at most ``threads`` compiles run at once, so a flood of
-slow schemas queues instead of taking every core.
+milliseconds to minutes and cannot be interrupted, so a request's constraint is
+first measured against ``GrammarLimits`` (a 400 past one), then compiled in one of
+a few worker processes (``worker``) under a time limit: one past it is killed, so
+its core and its slot are free at once. A request that cannot get a worker within
+the time limit (every one busy) is told to retry (``GrammarCompilerBusy``), since its
+grammar is not at fault. A repeated constraint is found in an LRU cache keyed by its
+canonical source, bounded in entries and in bytes, and costs nothing.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import re
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -24,12 +25,12 @@ from typing import Any
 import attrs
 import trio
 
-from trillm.engine.structured.spec import GrammarError, GrammarSpec
+from trillm.engine.structured.build import build
+from trillm.engine.structured.limits import GrammarLimits
+from trillm.engine.structured.spec import GrammarCompilerBusy, GrammarError, GrammarSpec
+from trillm.engine.structured.worker import CompileWorker, WorkerGone
 
 log = logging.getLogger("trillm.engine")
-
-# xgrammar's C++ errors start with "[12:00:00] /project/cpp/file.cc:123: "; clients need only the rest.
-_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
 @attrs.frozen(eq=False)
@@ -41,6 +42,11 @@ class CompiledGrammar:
     stop_ids: tuple[int, ...]
     compile_seconds: float
 
+    @property
+    def nbytes(self) -> int:
+        """What it holds in memory (xgrammar's count: the per-state token masks, mostly)."""
+        return int(self.compiled.memory_size_bytes)
+
 
 @attrs.define
 class CompileStats:
@@ -49,12 +55,18 @@ class CompileStats:
     compiled: int = 0
     cache_hits: int = 0
     failed: int = 0
-    timed_out: int = 0
+    timed_out: int = 0  # compiles killed at the time limit
+    busy: int = 0  # requests that found no free worker within the time limit (503)
     compile_seconds_total: float = 0.0
+    workers_started: int = 0
 
 
 class GrammarCompiler:
-    """Compiles ``GrammarSpec``s for one tokenizer; safe to call from any thread."""
+    """Compiles ``GrammarSpec``s for one tokenizer; ``cached`` and ``compile_now`` are safe from
+    any thread, ``compile`` runs on the event loop.
+
+    At most ``workers`` compiles run at once, each in its own process; the processes start
+    on first use and live until ``close`` (one killed at the time limit is replaced when next needed)."""
 
     def __init__(
         self,
@@ -63,21 +75,35 @@ class GrammarCompiler:
         stop_ids: Iterable[int],
         *,
         cache_size: int = 256,
+        cache_bytes: int = 256 * 1024 * 1024,
         timeout: float = 10.0,
-        threads: int = 2,
+        workers: int = 2,
+        limits: GrammarLimits | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = tuple(sorted(stop_ids))
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self.timeout = timeout
+        self.limits = limits or GrammarLimits()
         self.stats = CompileStats()
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()  # the cache and the lazily built xgrammar compiler
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # the cache, the idle workers and the lazily built xgrammar objects
         self._xgr: Any = None
-        self._limiter = trio.CapacityLimiter(threads)
+        self._info: Any = None
+        self._info_json: str | None = None
+        self._idle: list[CompileWorker] = []
+        self._busy: set[CompileWorker] = set()
+        self._slots = trio.Semaphore(workers)
+        self._generation = 0  # ``close`` moves it on: a worker of an older one is not kept
 
     # -- synchronous: any thread ---------------------------------------------------
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
 
     def cached(self, spec: GrammarSpec) -> CompiledGrammar | None:
         with self._lock:
@@ -88,26 +114,37 @@ class GrammarCompiler:
             return grammar
 
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile (or find) ``spec`` in the calling thread; raises ``GrammarError``."""
+        """Compile (or find) ``spec`` in the calling thread, with no time limit (offline use,
+        tests, the benchmark); raises ``GrammarError``."""
         grammar = self.cached(spec)
         if grammar is not None:
             return grammar
+        self.limits.check(spec)
         compiler = self._compiler()
         started = time.perf_counter()
         try:
-            compiled = _compile(compiler, spec)
-        except Exception as exc:  # xgrammar reports bad input as RuntimeError (C++), ValueError, ...
+            compiled = build(compiler, spec)
+        except GrammarError:
             with self._lock:
                 self.stats.failed += 1
-            raise GrammarError(_CPP_PREFIX.sub("", str(exc)).strip() or type(exc).__name__) from None
-        seconds = time.perf_counter() - started
+            raise
+        return self._keep(spec, compiled, time.perf_counter() - started)
+
+    def _keep(self, spec: GrammarSpec, compiled: Any, seconds: float) -> CompiledGrammar:
+        """Count and cache a fresh compile; the oldest entries go while either bound is passed
+        (one larger than the whole byte bound is used, not kept)."""
         grammar = CompiledGrammar(spec, compiled, self.stop_ids, seconds)
+        size = grammar.nbytes
         with self._lock:
             self.stats.compiled += 1
             self.stats.compile_seconds_total += seconds
+            if size > self.cache_bytes or spec in self._cache:
+                return self._cache.get(spec, grammar)
             self._cache[spec] = grammar
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cached_bytes += size
+            while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
         return grammar
 
     def _compiler(self) -> Any:
@@ -120,25 +157,124 @@ class GrammarCompiler:
                 info = tokenizer_info(self._tokenizer, self.vocab_size, self.stop_ids)
                 # Our own cache above (keyed by the canonical source) replaces xgrammar's.
                 self._xgr = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._info = info
+                self._info_json = info.serialize_json()
             return self._xgr
+
+    def _take_worker(self) -> CompileWorker:
+        """An idle worker, or a new one (blocking: a fork, or the fork server's first start)."""
+        self._compiler()
+        with self._lock:
+            if self._idle:
+                worker = self._idle.pop()
+                self._busy.add(worker)
+                return worker
+            assert self._info_json is not None
+            info_json, generation = self._info_json, self._generation
+        worker = CompileWorker(info_json)
+        worker.generation = generation
+        with self._lock:
+            self.stats.workers_started += 1
+            self._busy.add(worker)
+        return worker
+
+    def _give_back(self, worker: CompileWorker, *, kill: bool) -> None:
+        """Back to the idle workers, or killed (the next compile that needs one starts another)."""
+        with self._lock:
+            self._busy.discard(worker)
+            if not kill and worker.generation == self._generation:
+                self._idle.append(worker)
+                return
+        if kill:
+            worker.kill()  # a thread may still wait on it: it closes the pipe as it sees the end
+        else:
+            worker.close()
+
+    def _run(self, worker: CompileWorker, spec: GrammarSpec) -> tuple[Any, float]:
+        """In a thread: the worker compiles, this process deserializes (a few ms)."""
+        import xgrammar
+
+        started = time.perf_counter()
+        try:
+            serialized = worker.compile(spec)
+        except WorkerGone:
+            worker.close()  # killed (at the limit, on cancellation) or crashed: its pipe is ours to close
+            raise
+        seconds = time.perf_counter() - started
+        self._compiler()
+        return xgrammar.CompiledGrammar.deserialize_json(serialized, self._info), seconds
+
+    def close(self) -> None:
+        """Kill every worker (idle or compiling; one starting now is killed when given back);
+        the engine closes it as it stops. A later compile starts new workers."""
+        with self._lock:
+            self._generation += 1
+            idle, busy = list(self._idle), list(self._busy)
+            self._idle.clear()
+        for worker in idle:
+            worker.close()
+        for worker in busy:
+            worker.kill()  # the thread waiting on it closes its pipe
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (tests check that a killed compile's process is gone)."""
+        with self._lock:
+            return [w.pid for w in self._idle + list(self._busy)]
 
     # -- on the event loop -----------------------------------------------------------
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile ``spec`` in a worker thread within ``timeout`` seconds.
+        """Compile ``spec`` in a worker process within ``timeout`` seconds.
 
-        Raises ``GrammarError`` for an invalid or unsupported grammar and for one that
-        compiles too long. If the caller is cancelled (its client left), it returns at
-        once; the thread finishes on its own and its result is cached."""
+        Raises ``GrammarError`` for an invalid, unsupported or empty grammar, one past a
+        ``GrammarLimits`` bound, and one that compiles too long (its worker is killed);
+        ``GrammarCompilerBusy`` when no worker came free within ``timeout`` seconds.
+        If the caller is cancelled (its client left), the compile's worker is killed and
+        it returns at once: nothing of it is left running."""
         grammar = self.cached(spec)
         if grammar is not None:
             return grammar
-        # Reading the vocabulary is not the request's fault: it is outside the time limit.
-        await trio.to_thread.run_sync(self._compiler, abandon_on_cancel=True)
-        with trio.move_on_after(self.timeout):
-            return await trio.to_thread.run_sync(self.compile_now, spec, abandon_on_cancel=True, limiter=self._limiter)
+        self.limits.check(spec)
+        with trio.move_on_after(self.timeout) as waited:
+            await self._slots.acquire()
+        if waited.cancelled_caught:
+            with self._lock:
+                self.stats.busy += 1
+            raise GrammarCompilerBusy(
+                f"every grammar compile worker stayed busy for {self.timeout:g} s; retry shortly",
+                math.ceil(self.timeout),
+            )
+        try:
+            return await self._compile_in_worker(spec)
+        finally:
+            self._slots.release()
+
+    async def _compile_in_worker(self, spec: GrammarSpec) -> CompiledGrammar:
+        # Starting a worker (and reading the vocabulary) is not the request's fault: outside the limit.
+        try:
+            worker = await trio.to_thread.run_sync(self._take_worker)
+        except WorkerGone as exc:
+            raise GrammarCompilerBusy(f"no grammar compile worker could start ({exc}); retry shortly", 1) from None
+        kill = True
+        try:
+            with trio.move_on_after(self.timeout):
+                try:
+                    compiled, seconds = await trio.to_thread.run_sync(self._run, worker, spec, abandon_on_cancel=True)
+                except GrammarError:
+                    kill = False
+                    with self._lock:
+                        self.stats.failed += 1
+                    raise
+                except WorkerGone as exc:
+                    raise GrammarCompilerBusy(f"the grammar compile worker died ({exc}); retry shortly", 1) from None
+                kill = False
+                return self._keep(spec, compiled, seconds)
+        finally:
+            self._give_back(worker, kill=kill)  # killed at the limit, on cancellation, or if it died
         with self._lock:
             self.stats.timed_out += 1
+        log.warning("a %s grammar did not compile within %g s; its worker was killed", spec.kind, self.timeout)
         raise GrammarError(f"the grammar did not compile within {self.timeout:g} s (the grammar compile time limit)")
 
 
@@ -149,54 +285,3 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -
     import xgrammar
 
     return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
-
-
-def _compile(compiler: Any, spec: GrammarSpec) -> Any:
-    if spec.thinking == "none":
-        return compiler.compile_grammar(_grammar(spec))
-    return compiler.compile_grammar(_after_thinking(_grammar(spec), spec.thinking == "required"))
-
-
-def _grammar(spec: GrammarSpec) -> Any:
-    """xgrammar's ``Grammar`` of the constraint itself (compiled as is, or after thinking)."""
-    import xgrammar
-
-    if spec.kind == "json_object":
-        return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-    if spec.kind == "json_schema":
-        # Compact JSON (single spaces after ',' and ':'): with any whitespace allowed, small
-        # models can emit newlines until max_tokens. Strict: no properties beyond the schema's.
-        return xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=True)
-    if spec.kind == "regex":
-        return xgrammar.Grammar.from_regex(spec.source)
-    if spec.kind == "choice":
-        return xgrammar.Grammar.from_ebnf(choice_grammar(spec.options))
-    if spec.kind == "ebnf":
-        return xgrammar.Grammar.from_ebnf(spec.source)
-    if spec.kind == "structural_tag":
-        return xgrammar.Grammar.from_structural_tag(spec.source)
-    raise GrammarError(f"unknown grammar kind {spec.kind!r}")
-
-
-THINK_START, THINK_END = "<think>", "</think>"
-
-
-def _after_thinking(answer: Any, required: bool) -> Any:
-    """``answer`` preceded by free thinking up to ``</think>`` (``required``: always; the output
-    may open with ``<think>`` or the template opened it) or by an optional ``<think>...</think>``
-    block; a few blank characters are allowed around the block, as templates write them."""
-    import xgrammar
-
-    def thinking(begin: str) -> Any:
-        tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": THINK_END}
-        return xgrammar.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": tag}))
-
-    blank = xgrammar.Grammar.from_ebnf("root ::= [ \\t\\r\\n]{0,4}")
-    if required:
-        return xgrammar.Grammar.concat(thinking(""), blank, answer)
-    return xgrammar.Grammar.union(answer, xgrammar.Grammar.concat(blank, thinking(THINK_START), blank, answer))
-
-
-def choice_grammar(options: list[str]) -> str:
-    """GBNF accepting exactly one of ``options`` (JSON string escapes are GBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(option, ensure_ascii=False) for option in options)

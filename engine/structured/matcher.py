@@ -26,7 +26,12 @@ log = logging.getLogger("trillm.engine")
 
 
 class Matcher:
-    """Where one sequence stands in its grammar (xgrammar's ``GrammarMatcher``)."""
+    """Where one sequence stands in its grammar (xgrammar's ``GrammarMatcher``).
+
+    A matcher never lets go of its sequence: if its grammar allows no next token (a dead
+    end: the language has no string that continues the output) or a token it did not
+    allow got through, it records ``failed_at``, the output index that could not be
+    produced, and the engine ends the sequence there with finish reason "error"."""
 
     def __init__(self, grammar: CompiledGrammar) -> None:
         import xgrammar
@@ -35,19 +40,34 @@ class Matcher:
         self._matcher = xgrammar.GrammarMatcher(grammar.compiled, override_stop_tokens=list(grammar.stop_ids))
         # Kept here rather than asked of xgrammar: each call into it costs ~0.1 ms, per row, per step.
         self.terminated = False  # it took a stop token: the grammar is complete
-        self.rejected = False  # a token the mask did not allow got through: stop constraining, say so once
+        self.num_accepted = 0  # output tokens taken so far: the output index the next mask is for
+        self.failed_at: int | None = None  # the output index no token could fill; the sequence ends before it
+        self.reason = ""
 
     @property
     def active(self) -> bool:
-        """Whether the next token is constrained (not once the grammar has ended)."""
-        return not (self.rejected or self.terminated)
+        """Whether the next token is constrained (not once the grammar has ended or failed)."""
+        return not (self.terminated or self.failed_at is not None)
+
+    def fail(self, reason: str) -> None:
+        """The output cannot go on inside the grammar: say so once; the engine ends the sequence."""
+        if self.failed_at is None:
+            self.failed_at = self.num_accepted
+            self.reason = reason
+            log.error(
+                "%s grammar: %s after %d output tokens; the choice ends with an error",
+                self.grammar.spec.kind,
+                reason,
+                self.num_accepted,
+            )
 
     def accepted(self, token: int, ok: bool) -> None:
         """Record the outcome of xgrammar taking ``token`` (``advance`` feeds a whole step at once)."""
         if not ok:
-            self.rejected = True
-            log.error("token %d is outside the grammar (%s); the rest is unconstrained", token, self.grammar.spec.kind)
-        elif token in self.grammar.stop_ids:
+            self.fail(f"token {token} is outside the grammar")
+            return
+        self.num_accepted += 1
+        if token in self.grammar.stop_ids:
             self.terminated = True
 
 
@@ -72,6 +92,16 @@ class GrammarMasks:
         bitmask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)  # xgrammar's layout
         active = [matchers[i]._matcher for i in rows]  # type: ignore[union-attr]  # rows hold matchers
         _batch_matcher(threads).batch_fill_next_token_bitmask(active, bitmask, rows)
+        # A row whose mask allows nothing is a dead end: its sequence ends here (its logits are
+        # left alone, so the row's throwaway sample is well defined, and it is never sent).
+        dead = (bitmask[rows] == 0).all(dim=1).tolist()
+        if any(dead):
+            for i, is_dead in zip(list(rows), dead):
+                if is_dead:
+                    matchers[i].fail("no token is allowed")  # type: ignore[union-attr]
+            rows = [i for i, is_dead in zip(rows, dead) if not is_dead]
+            if not rows:
+                return None
         return cls(bitmask, rows)
 
     def apply(self, logits: torch.Tensor) -> None:

@@ -20,6 +20,14 @@ class GrammarError(ValueError):
     ``param`` is left to the caller, which knows which request field held it."""
 
 
+class GrammarCompilerBusy(Exception):
+    """Every compile worker stayed busy for the whole wait: not the grammar's fault; retry later."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 def canonical_json(value: Any) -> str:
     """A compact text of a JSON value: the cache key of a schema. Keys keep their order,
     which is the order a schema's properties are generated in."""
