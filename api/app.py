@@ -8,7 +8,6 @@ startup hook inside the app's nursery and stop in its shutdown hook.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import time
@@ -27,6 +26,7 @@ from trillm.api.asgi_guard import ConnectionGuard
 from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
+from trillm.api.json_text import dumps
 from trillm.api.input_limits import Preparer, check_counts
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
@@ -77,7 +77,7 @@ class EngineHost:
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers, mimetype="application/json")
+    return Response(dumps(body), status=status, headers=headers, mimetype="application/json")
 
 
 def create_app(
