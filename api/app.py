@@ -26,8 +26,8 @@ from trillm.api.asgi_guard import ConnectionGuard
 from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError, from_engine, not_found
-from trillm.api.json_text import dumps
 from trillm.api.input_limits import Preparer, check_counts
+from trillm.api.json_text import dumps
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
 from trillm.api.schemas import DetokenizeBody, TokenizeBody
