@@ -123,8 +123,13 @@ def check_gguf(path: Path) -> None:
 
 
 def check_finite(file: Path, name: str, tensor: torch.Tensor, cure: str) -> None:
-    """Refuse a floating-point tensor holding NaN or infinity (``DamagedModelFile`` naming the file)."""
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    """Refuse a floating-point tensor holding NaN or infinity (``DamagedModelFile`` naming the file).
+
+    The sum screens (NaN and infinity reach it; 0.09 s for SmolLM2's 135M weights on one thread,
+    against 0.8 s for ``isfinite`` over every element), ``isfinite`` confirms (a sum may overflow)."""
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
+        return
+    if not bool(torch.isfinite(tensor).all()):
         raise DamagedModelFile(f"{file} is damaged: tensor {name} holds NaN or infinite values; {cure}")
 
 
