@@ -25,7 +25,7 @@ from trillm.api import body as body_decoding
 from trillm.api.asgi_guard import ConnectionGuard
 from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
-from trillm.api.errors import ApiError, from_engine, not_found
+from trillm.api.errors import ApiError, from_engine, not_found, shown
 from trillm.api.input_limits import Preparer, check_counts
 from trillm.api.json_text import dumps
 from trillm.api.metrics import metrics_registry, render
@@ -177,7 +177,7 @@ def create_app(
     def check_model(name: str) -> None:
         if name != model_name:
             raise ApiError(
-                f"The model `{name}` does not exist or you do not have access to it "
+                f"The model `{shown(name)}` does not exist or you do not have access to it "
                 f"(this server serves `{model_name}`).",
                 404,
                 param="model",

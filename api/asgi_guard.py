@@ -17,6 +17,10 @@ happens, so every connection that carried a response stays open for good.
   so the connection can be reused; otherwise it carries ``Connection: close``
   and Hypercorn closes it, instead of leaving the next request unanswered.
 
+It merges repeated slashes in the path (``/v1//models`` is ``/v1/models``), as
+nginx does by default: Werkzeug would answer a 308 redirect with an HTML body,
+which no API client follows or reads.
+
 It also serves a ``root_path`` (``--root-path``) both ways: Hypercorn passes the
 request's path as it came while Quart routes only paths under ``root_path``, so
 a proxy that strips the prefix (as uvicorn and vLLM expect) would get 404s;
@@ -25,6 +29,7 @@ such a path gets the prefix put back, as uvicorn does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -37,6 +42,8 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its own with
 
 DRAIN_BYTES = 64 * 1024  # most unread body worth reading to keep a connection
 DRAIN_SECONDS = 1.0  # most time an early response waits for the rest of a body
+_SLASHES = re.compile("//+")
+_RAW_SLASHES = re.compile(b"//+")
 
 
 class ConnectionGuard:
@@ -51,6 +58,9 @@ class ConnectionGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if "//" in scope["path"]:
+            raw = _RAW_SLASHES.sub(b"/", scope.get("raw_path") or scope["path"].encode())
+            scope = {**scope, "path": _SLASHES.sub("/", scope["path"]), "raw_path": raw}
         root = scope.get("root_path", "")
         if root and scope["path"] != root and not scope["path"].startswith(root + "/"):
             scope = {**scope, "path": root + scope["path"], "raw_path": root.encode() + scope.get("raw_path", b"")}

@@ -137,6 +137,13 @@ async def test_every_route_needs_a_right_key_and_keys_are_never_logged(model_par
                     assert r.status_code == status, (method, path, r.text)
             for path in OPEN:
                 assert (await http.get(path)).status_code == 200
+            # regression: two Authorization headers were decided by the first, so a proxy appending its own
+            # let the client's win; now refused, whichever order and whether or not either is right
+            for pair in ((KEYS[0], WRONG), (WRONG, KEYS[0]), (KEYS[0], KEYS[1])):
+                headers = [("Authorization", f"Bearer {key}") for key in pair]
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert r.status_code == 401 and "2 Authorization headers" in r.json()["error"]["message"]
+                assert r.json()["error"]["code"] == "invalid_api_key"
 
         wrong = openai.OpenAI(base_url=server.base_url, api_key=WRONG, max_retries=0)
         with pytest.raises(openai.AuthenticationError) as exc:

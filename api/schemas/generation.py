@@ -11,17 +11,20 @@ from typing import Annotated, Any
 import attrs
 from pydantic import Field, model_validator
 
+from trillm.api.errors import shown
 from trillm.api.schemas.base import Not, RequestModel, invalid
 from trillm.api.schemas.structured import StructuredFields
 from trillm.engine.sampling_params import MAX_PRIORITY, SEED_MAX, SEED_MIN, SamplingParams
 from trillm.engine.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched for in every output text
 MAX_N = 32
 
 TokenId = Annotated[int, Field(ge=0)]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 _TokenKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
+_Stop = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 
 
 @attrs.frozen
@@ -75,7 +78,7 @@ class GenerationBody(StructuredFields):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than `min_p` x the most likely one")
     ignore_eos: bool = Field(False, description="keep generating past the model's end-of-sequence tokens")
     min_tokens: int = Field(0, ge=0, description="EOS and `stop_token_ids` cannot be sampled before this many tokens")
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None,
         description="generation ends when one appears; the stop text is not returned, `finish_reason` is "
         '`"stop"`. If several could match, the one that completes first wins. Streaming holds '
@@ -133,7 +136,7 @@ class GenerationBody(StructuredFields):
             raise invalid("is only allowed when 'stream' is true", "stream_options")
         if "max_tokens" in self.model_fields_set and self.max_completion_tokens not in (None, self.max_tokens):
             raise invalid(
-                f"disagrees with max_tokens ({self.max_completion_tokens} != {self.max_tokens})",
+                f"disagrees with max_tokens ({shown(self.max_completion_tokens)} != {shown(self.max_tokens)})",
                 "max_completion_tokens",
             )
         return self
