@@ -251,6 +251,10 @@ def create_app(
         check_optional_model(body)
         return _json(await preparer.run(lambda: tokenize.detokenize(engine, body)))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return _json(tokenize.tokenizer_info(engine))
+
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
         return _json({"flushed_pages": engine.flush_cache()})

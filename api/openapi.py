@@ -197,6 +197,11 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
     "Status": {"type": "object", "properties": {"status": {"type": "string"}}},
     "Flushed": {"type": "object", "required": ["flushed_pages"], "properties": {"flushed_pages": {"type": "integer"}}},
     "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+    "TokenizerInfo": {
+        "type": "object",
+        "required": ["tokenizer_class"],
+        "properties": {"tokenizer_class": {"type": "string"}, "chat_template": {"type": "string"}},
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -290,6 +295,7 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             },
             "/health": _get("Status", "200 while serving", ("503",)),
             "/version": _get("Version", "server version"),
+            "/tokenizer_info": _get("TokenizerInfo", "the tokenizer's configuration, as vLLM's `/tokenizer_info`"),
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",

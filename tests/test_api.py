@@ -303,6 +303,21 @@ async def test_tokenize_detokenize_round_trip(server):
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
+async def test_tokenizer_info_is_vllms_shape(server):
+    """lm-eval's ``tokenizer_backend=auto`` asks for vLLM's ``GET /tokenizer_info``."""
+    tok = server.engine.tokenizer
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        r = await http.get("/tokenizer_info")
+    info = r.json()
+    assert r.status_code == 200 and info["tokenizer_class"] == type(tok).__name__
+    assert info["chat_template"] == tok.chat_template
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token  # text, not objects
+    assert info["model_max_length"] == tok.model_max_length
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    decoder = info["added_tokens_decoder"]
+    assert decoder[str(tok.eos_token_id)] == tok.eos_token
+
+
 async def test_unknown_fields_are_ignored_and_extra_paths_work_through_the_openai_client(server):
     c = client(server)
     reply = await in_thread(

@@ -32,6 +32,7 @@ CLOSED = [
     ("GET", f"/v1/models/{MODEL}", None, 200),
     ("POST", "/tokenize", {"prompt": "Hi"}, 200),
     ("POST", "/detokenize", {"tokens": [1, 2]}, 200),
+    ("GET", "/tokenizer_info", None, 200),
     ("POST", "/flush_cache", None, 200),
     ("GET", "/metrics", None, 200),  # with --metrics-require-key
     ("POST", "/v1/embeddings", {}, 404),  # unknown /v1 paths are closed too: a 404 only with a key
