@@ -39,6 +39,7 @@ class CommonFields:
     max_tokens_given: bool  # False: the default, clamped to the context instead of rejected
     grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
     max_tokens_param: str = "max_tokens"  # the field a refused token budget is named by
+    continuous_usage: bool = False  # every chunk carries its choice's usage so far (with include_usage)
 
     def capped(self, cap: int | None) -> CommonFields:
         """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:
@@ -52,6 +53,11 @@ class CommonFields:
 
 class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="add a final chunk with `choices: []` and the usage totals")
+    continuous_usage_stats: bool = Field(
+        False,
+        description="vLLM's extension, with `include_usage`: every chunk also carries `usage` so far for its "
+        "choice (its prompt's tokens, the tokens generated until then)",
+    )
 
 
 class GenerationBody(StructuredFields):
@@ -125,7 +131,9 @@ class GenerationBody(StructuredFields):
     )
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(
-        None, description='`{"include_usage": true}` adds a usage chunk; only with `stream: true`'
+        None,
+        description='`{"include_usage": true}` adds a usage chunk; with `"continuous_usage_stats": true` too '
+        "(vLLM's), every chunk also carries its choice's usage so far; only with `stream: true`",
     )
 
     @model_validator(mode="after")
@@ -156,9 +164,16 @@ class GenerationBody(StructuredFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
         )
-        include_usage = self.stream_options is not None and self.stream_options.include_usage
+        options = self.stream_options or StreamOptions()
         return CommonFields(
-            self.model, SamplingParams(**values), self.stream, include_usage, self.n, given, self.grammar()
+            self.model,
+            SamplingParams(**values),
+            self.stream,
+            options.include_usage,
+            self.n,
+            given,
+            self.grammar(),
+            continuous_usage=options.include_usage and options.continuous_usage_stats,
         )
 
 
