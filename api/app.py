@@ -20,7 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from trillm.api import auth, chat, completions, front_door, request_body, responses_api, tokenize
+from trillm.api import auth, chat, completions, expect_continue, front_door, request_body, responses_api, tokenize
 from trillm.api import body as body_decoding
 from trillm.api.asgi_guard import ConnectionGuard
 from trillm.api.drain import Drain
@@ -93,6 +93,7 @@ def create_app(
     request_timeout = server.timeout_seconds
     default_max_tokens = server.default_max_tokens
     ping_interval = server.sse_ping_interval or math.inf
+    expect_continue.install()  # Hypercorn's 100 Continue only once a handler reads the body
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
@@ -165,6 +166,8 @@ def create_app(
         ``schema`` names fields); gzip/deflate decoded first (``api/request_body.py``); a large one
         off the event loop."""
         coding = request_body.codings(request.headers.get("Content-Encoding"))
+        if (request.content_length or 0) <= MAX_BODY_BYTES:  # else Quart's 413, the body never asked for
+            await expect_continue.send_continue(request.scope)  # past the front door: now the body may come
         data: bytes
         if coding:
             data = await request_body.decode_body(request.body, coding[0], MAX_BODY_BYTES, request.body_timeout)
