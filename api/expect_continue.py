@@ -47,8 +47,10 @@ class DeferredContinueProtocol(H11Protocol):
     async def _create_stream(self, request: h11.Request) -> None:
         await super()._create_stream(request)
         # The app's task was only scheduled (no checkpoint since): it sees the extension.
-        if isinstance(self.stream, HTTPStream) and self.connection.client_is_waiting_for_100_continue:
-            self.stream.scope["extensions"][SEND_CONTINUE] = self._send_continue  # type: ignore[index]
+        waiting = isinstance(self.connection, h11.Connection) and self.connection.client_is_waiting_for_100_continue
+        if isinstance(self.stream, HTTPStream) and waiting:
+            extensions: dict[str, Any] = self.stream.scope["extensions"]
+            extensions[SEND_CONTINUE] = self._send_continue
 
     async def _send_continue(self) -> None:
         """Cancelled: as Hypercorn's own send of the 100 (its socket writes are shielded)."""

@@ -127,7 +127,8 @@ async def test_continuous_usage_stats_put_usage_on_every_chunk(server):
             assert counts == sorted(counts) and counts[-1] == 5 and len(set(counts)) > 1
             assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in mine)
             assert len({u.prompt_tokens for u in mine}) == 1
-    assert sum({ch.choices[0].index: ch.usage.prompt_tokens for ch in text[:-1]}.values()) == text[-1].usage.prompt_tokens
+    per_choice = {ch.choices[0].index: ch.usage.prompt_tokens for ch in text[:-1]}
+    assert sum(per_choice.values()) == text[-1].usage.prompt_tokens
 
 
 BAD_REQUESTS = [

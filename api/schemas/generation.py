@@ -164,7 +164,7 @@ class GenerationBody(StructuredFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
         )
-        options = self.stream_options or StreamOptions()
+        options = self.stream_options or StreamOptions.model_validate({})
         return CommonFields(
             self.model,
             SamplingParams(**values),
