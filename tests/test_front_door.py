@@ -180,6 +180,7 @@ async def test_regression_huge_values_are_echoed_capped(server):
         assert len(r.text) < 700 and "(4000 characters)" in r.json()["error"]["message"]
         r = await http.get("/" + "p" * 10_000)
         assert r.status_code == 404 and len(r.text) < 500
+    assert len(ApiError("x" * 5000).message) == 2048  # the net under every message
 
 
 @pytest.mark.parametrize("path", ["//v1/models", "/v1//models", "//v1///models"])

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,14 @@ def _damage(file: Path, keep_mtime: bool) -> None:
 
 
 @pytest.fixture
-def cache_copy(model_dir, tmp_path) -> Path:
+def cache_copy(model_dir, tmp_path) -> Iterator[Path]:
     """A cache folder holding a copy of the converted default model (mtimes kept, as ``cp -p``)."""
     entry = tmp_path / DEFAULT_ALIAS
     shutil.copytree(model_dir, entry)  # copy2: mtimes kept
     assert entry_problem(entry) is None
     assert "files" in json.loads((entry / READY_MARK).read_text())  # sizes, mtimes and hashes recorded
-    return tmp_path
+    yield tmp_path
+    shutil.rmtree(entry, ignore_errors=True)  # 540 MB: not left for pytest's kept temporary folders
 
 
 def _serve_fails(*args: str, timeout: float = 120) -> tuple[str, float]:
