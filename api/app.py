@@ -8,7 +8,6 @@ startup hook inside the app's nursery and stop in its shutdown hook.
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import math
 import time
@@ -21,13 +20,14 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from trillm.api import auth, chat, completions, front_door, request_body, responses_api, tokenize
+from trillm.api import auth, chat, completions, expect_continue, front_door, request_body, responses_api, tokenize
 from trillm.api import body as body_decoding
 from trillm.api.asgi_guard import ConnectionGuard
 from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
-from trillm.api.errors import ApiError, from_engine, not_found
+from trillm.api.errors import ApiError, from_engine, not_found, shown
 from trillm.api.input_limits import Preparer, check_counts
+from trillm.api.json_text import dumps
 from trillm.api.metrics import metrics_registry, render
 from trillm.api.openapi import openapi_document
 from trillm.api.schemas import DetokenizeBody, TokenizeBody
@@ -77,7 +77,7 @@ class EngineHost:
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(body, ensure_ascii=False), status=status, headers=headers, mimetype="application/json")
+    return Response(dumps(body), status=status, headers=headers, mimetype="application/json")
 
 
 def create_app(
@@ -93,6 +93,7 @@ def create_app(
     request_timeout = server.timeout_seconds
     default_max_tokens = server.default_max_tokens
     ping_interval = server.sse_ping_interval or math.inf
+    expect_continue.install()  # Hypercorn's 100 Continue only once a handler reads the body
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     app.config["BACKGROUND_TASK_SHUTDOWN_TIMEOUT"] = None
@@ -165,6 +166,8 @@ def create_app(
         ``schema`` names fields); gzip/deflate decoded first (``api/request_body.py``); a large one
         off the event loop."""
         coding = request_body.codings(request.headers.get("Content-Encoding"))
+        if (request.content_length or 0) <= MAX_BODY_BYTES:  # else Quart's 413, the body never asked for
+            await expect_continue.send_continue(request.scope)  # past the front door: now the body may come
         data: bytes
         if coding:
             data = await request_body.decode_body(request.body, coding[0], MAX_BODY_BYTES, request.body_timeout)
@@ -177,7 +180,7 @@ def create_app(
     def check_model(name: str) -> None:
         if name != model_name:
             raise ApiError(
-                f"The model `{name}` does not exist or you do not have access to it "
+                f"The model `{shown(name)}` does not exist or you do not have access to it "
                 f"(this server serves `{model_name}`).",
                 404,
                 param="model",
@@ -250,6 +253,10 @@ def create_app(
         body = await json_body(DetokenizeBody)
         check_optional_model(body)
         return _json(await preparer.run(lambda: tokenize.detokenize(engine, body)))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return _json(tokenize.tokenizer_info(engine))
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

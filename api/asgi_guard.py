@@ -17,6 +17,14 @@ happens, so every connection that carried a response stays open for good.
   so the connection can be reused; otherwise it carries ``Connection: close``
   and Hypercorn closes it, instead of leaving the next request unanswered.
 
+An ``Expect: 100-continue`` request answered before its handler asked for the
+body (``expect_continue``: a 401) closes its connection, without waiting for a
+body the client was never asked to send.
+
+It merges repeated slashes in the path (``/v1//models`` is ``/v1/models``), as
+nginx does by default: Werkzeug would answer a 308 redirect with an HTML body,
+which no API client follows or reads.
+
 It also serves a ``root_path`` (``--root-path``) both ways: Hypercorn passes the
 request's path as it came while Quart routes only paths under ``root_path``, so
 a proxy that strips the prefix (as uvicorn and vLLM expect) would get 404s;
@@ -25,10 +33,13 @@ such a path gets the prefix put back, as uvicorn does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import trio
+
+from trillm.api.expect_continue import SEND_CONTINUE
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -37,6 +48,8 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its own with
 
 DRAIN_BYTES = 64 * 1024  # most unread body worth reading to keep a connection
 DRAIN_SECONDS = 1.0  # most time an early response waits for the rest of a body
+_SLASHES = re.compile("//+")
+_RAW_SLASHES = re.compile(b"//+")
 
 
 class ConnectionGuard:
@@ -51,6 +64,9 @@ class ConnectionGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if "//" in scope["path"]:
+            raw = _RAW_SLASHES.sub(b"/", scope.get("raw_path") or scope["path"].encode())
+            scope = {**scope, "path": _SLASHES.sub("/", scope["path"]), "raw_path": raw}
         root = scope.get("root_path", "")
         if root and scope["path"] != root and not scope["path"].startswith(root + "/"):
             scope = {**scope, "path": root + scope["path"], "raw_path": root.encode() + scope.get("raw_path", b"")}
@@ -90,6 +106,17 @@ class _Exchange:
             self._settled.set()
         self._sending = False
         self._sent = trio.Event()
+        # ``Expect: 100-continue``: whether the app has asked for the body yet (``expect_continue``)
+        self._body_unasked = False
+        extensions = scope.get("extensions") or {}
+        if (send_continue := extensions.get(SEND_CONTINUE)) is not None:
+            self._body_unasked = True
+
+            async def asked() -> None:
+                self._body_unasked = False
+                await send_continue()
+
+            extensions[SEND_CONTINUE] = asked
 
     async def receive(self) -> Message:
         """The server's next message; ``http.disconnect`` is held back while a ``send`` is in flight.
@@ -127,7 +154,8 @@ class _Exchange:
     async def _before_early_response(self, message: Message) -> Message:
         """Let the rest of a small body arrive (up to the drain time); else ask to close the connection."""
         unread = None if self._declared is None else self._declared - self._received
-        if unread is None or unread <= self._drain:
+        # A body never asked for (``Expect: 100-continue``) may come or not: no wait, the connection closes.
+        if not self._body_unasked and (unread is None or unread <= self._drain):
             with trio.move_on_after(self._wait):
                 await self._settled.wait()
         if self.body_complete:

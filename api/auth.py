@@ -68,6 +68,16 @@ class ApiKeys:
         return found
 
 
+def one_authorization(values: list[str]) -> str | None:
+    """The request's one ``Authorization`` header; a 401 for several: a proxy that appends its own
+    would otherwise be overruled by whichever came first (the client's, say)."""
+    if len(values) > 1:
+        raise unauthorized(
+            f"The request has {len(values)} Authorization headers; send exactly one (Authorization: Bearer YOUR_KEY)."
+        )
+    return values[0] if values else None
+
+
 def unauthorized(message: str) -> ApiError:
     """OpenAI's 401 (the key itself is never echoed), with the challenge HTTP asks for."""
     return ApiError(

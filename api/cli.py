@@ -56,26 +56,41 @@ def hypercorn_config(server: ServerConfig) -> Config:
     return config
 
 
-async def serve(app: Any, server: ServerConfig) -> None:
+class StartupError(Exception):
+    """``trillm serve`` cannot start; the message is the one line it prints."""
+
+
+def bind_early(config: Config) -> None:
+    """Open ``config``'s listening sockets now, before the model loads, and hand them to Hypercorn
+    as ``fd://`` binds: a busy port or a bad address is one line at once, not a traceback after
+    a minute of loading (``StartupError``)."""
+    try:
+        sockets = config.create_sockets()
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {', '.join(config.bind)}: {exc.strerror or exc}") from None
+    secure = [f"fd://{sock.detach()}" for sock in sockets.secure_sockets]
+    insecure = [f"fd://{sock.detach()}" for sock in sockets.insecure_sockets]
+    if config.ssl_enabled:
+        config.bind, config.insecure_bind = secure, insecure
+    else:
+        config.bind = insecure
+
+
+async def serve(app: Any, server: ServerConfig, config: Config | None = None) -> None:
     """Serve until SIGINT/SIGTERM; then drain (``trillm.api.drain``): refuse new work, let running
     requests finish up to ``--shutdown-timeout``, end the rest with a final chunk, and return.
+    ``config``: Hypercorn's settings (``hypercorn_config(server)`` if not given; ``bind_early``'s).
 
     The engine is stopped before Hypercorn, so every stream gets its last
-    chunk and ``[DONE]`` before the connections close.
+    chunk and ``[DONE]`` before the connections close. The "serving" line is printed once
+    Hypercorn listens, with the address it listens on.
     """
     from hypercorn.trio import serve as hypercorn_serve
 
-    config = hypercorn_config(server)
-
-    scheme = "https" if config.ssl_enabled else "http"
+    config = config or hypercorn_config(server)
     drain = app.extensions["trillm_drain"]
     stop_serving = trio.Event()
     ports: set[int] = set()
-    print(
-        f"[trillm] serving {app.extensions['trillm_model_name']} on {scheme}://{server.host}:{server.port}",
-        file=sys.stderr,
-        flush=True,
-    )
     async with trio.open_nursery() as nursery:
         stop_engine = app.extensions["trillm_host"].stop
         await nursery.start(partial(shutdown_on_signals, drain, stop_engine, stop_serving, lambda: ports, config))
@@ -89,12 +104,26 @@ async def serve(app: Any, server: ServerConfig) -> None:
 
         binds = await nursery.start(run_hypercorn)
         ports.update(int(bind.rsplit(":", 1)[1]) for bind in binds)
+        model = app.extensions["trillm_model_name"]
+        print(f"[trillm] serving {model} on {', '.join(binds)}", file=sys.stderr, flush=True)
 
         async def stop_when_the_engine_fails() -> None:
             await app.extensions["trillm_host"].failed.wait()
             stop_serving.set()  # a dead engine serves nothing: the process ends, non-zero (``main``)
 
         nursery.start_soon(stop_when_the_engine_fails)
+
+
+def fail_to_start(exc: Exception) -> None:
+    """One line on stderr saying why ``trillm serve`` could not start or serve, then exit 1: the
+    user's cure is in that line, and a traceback would bury it (it is logged at debug level)."""
+    while isinstance(exc, ExceptionGroup) and exc.exceptions:  # Trio's nurseries wrap it
+        exc = exc.exceptions[0]
+    logging.getLogger("trillm").debug("start-up failed", exc_info=exc)
+    known = isinstance(exc, StartupError | ValueError | OSError)  # refusals with their reason; else say what
+    message = str(exc) if known and str(exc) else f"{type(exc).__name__}: {exc}"
+    print(f"[trillm] cannot start: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    exit_now(1)
 
 
 def exit_now(code: int = 0) -> None:
@@ -126,8 +155,13 @@ def main(argv: list[str] | None = None) -> None:
             serve_node(engine_config)
             exit_now()
         server_config = server_config_from_env(**overrides_from(args, ServerConfig))
-        app = create_app(config=engine_config, server=server_config)
-        trio.run(partial(serve, app, server_config))
+        try:
+            config = hypercorn_config(server_config)
+            bind_early(config)
+            app = create_app(config=engine_config, server=server_config)
+            trio.run(partial(serve, app, server_config, config))
+        except Exception as exc:
+            fail_to_start(exc)
         failure = app.extensions["trillm_host"].failure
         if failure is not None:
             print(f"[trillm] the engine failed: {failure}; exiting with status 1", file=sys.stderr, flush=True)

@@ -54,5 +54,14 @@ class GenerationEndpoint:
         common = req.common
         renderer = self.renderer(engine, req, prompts)
         return stream_choices(
-            engine, model, prompts, common.params, common.n, common.include_usage, deadline, renderer, ping
+            engine,
+            model,
+            prompts,
+            common.params,
+            common.n,
+            common.include_usage,
+            deadline,
+            renderer,
+            ping,
+            continuous_usage=common.continuous_usage,
         )

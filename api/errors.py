@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+MAX_MESSAGE = 2048  # the net under ``shown``: no error message is longer
+MAX_SHOWN = 64  # the longest a value the client sent is echoed in a message
+
+
+def shown(value: object, limit: int = MAX_SHOWN) -> str:
+    """A client's value as an error message echoes it: whole when short, else its start and its
+    length (a 10 KB model name or a 4,000-digit number is not sent back whole)."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 16]}... ({len(text)} characters)"
+
 
 class ApiError(Exception):
     """An error the client gets back as JSON with the given HTTP status."""
@@ -18,6 +30,8 @@ class ApiError(Exception):
         type: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
         super().__init__(message)
         self.message = message
         self.status = status
@@ -48,8 +62,8 @@ def context_length_error(
     ``where`` names the input: "messages" (chat) or "prompt" (completions)."""
     return ApiError(
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, {completion_tokens} in the "
-        f"completion). Please reduce the length of the {where} or completion.",
+        f"{shown(prompt_tokens + completion_tokens)} tokens ({prompt_tokens} in the {where}, "
+        f"{shown(completion_tokens)} in the completion). Please reduce the length of the {where} or completion.",
         param=param,
         code="context_length_exceeded",
         type="invalid_request_error",
@@ -109,13 +123,13 @@ def not_found(method: str, path: str) -> ApiError:
     for prefix, name in UNSUPPORTED_APIS.items():
         if path == prefix.rstrip("/") or path.startswith(prefix.rstrip("/") + "/"):
             return ApiError(
-                f"trillm does not serve {name} ({path}); see /openapi.json for what it serves",
+                f"trillm does not serve {name} ({shown(path)}); see /openapi.json for what it serves",
                 404,
                 code="unsupported_endpoint",
                 type="invalid_request_error",
             )
     return ApiError(
-        f"Unknown request URL: {method} {path}. Please check the URL for typos, "
+        f"Unknown request URL: {shown(method)} {shown(path)}. Please check the URL for typos, "
         "or see /openapi.json for the routes this server serves.",
         404,
         code="unknown_url",

@@ -26,7 +26,7 @@ from quart import Response, request
 from quart_cors import cors
 from quart_trio import QuartTrio
 
-from trillm.api.auth import ApiKeys
+from trillm.api.auth import ApiKeys, one_authorization
 from trillm.api.errors import ApiError
 from trillm.api.settings import ServerConfig
 
@@ -130,7 +130,7 @@ def install(app: QuartTrio, server: ServerConfig, keys: ApiKeys) -> KeyLimiter:
     async def authorize() -> None:
         if not keys.needs_key(request.method, request.path):
             return
-        key = keys.check(request.headers.get("Authorization"))
+        key = keys.check(one_authorization(request.headers.getlist("Authorization")))
         if request.method == "POST" and request.path in GENERATION_PATHS:
             _state(request.scope)[_SLOT] = limiter.acquire(key)
 

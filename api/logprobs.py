@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 from typing import Any
 
-from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.execution.sampler import LOGPROB_FLOOR, TokenLogprobs
 
 
 @functools.cache
@@ -21,6 +22,14 @@ def _byte_decoder() -> dict[str, int]:
             chars.append(256 + extra)
             extra += 1
     return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def clamp(logprob: float) -> float:
+    """``logprob`` as a finite JSON number, at least OpenAI's floor (-9999.0) and at most 0: the
+    sampler floors the alternatives, not the chosen token, and NaN (broken weights) passes any floor."""
+    if math.isnan(logprob):
+        return LOGPROB_FLOOR
+    return min(max(float(logprob), LOGPROB_FLOOR), 0.0)
 
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -41,7 +50,7 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
 
 def _entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
     raw = token_bytes(tokenizer, token_id)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": clamp(logprob), "bytes": list(raw)}
 
 
 def chat_content(tokenizer: Any, items: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> list[dict[str, Any]]:
@@ -75,6 +84,6 @@ def legacy(tokenizer: Any, items: list[TokenLogprobs], offset: int, head: int | 
         offsets.append(offset)
         offset += len(text)
         tokens.append(text)
-        token_logprobs.append(lp.logprob)
-        top.append({token_bytes(tokenizer, t).decode("utf-8", errors="replace"): v for t, v in lp.top})
+        token_logprobs.append(clamp(lp.logprob))
+        top.append({token_bytes(tokenizer, t).decode("utf-8", errors="replace"): clamp(v) for t, v in lp.top})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

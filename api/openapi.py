@@ -197,6 +197,11 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
     "Status": {"type": "object", "properties": {"status": {"type": "string"}}},
     "Flushed": {"type": "object", "required": ["flushed_pages"], "properties": {"flushed_pages": {"type": "integer"}}},
     "Version": {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}},
+    "TokenizerInfo": {
+        "type": "object",
+        "required": ["tokenizer_class"],
+        "properties": {"tokenizer_class": {"type": "string"}, "chat_template": {"type": "string"}},
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -237,7 +242,7 @@ def _post(request: str, reply: str, summary: str, stream_chunk: str | None = Non
         events = f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"
         if stream_chunk == "typed":
             events = "with stream: true, `event: <type>` + `data: {type, sequence_number, ...}` events (docs/api.md)"
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string", "description": events}}
+        ok["content"]["text/event-stream"] = {"schema": {**_SSE_EVENT, "description": events}}
     return {
         "post": {
             "summary": summary,
@@ -245,6 +250,19 @@ def _post(request: str, reply: str, summary: str, stream_chunk: str | None = Non
             "responses": {"200": ok, **_ERRORS},
         }
     }
+
+
+# One Server-Sent Event as a client parses it (what schemathesis checks each event against).
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
 
 
 def _get(reply: str, summary: str, errors: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -290,6 +308,7 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             },
             "/health": _get("Status", "200 while serving", ("503",)),
             "/version": _get("Version", "server version"),
+            "/tokenizer_info": _get("TokenizerInfo", "the tokenizer's configuration, as vLLM's `/tokenizer_info`"),
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",

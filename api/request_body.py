@@ -16,7 +16,7 @@ from collections.abc import AsyncIterable
 import trio
 from werkzeug.exceptions import RequestEntityTooLarge, RequestTimeout
 
-from trillm.api.errors import ApiError
+from trillm.api.errors import ApiError, shown
 
 # wbits for zlib: gzip's header and trailer; deflate as HTTP defines it (zlib-wrapped, RFC 9110).
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -30,7 +30,7 @@ def codings(header: str | None) -> list[str]:
     unsupported = [c for c in names if c not in _WBITS]
     if unsupported or len(names) > 1:
         raise ApiError(
-            f"Content-Encoding {header!r} is not supported: send the body as identity, gzip or deflate",
+            f"Content-Encoding {shown(repr(header))} is not supported: send the body as identity, gzip or deflate",
             415,
             code="unsupported_media_type",
             type="invalid_request_error",

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from typing import Any
 
 from trillm.api.errors import ApiError
+from trillm.api.json_text import dumps
 
 log = logging.getLogger("trillm.api")
 
@@ -29,7 +29,7 @@ def new_completion_id(prefix: str = "cmpl") -> str:
 
 def sse(payload: dict[str, Any] | str) -> bytes:
     """One Server-Sent Event; ``payload`` is a JSON body or the literal ``[DONE]``."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    data = payload if isinstance(payload, str) else dumps(payload, compact=True)
     return f"data: {data}\n\n".encode()
 
 
@@ -54,5 +54,5 @@ def stream_failure(exc: Exception) -> list[bytes]:
 def typed_sse(payload: dict[str, Any]) -> bytes:
     """One Server-Sent Event named by its payload's ``type`` (``event: response.created``), as
     the Responses API sends them."""
-    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    data = dumps(payload, compact=True)
     return f"event: {payload['type']}\ndata: {data}\n\n".encode()

@@ -135,15 +135,17 @@ def stream_choices(
     deadline: float,
     renderer: ChunkRenderer,
     ping: float = math.inf,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """SSE: the opening chunks, a chunk per piece of output, [usage], ``[DONE]``.
+    ``continuous_usage`` (vLLM's ``continuous_usage_stats``): every chunk carries its choice's usage so far.
 
     At the deadline every unfinished choice gets the renderer's final chunk
     (``finish_reason: "length"``) and the stream ends normally. A refusal at
     submit time (the queue filled since the up-front check, shutdown) is an
     error event; a bug is an error event too, never a cut connection.
     """
-    writer = ChunkWriter(renderer, model, prompts, n, include_usage)
+    writer = ChunkWriter(renderer, model, prompts, n, include_usage, continuous_usage)
     return relay(engine, prompts, params, n, deadline, writer, ping)
 
 
@@ -156,6 +158,10 @@ class ChunkWriter:
     prompts: list[list[int]]
     n: int
     include_usage: bool
+    continuous_usage: bool = False
+    # what each choice has generated (and found cached) so far, for ``continuous_usage``
+    generated: dict[int, int] = attrs.field(factory=dict)
+    cached: dict[int, int] = attrs.field(factory=dict)
     completion_id: str = attrs.field(
         default=attrs.Factory(lambda self: new_completion_id(self.renderer.id_prefix), takes_self=True)
     )
@@ -170,13 +176,19 @@ class ChunkWriter:
             "choices": [choice],
         }
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = self._so_far(choice["index"]) if self.continuous_usage else None
         return sse(body)
+
+    def _so_far(self, index: int) -> dict[str, Any]:
+        generated = self.generated.get(index, 0) if self.renderer.generates else 0
+        return usage(len(self.prompts[index // self.n]), generated, self.cached.get(index, 0))
 
     def opening(self) -> Iterable[bytes]:
         return [self._event(choice) for choice in self.renderer.opening()]
 
     def pieces(self, out: RequestOutput) -> Iterable[bytes]:
+        self.generated[out.index] = out.num_output_tokens
+        self.cached[out.index] = out.num_cached_tokens
         return [self._event(choice) for choice in self.renderer.pieces(out)]
 
     def cut(self, unfinished: list[int]) -> Iterable[bytes]:

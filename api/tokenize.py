@@ -31,6 +31,35 @@ def tokenize(engine: Engine | ReplicaSet, body: Any) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
 
+# Paths on the server's disk, not configuration (vLLM leaves out the same).
+_FILE_FIELDS = frozenset({"vocab_file", "merges_file", "tokenizer_file"})
+
+
+def tokenizer_info(engine: Engine | ReplicaSet) -> dict[str, Any]:
+    """``GET /tokenizer_info`` as vLLM answers it (lm-eval's ``tokenizer_backend=auto`` asks): the
+    tokenizer's configuration (its ``init_kwargs`` without file paths, special tokens as their
+    text), ``tokenizer_class`` and the chat template."""
+    tok = engine.tokenizer
+    config = {k: _plain(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items() if k not in _FILE_FIELDS}
+    config["tokenizer_class"] = type(tok).__name__
+    if getattr(tok, "chat_template", None):
+        config["chat_template"] = tok.chat_template
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON: an ``AddedToken`` as its text, keys as strings, anything else unknown as text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
 def detokenize(engine: Engine | ReplicaSet, body: Any) -> dict[str, Any]:
     """``{"tokens": [ids]}`` -> ``{"prompt": text}``; ids past the vocabulary are a 400."""
     req: DetokenizeBody = parse(DetokenizeBody, body)

@@ -103,6 +103,34 @@ async def test_stream_include_usage(server):
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+async def test_continuous_usage_stats_put_usage_on_every_chunk(server):
+    """guidellm asks for vLLM's ``stream_options.continuous_usage_stats``: usage so far on every chunk,
+    for chat and completions (each choice its own count), and the totals chunk at the end as before."""
+    c = client(server)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model=MODEL, max_tokens=5, temperature=0, stream=True, stream_options=options)
+
+    def run():
+        chat = list(c.chat.completions.create(messages=QUESTION, extra_body={"ignore_eos": True}, **common))
+        prompts = ["The sky is", "Once upon a time"]
+        text = list(c.completions.create(prompt=prompts, extra_body={"ignore_eos": True}, **common))
+        return chat, text
+
+    chat, text = await in_thread(run)
+    for chunks, choices in ((chat, 1), (text, 2)):
+        *pieces, total = chunks
+        assert total.choices == [] and total.usage.completion_tokens == 5 * choices
+        assert all(ch.usage is not None for ch in pieces)
+        for index in range(choices):
+            mine = [ch.usage for ch in pieces if ch.choices[0].index == index]
+            counts = [u.completion_tokens for u in mine]
+            assert counts == sorted(counts) and counts[-1] == 5 and len(set(counts)) > 1
+            assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in mine)
+            assert len({u.prompt_tokens for u in mine}) == 1
+    per_choice = {ch.choices[0].index: ch.usage.prompt_tokens for ch in text[:-1]}
+    assert sum(per_choice.values()) == text[-1].usage.prompt_tokens
+
+
 BAD_REQUESTS = [
     ({"model": MODEL}, 400, "messages"),
     ({"messages": QUESTION}, 400, "model"),
@@ -301,6 +329,21 @@ async def test_tokenize_detokenize_round_trip(server):
         ]:
             r = await http.post(path, json=body)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_tokenizer_info_is_vllms_shape(server):
+    """lm-eval's ``tokenizer_backend=auto`` asks for vLLM's ``GET /tokenizer_info``."""
+    tok = server.engine.tokenizer
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        r = await http.get("/tokenizer_info")
+    info = r.json()
+    assert r.status_code == 200 and info["tokenizer_class"] == type(tok).__name__
+    assert info["chat_template"] == tok.chat_template
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token  # text, not objects
+    assert info["model_max_length"] == tok.model_max_length
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+    decoder = info["added_tokens_decoder"]
+    assert decoder[str(tok.eos_token_id)] == tok.eos_token
 
 
 async def test_unknown_fields_are_ignored_and_extra_paths_work_through_the_openai_client(server):

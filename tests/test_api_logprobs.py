@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trillm.api.logprobs import token_bytes
+from trillm.api.json_text import dumps
+from trillm.api.logprobs import chat_content, legacy, token_bytes
+from trillm.api.responses import sse, typed_sse
+from trillm.engine.execution.sampler import LOGPROB_FLOOR, TokenLogprobs
 
 from tests.server import MODEL, QUESTION, client, in_thread
 
@@ -107,3 +112,36 @@ async def test_legacy_completion_logprobs_shape(server):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 3 and max(top.values()) == pytest.approx(value) and top[token] == pytest.approx(value)
+
+
+def _strict(text: str):
+    """Parse as a strict client does (``JSON.parse``, Go): bare NaN/Infinity are an error."""
+
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_regression_nan_logprobs_are_never_written_as_bare_nan(tokenizer):
+    """Corrupt weights gave ``"logprob": NaN`` in a reply, which strict clients reject whole."""
+    nan, inf = float("nan"), float("inf")
+    items = [TokenLogprobs(5, nan, ((5, nan), (6, -inf))), TokenLogprobs(7, -inf, ((7, -inf),))]
+    chat = chat_content(tokenizer, items)
+    legacy_shape = legacy(tokenizer, items, 0)
+    for payload in (chat, legacy_shape):
+        assert _strict(dumps(payload)) == payload  # nothing was left to the net: all finite already
+    assert [e["logprob"] for e in chat] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert [t["logprob"] for t in chat[0]["top_logprobs"]] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert legacy_shape["token_logprobs"] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+
+
+def test_regression_every_json_writer_refuses_non_finite_numbers():
+    """The net under the clamps: a non-finite number reaching a writer is written as null."""
+    payload = {"a": float("nan"), "b": [1.5, float("-inf")], "c": {"d": float("inf")}, "e": "NaN"}
+    for text in (dumps(payload), dumps(payload, compact=True)):
+        assert _strict(text) == {"a": None, "b": [1.5, None], "c": {"d": None}, "e": "NaN"}
+    event = sse(payload).decode()
+    assert event.startswith("data: ") and _strict(event[len("data: ") :]) == _strict(dumps(payload))
+    typed = typed_sse({"type": "x", "v": float("nan")}).decode()
+    assert _strict(typed.split("data: ", 1)[1]) == {"type": "x", "v": None}

@@ -50,11 +50,20 @@ def _error(parse, body) -> ApiError:
             "disagrees with max_tokens",
         ),
         ({"model": MODEL, "messages": Q, "prompt": "x"}, "messages", "exactly one of"),
+        # regression: a 1 MB stop string was accepted (each is searched for in every output)
+        ({"model": MODEL, "messages": Q, "stop": "x" * 1025}, "stop", "at most 1024 characters"),
+        ({"model": MODEL, "messages": Q, "stop": ["ok", "x" * 1025]}, "stop", "strings of at most 1024 characters"),
     ],
 )
 def test_errors_name_the_path_and_what_the_field_accepts(body, param, words):
     err = _error(parse_chat_request, body)
     assert err.param == param and words in err.message and err.message.startswith(f"'{param}': ")
+
+
+def test_regression_huge_values_are_not_echoed_whole():
+    digits = int("9" * 4000)
+    err = _error(parse_chat_request, {"model": MODEL, "messages": Q, "max_tokens": 5, "max_completion_tokens": digits})
+    assert "(4000 characters)" in err.message and len(err.message) < 200
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ CLOSED = [
     ("GET", f"/v1/models/{MODEL}", None, 200),
     ("POST", "/tokenize", {"prompt": "Hi"}, 200),
     ("POST", "/detokenize", {"tokens": [1, 2]}, 200),
+    ("GET", "/tokenizer_info", None, 200),
     ("POST", "/flush_cache", None, 200),
     ("GET", "/metrics", None, 200),  # with --metrics-require-key
     ("POST", "/v1/embeddings", {}, 404),  # unknown /v1 paths are closed too: a 404 only with a key
@@ -137,6 +138,13 @@ async def test_every_route_needs_a_right_key_and_keys_are_never_logged(model_par
                     assert r.status_code == status, (method, path, r.text)
             for path in OPEN:
                 assert (await http.get(path)).status_code == 200
+            # regression: two Authorization headers were decided by the first, so a proxy appending its own
+            # let the client's win; now refused, whichever order and whether or not either is right
+            for pair in ((KEYS[0], WRONG), (WRONG, KEYS[0]), (KEYS[0], KEYS[1])):
+                headers = [("Authorization", f"Bearer {key}") for key in pair]
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert r.status_code == 401 and "2 Authorization headers" in r.json()["error"]["message"]
+                assert r.json()["error"]["code"] == "invalid_api_key"
 
         wrong = openai.OpenAI(base_url=server.base_url, api_key=WRONG, max_retries=0)
         with pytest.raises(openai.AuthenticationError) as exc:
@@ -150,6 +158,40 @@ async def test_every_route_needs_a_right_key_and_keys_are_never_logged(model_par
     assert "engine requests req-" in logged  # the capture saw the server's own lines
     for secret in (*KEYS, WRONG):
         assert secret not in logged
+
+
+async def _exchange(port: int, head: bytes, body: bytes | None = None) -> list[bytes]:
+    """Send ``head``; read until a final response's headers, sending ``body`` once a 100 arrives.
+    Returns every status line received, in order."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(head)
+        data, statuses = b"", []
+        with trio.fail_after(30):
+            while True:
+                data += await stream.receive_some()
+                while b"\r\n\r\n" in data:
+                    response, data = data.split(b"\r\n\r\n", 1)
+                    statuses.append(response.split(b"\r\n", 1)[0])
+                    if b" 100 " not in statuses[-1] + b" ":
+                        return statuses
+                    assert body is not None, statuses
+                    await stream.send_all(body)
+
+
+async def test_regression_expect_100_continue_is_answered_after_the_key_is_checked(model_parts):
+    """``Expect: 100-continue`` got ``100 Continue`` before its 401: the client was told to upload
+    a body only to have it refused."""
+    async with running_server(model_parts, server=ServerConfig(api_key=KEYS)) as server:
+        body = json.dumps(CHAT).encode()
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n" % len(body)
+        )
+        refused = await _exchange(server.port, head + b"\r\n")
+        assert refused == [b"HTTP/1.1 401 "]
+        admitted = await _exchange(server.port, head + f"Authorization: Bearer {KEYS[0]}\r\n\r\n".encode(), body)
+        assert admitted == [b"HTTP/1.1 100 ", b"HTTP/1.1 200 "]
 
 
 # -- per-key concurrency ---------------------------------------------------------------------

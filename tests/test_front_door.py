@@ -163,3 +163,35 @@ async def test_compressed_bodies_are_decoded_and_bombs_refused(server):
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         assert (await http.get("/health")).status_code == 200
     await wait_idle(server.engine)
+
+
+# -- values echoed in errors, odd paths ---------------------------------------------------------
+
+
+async def test_regression_huge_values_are_echoed_capped(server):
+    """A 10 KB ``model`` was echoed whole in its 404, a 4,000-digit ``max_tokens`` in its 400."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        r = await http.post("/v1/chat/completions", json={**CHAT, "model": "m" * 10_000})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert len(r.text) < 500 and "(10000 characters)" in r.json()["error"]["message"]
+        huge = json.dumps(CHAT)[:-1] + ', "max_tokens": ' + "9" * 4000 + "}"  # a key given twice: the last wins
+        r = await http.post("/v1/chat/completions", content=huge)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert len(r.text) < 700 and "(4000 characters)" in r.json()["error"]["message"]
+        r = await http.get("/" + "p" * 10_000)
+        assert r.status_code == 404 and len(r.text) < 500
+    assert len(ApiError("x" * 5000).message) == 2048  # the net under every message
+
+
+@pytest.mark.parametrize("path", ["//v1/models", "/v1//models", "//v1///models"])
+async def test_regression_doubled_slashes_are_merged_not_redirected_in_html(server, path):
+    """``OPTIONS //v1/models`` (and any ``//`` inside a path) answered a 308 with an HTML body."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        for method in ("OPTIONS", "GET", "POST"):
+            r = await http.request(method, server.url + path)
+            assert r.status_code != 308 and "<" not in r.text, (method, r.status_code, r.text)
+            if method == "OPTIONS":  # Quart's automatic answer (CORS preflights): the route's methods, no body
+                assert r.status_code == 200 and "GET" in r.headers["allow"] and not r.content
+            else:
+                assert r.headers["content-type"] == "application/json", (method, r.status_code, r.text)
+        assert (await http.get(server.url + path)).json()["data"][0]["id"] == MODEL

