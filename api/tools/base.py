@@ -13,9 +13,9 @@ from trillm.engine.structured import GrammarSpec
 
 class Reader(Protocol):
     """Follows one streamed reply: ``feed`` takes each new piece of text and returns the
-    content to show now (possibly nothing yet)."""
+    deltas to send now (``content``, ``tool_calls``; possibly none yet)."""
 
-    def feed(self, piece: str) -> str: ...
+    def feed(self, piece: str) -> list[dict[str, Any]]: ...
 
 
 class ToolFormat(ABC):

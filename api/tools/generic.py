@@ -2,9 +2,9 @@
 handler): the tools are described in the system prompt and the whole answer is JSON,
 ``{"tool_calls": [{"name", "arguments"}]}`` or ``{"response": "..."}``, under a grammar.
 
-The ``response`` string is streamed as it is written (``ReplyReader``): once the reply's
-opening shows the text branch, the string's decoded contents go out as content, an escape
-held back until it is whole. A reply cut short is its text so far, unwrapped, or its complete
+Both branches stream as they are written (``reading.ReplyReader``): the ``response``
+string's decoded contents as content, each call's name then its arguments' JSON as
+``tool_calls`` deltas. A reply cut short is its text so far, unwrapped, or its complete
 calls; never the raw JSON. ``Imitation`` reads a reply to a conversation whose past tool
 turns the model may imitate although the request offers no tools.
 """
@@ -12,99 +12,13 @@ turns the model may imitate although the request offers no tools.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from trillm.api.tools.base import ToolFormat, call_of, calls_in
+from trillm.api.tools.reading import ReplyReader, StringDecoder, branch
 from trillm.api.tools.schema import embedded
 from trillm.api.tools.spec import Function, Parsed, ToolSet
 from trillm.engine.structured import GrammarSpec
-
-# The keys a generic reply (or an imitation of one) opens with, and what follows each.
-_OPENINGS = ('{"response":"', '{"tool_calls":[', '{"tool_response":{')
-_KEY = re.compile(r'\s*\{\s*"(\w+)"\s*:\s*')
-_PLAIN = re.compile(r'[^"\\]*')
-_ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})')
-_PARTIAL_ESCAPE = re.compile(r"\\(?:u[0-9a-fA-F]{0,3})?")
-
-
-def branch(text: str) -> tuple[str | None, int]:
-    """Which reply ``text`` opens: ``"response"``, ``"tool_calls"`` or ``"tool_response"`` and
-    where its value starts (after the string's quote, the list's bracket), ``"other"`` for
-    anything else, None while too little is written to tell."""
-    m = _KEY.match(text)
-    if m is None or m.end() == len(text):
-        compact = re.sub(r"\s", "", text)
-        return (None, 0) if any(o.startswith(compact) for o in _OPENINGS) else ("other", 0)
-    key, value = m.group(1), text[m.end()]
-    expected = {"response": '"', "tool_calls": "[", "tool_response": "{"}.get(key)
-    if expected is None or value != expected:
-        return "other", 0
-    return key, m.end() + (1 if key != "tool_response" else 0)
-
-
-class StringDecoder:
-    """A JSON string's contents decoded as they arrive (after its opening quote): each
-    ``feed`` returns what is certain so far; a partial escape, or the first half of a
-    surrogate pair, waits for the rest. ``done`` once the closing quote came."""
-
-    def __init__(self) -> None:
-        self.pending = ""
-        self.done = False
-
-    def feed(self, chunk: str) -> str:
-        if self.done:
-            return ""
-        s, i, out = self.pending + chunk, 0, []
-        while i < len(s):
-            plain = _PLAIN.match(s, i)
-            assert plain is not None  # it matches the empty string
-            out.append(plain.group())
-            i = plain.end()
-            if i == len(s):
-                break
-            if s[i] == '"':
-                self.done, i = True, i + 1
-                break
-            escape = _ESCAPE.match(s, i)
-            if escape is None:
-                if _PARTIAL_ESCAPE.fullmatch(s, i):
-                    break  # the rest of the escape has not come yet
-                out.append(s[i])  # not an escape JSON knows (the grammar forbids it): as written
-                i += 1
-                continue
-            code = escape.group()
-            if code[1] == "u" and 0xD800 <= int(code[2:], 16) < 0xDC00:  # a pair's first half
-                low = _ESCAPE.match(s, escape.end())
-                if escape.end() == len(s) or (low is None and _PARTIAL_ESCAPE.fullmatch(s, escape.end())):
-                    break
-                if low is not None and low.group()[1] == "u" and 0xDC00 <= int(low.group()[2:], 16) < 0xE000:
-                    code += low.group()
-            out.append(json.loads('"' + code + '"'))
-            i += len(code)
-        self.pending = s[i:]
-        return "".join(out)
-
-
-class ReplyReader:
-    """The content of a streamed generic reply as it is written: the ``response`` string,
-    decoded; nothing for the branches in ``held`` (parsed whole at the end); anything else
-    as it is (only an unconstrained reply can be something else)."""
-
-    def __init__(self, held: frozenset[str]) -> None:
-        self.held = held
-        self.text = ""
-        self.kind: str | None = None
-        self.decoder = StringDecoder()
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        if self.kind is None:
-            self.kind, start = branch(self.text)
-            piece = self.text[start:]
-        if self.kind is None or self.kind in self.held:
-            return ""
-        return self.decoder.feed(piece) if self.kind == "response" else piece
 
 
 class Generic(ToolFormat):
@@ -137,7 +51,7 @@ class Generic(ToolFormat):
         return Parsed(text)
 
     def reader(self) -> ReplyReader:
-        return ReplyReader(frozenset({"tool_calls", "tool_response"}))
+        return ReplyReader(calls=True)
 
     def _cut(self, text: str) -> Parsed:
         """A reply that is not whole JSON (cut by ``max_tokens``): the answer so far,
@@ -195,7 +109,7 @@ class Imitation(Generic):
         return Parsed(text)
 
     def reader(self) -> ReplyReader:
-        return ReplyReader(frozenset({"tool_response"}))
+        return ReplyReader(calls=False)
 
 
 def _call_schema(f: Function, arguments: dict[str, Any]) -> dict[str, Any]:

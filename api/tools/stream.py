@@ -1,7 +1,7 @@
 """One streamed choice's text as OpenAI deltas when tools are on: content as it comes until
 a call may be starting (held back like a stop string), then ``tool_calls`` deltas, never
 the call's markup. A format whose whole reply is JSON (``generic``) has a reader that shows
-the answer's text as it is written, unwrapped, and holds calls to the end."""
+the answer's text as it is written, unwrapped, and its calls as they are written."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class ToolStream:
         self.sent = 0  # characters of ``text`` already sent as content (formats with a trigger)
         self.shown = ""  # the content sent so far (formats without: it is not a slice of ``text``)
         self.in_call = False
+        self.streamed_calls = False  # the reader sent calls as they came: not again at the end
         self.calls: tuple[Call, ...] = ()
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
@@ -26,7 +27,10 @@ class ToolStream:
         self.text += piece
         trigger = self.fmt.trigger
         if trigger is None:
-            return self._show(self.reader.feed(piece) if self.reader is not None else "")
+            deltas = self.reader.feed(piece) if self.reader is not None else []
+            self.shown += "".join(d.get("content", "") for d in deltas)
+            self.streamed_calls = self.streamed_calls or any("tool_calls" in d for d in deltas)
+            return deltas
         if self.in_call:
             return []
         at = self.text.find(trigger, self.sent)
@@ -37,7 +41,8 @@ class ToolStream:
 
     def finish(self) -> list[dict[str, Any]]:
         """The rest: the calls (first chunk of each with id, type and name, then its arguments),
-        or the held-back text if it was no call after all. A call cut short is dropped."""
+        or the held-back text if it was no call after all. A call cut short is dropped (unless
+        its start was streamed already, as the generic format's are)."""
         if self.fmt.trigger is not None and not self.in_call:
             return self._content(len(self.text))
         parsed = self.fmt.parse(self.text)
@@ -47,6 +52,8 @@ class ToolStream:
             if content.startswith(self.shown):  # else it was shown differently as it came: keep that
                 deltas += self._show(content[len(self.shown) :])
         self.calls = parsed.calls
+        if self.streamed_calls:
+            return deltas
         for i, call in enumerate(parsed.calls):
             head = {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             deltas.append({"tool_calls": [head]})
