@@ -6,6 +6,8 @@ LangChain)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 
 import httpx
@@ -48,6 +50,8 @@ TOOLS = [
     },
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# With tools offered, the default model answers this in text (greedy), longer than a small max_tokens.
+ASK_TEXT = "What is the capital of France and what is it famous for?"
 
 
 def _reassemble(chunks) -> tuple[str, list[dict]]:
@@ -461,20 +465,26 @@ class User(BaseModel):
 async def test_nested_model_tools_from_instructor_and_pydantic_function_tool(server):
     """Issue item 6: both sent `parameters` with `$defs`, refused with `Cannot find field '$defs'`."""
     instructor = pytest.importorskip("instructor")
-    ask = [{"role": "user", "content": "Alice is 30 and lives in Paris. Bob is 41 and lives in Rome."}]
+    ask = [{"role": "user", "content": "Alice is 30 and lives in Paris."}]
 
     def run():
         c = client(server)
         users = list(
             instructor.from_openai(c, mode=instructor.Mode.TOOLS).chat.completions.create_iterable(
-                model=MODEL, messages=ask, response_model=User, max_retries=0, max_tokens=300, temperature=0
+                model=MODEL, messages=ask, response_model=User, max_retries=0, max_tokens=60, temperature=0
             )
         )
         tool = openai.pydantic_function_tool(User)
         parsed = c.chat.completions.parse(
-            model=MODEL, messages=ask, tools=[tool], tool_choice="required", max_tokens=200, temperature=0
+            model=MODEL,
+            messages=ask,
+            tools=[tool],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=60,
+            temperature=0,
         )
-        auto = c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], max_tokens=30, temperature=0)
+        auto = c.chat.completions.create(model=MODEL, messages=ask, tools=[tool], max_tokens=5, temperature=0)
         return tool, users, parsed, auto
 
     tool, users, parsed, auto = await in_thread(run)
@@ -490,8 +500,10 @@ WEATHER_REPLY = json.dumps({"city": "Paris", "temperature_c": 18})
 
 @pytest.mark.e2e
 async def test_agents_sdk_final_output_is_clean_text_streamed_and_not(server):
-    """Issue items 7-8: the Agents SDK (chat model, a function tool) showed `{"response": "...` as
-    its final_output when max_tokens cut the answer; streamed, the answer came in one piece."""
+    """Issue items 7-9 through the OpenAI Agents SDK (a chat model, a function tool): its
+    final_output was the raw `{"response": "...` when max_tokens cut the answer, and streamed
+    the answer came in one piece at the end. Also a round trip: a call, the tool's result, an
+    answer with `tool_choice: "none"`."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls: list[str] = []
@@ -502,21 +514,34 @@ async def test_agents_sdk_final_output_is_clean_text_streamed_and_not(server):
         calls.append(city)
         return WEATHER_REPLY
 
-    def agent(max_tokens: int):
+    class AnswerAfterOneCall(agents.RunHooks):
+        """The tiny model would call tools until max_turns: after one call, it must answer."""
+
+        async def on_tool_end(self, context, agent, tool, result) -> None:
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
+    def agent(tool_choice: str | None = None, max_tokens: int = 12):
         model = agents.OpenAIChatCompletionsModel(
             model=MODEL, openai_client=openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         )
-        settings = agents.ModelSettings(temperature=0, max_tokens=max_tokens, tool_choice="required")
+        settings = agents.ModelSettings(temperature=0, max_tokens=max_tokens, tool_choice=tool_choice)
+        # reset_tool_choice would turn the hook's "none" back into auto
         return agents.Agent(
-            name="weather", instructions="Answer briefly.", model=model, tools=[get_weather], model_settings=settings
+            name="a", model=model, tools=[get_weather], model_settings=settings, reset_tool_choice=False
         )
 
     def run():
-        # The SDK is asyncio inside; it runs its own loop in this worker thread.
-        whole = agents.Runner.run_sync(agent(12), "What is the weather in Paris?", max_turns=3)
+        # The SDK is asyncio inside: Runner.run_sync, and asyncio.run for its stream, run its own
+        # loop in this worker thread (the server's Trio loop is not involved).
+        import asyncio
+
+        whole = agents.Runner.run_sync(agent(), ASK_TEXT, max_turns=1)
+        weather = agents.Runner.run_sync(
+            agent("required", 40), ASK[0]["content"], max_turns=3, hooks=AnswerAfterOneCall()
+        )
 
         async def streamed():
-            result = agents.Runner.run_streamed(agent(12), "What is the weather in Paris?", max_turns=3)
+            result = agents.Runner.run_streamed(agent(), ASK_TEXT, max_turns=1)
             deltas = [
                 e.data.delta
                 async for e in result.stream_events()
@@ -524,16 +549,14 @@ async def test_agents_sdk_final_output_is_clean_text_streamed_and_not(server):
             ]
             return result.final_output, deltas
 
-        import asyncio  # the SDK's own loop, in this thread only
+        return whole.final_output, weather.final_output, asyncio.run(streamed())
 
-        return whole, asyncio.run(streamed())
-
-    whole, (final, deltas) = await in_thread(run)
-    assert calls  # the tool ran (required on the first turn; the SDK resets the choice after it)
-    for output in (whole.final_output, final):
-        assert isinstance(output, str) and output.strip()
-        assert not output.lstrip().startswith("{") and '"response"' not in output, output
-    assert len(deltas) > 1 and "".join(deltas) == final  # streamed as written, unwrapped
+    whole, weather, (final, deltas) = await in_thread(run)
+    assert calls  # the round trip's tool ran
+    for output in (whole, weather, final):
+        assert isinstance(output, str) and output.strip(), output
+        assert not output.lstrip().startswith("{") and '"response"' not in output and "tool_" not in output, output
+    assert final == whole and len(deltas) > 3 and "".join(deltas) == final  # streamed as written, unwrapped
 
 
 @pytest.mark.e2e
@@ -577,29 +600,28 @@ async def test_text_answer_with_tools_streams_early_and_a_cut_reply_is_unwrapped
     one delta after the last token; cut by max_tokens it was the raw `{"response": "...`."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": "Write a poem about the sea."}],
+        "messages": [{"role": "user", "content": ASK_TEXT}],
         "tools": TOOLS,
         "temperature": 0,
     }
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         start, arrivals = trio.current_time(), []
         async with http.stream(
-            "POST", "/v1/chat/completions", json={**body, "max_tokens": 60, "stream": True}
+            "POST", "/v1/chat/completions", json={**body, "max_tokens": 40, "stream": True, "logprobs": True}
         ) as stream:
             async for line in stream.aiter_lines():
                 if line.startswith("data: {"):
                     arrivals.append((trio.current_time() - start, json.loads(line[6:])["choices"][0]))
-        cut = (await http.post("/v1/chat/completions", json={**body, "max_tokens": 60})).json()["choices"][0]
+        cut = (await http.post("/v1/chat/completions", json={**body, "max_tokens": 40})).json()["choices"][0]
         call_cut = (
             await http.post("/v1/chat/completions", json={**body, "tool_choice": "required", "max_tokens": 6})
         ).json()
-        events = []
         responses_body = {
             "model": MODEL,
             "input": body["messages"],
-            "tools": [{"type": "function", **TOOLS[0]["function"]}],
+            "tools": [{"type": "function", **t["function"]} for t in TOOLS],
             "temperature": 0,
-            "max_output_tokens": 60,
+            "max_output_tokens": 40,
             "stream": True,
         }
         async with http.stream("POST", "/v1/responses", json=responses_body) as stream:
@@ -607,8 +629,13 @@ async def test_text_answer_with_tools_streams_early_and_a_cut_reply_is_unwrapped
     content = [(t, c["delta"]["content"]) for t, c in arrivals if c["delta"].get("content")]
     text = "".join(piece for _, piece in content)
     assert arrivals[-1][1]["finish_reason"] == "length" and len(content) > 10, arrivals
-    first, last = content[0][0], arrivals[-1][0]
-    assert first < last / 2  # the first words arrive early, not with the last token
+    # Each token's chunk carries its logprobs, the wrapper's too: the first words come within the
+    # first few tokens (`{"response": "` is the opening), and in the first half of the decode time.
+    tokens = [(t, len(c["logprobs"]["content"]), bool(c["delta"].get("content"))) for t, c in arrivals if c["logprobs"]]
+    before = sum(n for _, n, shown in itertools.takewhile(lambda x: not x[2], tokens))
+    first_token, first_content, last = tokens[0][0], content[0][0], arrivals[-1][0]
+    assert before <= 8 and sum(n for _, n, _ in tokens) >= 30, tokens
+    assert first_content - first_token < (last - first_token) / 2, (first_token, first_content, last)
     assert text and not text.startswith("{") and text == cut["message"]["content"] and cut["finish_reason"] == "length"
     [choice] = call_cut["choices"]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
