@@ -22,6 +22,9 @@ from trillm.engine.structured import GrammarSpec
 
 
 class Generic(ToolFormat):
+    """The JSON reply format for any template; its grammar holds the offered functions'
+    arguments under one root (``schema.embedded``)."""
+
     name = "generic"
     trigger = None
 
