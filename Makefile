@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	  $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
+	# instructor (for the tool-call tests) pins jiter<0.15, which openai>=3.4 outgrew;
+	# without its deps it runs on the newer jiter (its other deps are in the dev extras).
+	$(PY) -m pip install -q --no-deps 'instructor>=1.17,<2'
 	touch $(STAMP)
 
 serve: install

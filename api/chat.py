@@ -22,15 +22,20 @@ from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
 from trillm.api.tools.formats import ToolFormat, choose
-from trillm.api.tools.prompt import template_messages
+from trillm.api.tools.generic import Imitation
+from trillm.api.tools.prompt import has_tool_turns, renders_tools, template_messages
 from trillm.api.tools.stream import ToolStream
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.sampling_params import SamplingParams
+
+IMITATION = Imitation()
 
 
 def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequest:
     """Choose the tool-call format (setting, else the chat template) and, with tools, the
     grammar that forces or constrains calls (it takes the place of ``response_format``).
+    Without tools, after tool turns the generic format rendered as text, a reply that imitates
+    the generic JSON anyway is unwrapped.
     Under a reasoning parser, a grammar holds the answer only: the thinking before it is free."""
     if req.tools is not None:
         fmt = choose(ctx.tool_call_parser, getattr(engine.tokenizer, "chat_template", None))
@@ -41,6 +46,9 @@ def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequ
         grammar = fmt.grammar(req.tools)
         common = attrs.evolve(req.common, grammar=(grammar, "tools") if grammar is not None else None)
         req = attrs.evolve(req, common=common, tool_format=fmt)
+    elif req.common.grammar is None and req.messages and has_tool_turns(req.messages):
+        if not renders_tools(getattr(engine.tokenizer, "chat_template", None)):
+            req = attrs.evolve(req, tool_format=IMITATION)  # unwrap a reply that imitates the generic JSON
     style = request_style(ctx.reasoning_parser, req.chat_template_kwargs)
     if style is not None and req.common.grammar is not None:
         spec, param = req.common.grammar

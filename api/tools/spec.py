@@ -54,13 +54,17 @@ class ToolSet:
         return tuple(f for f in self.functions if f.name == self.choice)
 
 
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 @attrs.frozen
 class Call:
     """One parsed call; ``arguments`` is a JSON text, as the API returns it."""
 
     name: str
     arguments: str
-    id: str = attrs.field(factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = attrs.field(factory=new_call_id)
 
     @classmethod
     def of(cls, name: str, arguments: Any) -> Call:
