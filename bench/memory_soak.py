@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import attrs
@@ -117,9 +118,10 @@ async def tool_call(http: Any) -> None:
     (await http.post("/v1/chat/completions", json=body)).raise_for_status()
 
 
-async def long_prompt(http: Any) -> None:
-    """A prompt near the context limit, a few tokens out: prefill in chunks, then a short decode."""
-    words = " ".join(f"w{(next(_fresh) * 7919 + i) % 1000}" for i in range(LONG_WORDS))
+async def long_prompt(http: Any, num_words: int = LONG_WORDS) -> None:
+    """A prompt near the context limit (~3.9 tokens a word), a few tokens out: prefill in chunks,
+    then a short decode."""
+    words = " ".join(f"w{(next(_fresh) * 7919 + i) % 1000}" for i in range(num_words))
     body = {"model": MODEL, "prompt": words, "max_tokens": 4}
     (await http.post("/v1/completions", json=body)).raise_for_status()
 
@@ -177,7 +179,7 @@ async def measure(
 
     rows: list[dict[str, Any]] = []
     limits = httpx.Limits(max_connections=concurrency * 2)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         for kind in kinds:
             await send(http, kind, warmup, concurrency)
         await wait_idle(http)
@@ -230,10 +232,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=20, help="requests of each type before measuring")
     p.add_argument("--rounds", type=int, default=2, help="batches of each type")
     p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--long-words", type=int, default=LONG_WORDS, help="words of a long_prompt (~3.9 tokens each)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("server_args", nargs="*", help="extra `trillm serve` flags (after --), e.g. --no-malloc-tuning")
     args = p.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
+    KINDS["long_prompt"] = partial(long_prompt, num_words=args.long_words)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise SystemExit(f"unknown kinds: {', '.join(sorted(unknown))}")
