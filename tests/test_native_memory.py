@@ -18,8 +18,8 @@ SCRIPT = """
 import ctypes, sys
 from trillm.engine.execution import native_memory
 class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = Info
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
