@@ -107,6 +107,13 @@ class EngineConfig:
         "schedule step N+1 while step N runs; off: one step at a time (debugging)",
         flag="--disable-overlap-schedule",
     )
+    malloc_tuning: bool = setting(
+        True,
+        "fix glibc's mmap threshold (else one long prompt moves every per-step tensor into heap arenas "
+        "that keep what is freed) and hand kept free memory back (`malloc_trim`) when idle and every 5 s "
+        "under load, so resident memory stays flat; off: glibc's defaults (for comparison)",
+        flag="--no-malloc-tuning",
+    )
     grammar_cache_size: int = setting(
         256,
         "compiled grammars (JSON schemas, regexes, ...) kept for reuse; a repeated one compiles once",

@@ -26,6 +26,7 @@ import trio
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected, check_logit_bias, check_prompt_ids
+from trillm.engine.execution import native_memory
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult, kv_bytes_per_token
@@ -57,6 +58,9 @@ __all__ = [
 
 log = logging.getLogger("trillm.engine")
 _ids = itertools.count()
+# Under load, the runner thread hands malloc's kept free memory back at most this often
+# (``native_memory.trim``: a few ms each time); an engine that goes idle does it at once.
+TRIM_INTERVAL = 5.0
 
 
 @attrs.frozen
@@ -119,6 +123,11 @@ class Engine:
         self.num_stalled = 0  # aborted because their consumer stopped taking outputs (``stall_timeout``)
         self.num_steps = 0
         self.prompt_tokens_total = 0
+        self._malloc_tuning = config.malloc_tuning
+        if config.malloc_tuning:
+            native_memory.pin_mmap_threshold()  # per-step tensors go back to the kernel when freed
+        self._last_trim = time.monotonic()
+        self._steps_at_trim = 0  # ``num_steps`` at the last trim: an idle engine trims once
 
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
@@ -321,7 +330,10 @@ class Engine:
 
                 def execute(step: Step[StepInputs] = step, started: trio.Event = started) -> Sampled:
                     token.run_sync_soon(started.set)
-                    return self.runner.execute(step.inputs)
+                    result = self.runner.execute(step.inputs)
+                    if self._malloc_tuning and time.monotonic() - self._last_trim >= TRIM_INTERVAL:
+                        self._trim()
+                    return result
 
                 try:
                     result: Sampled | Exception = await trio.to_thread.run_sync(execute, limiter=self._limiter)
@@ -349,6 +361,9 @@ class Engine:
         async with batch_tx, result_rx:
             while True:
                 if not loop.has_work:
+                    if self._malloc_tuning and self._steps_at_trim != self.num_steps:
+                        # gone idle: what the steps freed goes back to the kernel
+                        await trio.to_thread.run_sync(self._trim, limiter=self._limiter)
                     self._handle(await self._inbox_rx.receive())
                 self._drain_inbox()
                 step = loop.schedule()
@@ -365,6 +380,13 @@ class Engine:
                 elif step is None and self.scheduler.has_work:  # nothing fits yet; wait for news
                     self._handle(await self._inbox_rx.receive())
                 step = None  # an idle engine holds no finished step (nor its sequences' grammar state)
+
+    def _trim(self) -> None:
+        """``native_memory.trim``, in a worker thread (it takes milliseconds), never beside a step."""
+        started = time.monotonic()
+        native_memory.trim()
+        self._last_trim, self._steps_at_trim = time.monotonic(), self.num_steps
+        log.debug("malloc_trim took %.1f ms", (self._last_trim - started) * 1000)
 
     def _on_scheduled(self, batch: Batch) -> None:
         self.router.on_scheduled([chunk.seq for chunk in batch.chunks], time.monotonic())
