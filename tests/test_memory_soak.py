@@ -4,7 +4,8 @@ A real ``trillm serve`` in its own process (so its RSS is the server's alone, no
 default settings, driven by the traffic types of ``trillm.bench.memory_soak``. Before the fix, one
 prompt of a few hundred tokens or more raised glibc's dynamic mmap threshold and from then on each
 tiny request left ~180 KB resident (``docs/benchmarks.md``, "Memory under load"). The malloc tuning
-fixed that part; a growth per request remains, so this test is a strict xfail until it is found.
+fixed that part; the ~470 KB a request left after it went with the rest of the issue's fixes
+(grammar compiles out of the server's threads): measured on main, within 3 MiB over three rounds.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ROUNDS = 3  # after two rounds of warm-up; each: one long prompt, then 6 request
 PER_TYPE = 6
 # Measured on the unfixed code (``TRILLM_MALLOC_TUNING=0``, the same as before; 8 per type, grammar
 # cache uncapped): +40.5, +62.5, +100.9, +137.1, +164.5 MiB after rounds 1-5, never levelling.
-# With the tuning, this load: +27.5, +63.1, +92.2 MiB after rounds 1-3 (the growth left to find).
+# With the tuning alone: +27.5, +63.1, +92.2 MiB; on main with every fix: +0.1, -1.0, +0.6 MiB.
 # 16 MiB leaves room for a new worker thread's stack and arena and the prefix cache's nodes (bounded
 # by the pool), and fails in the first round of either growth.
 BOUND_MIB = 16
@@ -51,12 +52,6 @@ async def _round(http: httpx.AsyncClient) -> None:
     await trio.sleep(0.5)  # the engine's idle trim runs when its last request ends
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed yet: with the malloc tuning on, RSS still grows ~470 KB per request at 6 concurrent "
-    "(+25 to +30 MiB a round, with or without the long prompt, in every traffic type); mallinfo2 shows heap "
-    "in use and live mmapped blocks rising, not Python objects (docs/benchmarks.md, 'Memory under load')",
-)
 async def test_resident_memory_stays_flat_under_a_mixed_load_after_one_long_prompt():
     port = free_port()
     proc = subprocess.Popen(
@@ -77,6 +72,7 @@ async def test_resident_memory_stays_flat_under_a_mixed_load_after_one_long_prom
                 seen.append(soak.Memory.of(proc.pid).rss_kb)
             growth_mib = (seen[-1] - start.rss_kb) / 1024
             trail = ", ".join(f"{(kb - start.rss_kb) / 1024:+.1f}" for kb in seen)
+            print(f"RSS after warm-up {start.rss_kb / 1024:.1f} MiB; growth per round: {trail} MiB")
             assert growth_mib < BOUND_MIB, f"RSS grew {growth_mib:.1f} MiB after warm-up (per round: {trail} MiB)"
             m = scrape((await http.get("/metrics")).text)  # and nothing was lost on the way
             assert m["kv_cache_free_pages"] + m["kv_cache_evictable_pages"] == m["kv_cache_total_pages"]

@@ -464,7 +464,8 @@ class User(BaseModel):
 @pytest.mark.e2e
 async def test_nested_model_tools_from_instructor_and_pydantic_function_tool(server):
     """Issue item 6: both sent `parameters` with `$defs`, refused with `Cannot find field '$defs'`."""
-    instructor = pytest.importorskip("instructor")
+    import instructor
+
     ask = [{"role": "user", "content": "Alice is 30 and lives in Paris."}]
 
     def run():
@@ -504,7 +505,8 @@ async def test_agents_sdk_final_output_is_clean_text_streamed_and_not(server):
     final_output was the raw `{"response": "...` when max_tokens cut the answer, and streamed
     the answer came in one piece at the end. Also a round trip: a call, the tool's result, an
     answer with `tool_choice: "none"`."""
-    agents = pytest.importorskip("agents")
+    import agents
+
     agents.set_tracing_disabled(True)
     calls: list[str] = []
 
@@ -563,7 +565,7 @@ async def test_agents_sdk_final_output_is_clean_text_streamed_and_not(server):
 async def test_langchain_responses_tool_round_trip_answers_in_text(server):
     """Issue item 9: LangChain (use_responses_api) sent the tool result back without tools and the
     answer was the raw `{"tool_response": {...` the history had taught the model."""
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
 

@@ -112,7 +112,8 @@ def load_model(
     device = choose_device(config)
     dtype_choice = choose_dtype(config, device, None if config.load_format == "dummy" else folder, model_config)
     dtype = dtype_choice.dtype
-    log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
+    if config.dtype == "auto":  # a dtype asked for needs no reason
+        log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
     tp, workers = SINGLE, None
     if config.tp > 1:
         if topology is None:  # the serving rank: the others are started with the dtype it chose
