@@ -120,13 +120,18 @@ def create_app(
         # The model, tokenizer and modules live as long as the server: out of the cyclic GC's reach, so a
         # full collection (set off by one large body's objects) walks only what requests made, not ~400,000
         # long-lived objects, which held the GIL for a second on a 2-core machine.
+        # Collected first: what is frozen is never collected, and garbage frozen with it (an engine an
+        # earlier app in this process left in a cycle: its whole KV pool) would stay for good.
+        gc.collect()
         gc.freeze()
         await app.nursery.start(host.run)
 
     @app.after_serving
     async def stop_engine() -> None:
-        await host.stop()
-        gc.unfreeze()
+        try:
+            await host.stop()
+        finally:  # even when the stop is cancelled: frozen, this engine could never be collected
+            gc.unfreeze()
 
     @app.errorhandler(ApiError)
     async def api_error(exc: ApiError) -> Response:
