@@ -23,8 +23,8 @@ class ToolFormat(ABC):
     trigger: ClassVar[str | None]  # the text that starts a call; None: the whole output is JSON
 
     @abstractmethod
-    def grammar(self, tools: ToolSet) -> GrammarSpec:
-        """What the model may write: calls forced or constrained as ``tools`` asks."""
+    def grammar(self, tools: ToolSet) -> GrammarSpec | None:
+        """What the model may write: calls forced or constrained as ``tools`` asks; None: free text."""
 
     @abstractmethod
     def parse(self, text: str) -> Parsed:

@@ -28,7 +28,7 @@ class Generic(ToolFormat):
     name = "generic"
     trigger = None
 
-    def grammar(self, tools: ToolSet) -> GrammarSpec:
+    def grammar(self, tools: ToolSet) -> GrammarSpec | None:  # always one here (``Imitation``'s is None)
         defs: dict[str, Any] = {}
         cases = []
         for i, f in enumerate(tools.callable):
@@ -92,8 +92,8 @@ class Imitation(Generic):
     unless the model imitates the generic JSON anyway, which is unwrapped (``response``, a
     ``tool_response``'s content). Imitated calls stay text: no tool was offered."""
 
-    def grammar(self, tools: ToolSet) -> GrammarSpec:
-        raise NotImplementedError("imitation replies are never constrained")
+    def grammar(self, tools: ToolSet) -> GrammarSpec | None:
+        return None  # no tool was offered: the reply is free text
 
     def parse(self, text: str) -> Parsed:
         try:

@@ -60,13 +60,20 @@ def matmul_seconds(rows: int, width: int, out: int, dtype: torch.dtype) -> float
     return min(times[2:])
 
 
-def _block_path_applies(config: EngineConfig, device: torch.device) -> bool:
-    """Whether float32 would keep exact GGUF blocks (``loading._use_block_weights`` in float32)."""
-    if config.weight_format == "dense" or config.load_format == "dummy":
-        return False
-    if not create_backend(config.kernels, device, torch.float32).supports_block_weights:
+def block_weights_wanted(config: EngineConfig, possible: bool) -> bool:
+    """Whether to keep exact GGUF blocks, where a backend that can run them (``possible``) would.
+
+    Random dummy weights never are blocks. ``auto`` takes them only where the block matmul
+    has its SIMD paths, AVX-512 or AVX2 + FMA (``cpu_matmul.simd()``): its plain-C fallback
+    is correct but slower than MKL on dense float32."""
+    if not possible or config.weight_format == "dense" or config.load_format == "dummy":
         return False
     return config.weight_format == "blocks" or cpu_matmul.simd() != "plain"
+
+
+def _block_path_applies(config: EngineConfig, device: torch.device) -> bool:
+    """Whether float32 would keep exact GGUF blocks (what loading decides in float32)."""
+    return block_weights_wanted(config, create_backend(config.kernels, device, torch.float32).supports_block_weights)
 
 
 def first_layer_bytes(folder: Path) -> tuple[int, int] | None:

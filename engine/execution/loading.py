@@ -12,7 +12,7 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import Backend, create_backend
-from trillm.engine.execution.dtype_choice import DTYPE_NAMES, DtypeChoice, choose_dtype
+from trillm.engine.execution.dtype_choice import DTYPE_NAMES, DtypeChoice, block_weights_wanted, choose_dtype
 from trillm.engine.execution.llama import LlamaModel, LlamaShape
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
@@ -78,18 +78,14 @@ def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
 
 
 def _use_block_weights(config: EngineConfig, backend: Backend) -> bool:
-    """Whether to look for exact GGUF blocks in the weights (random dummy weights never are).
-
-    ``auto`` takes them only where the block matmul has its SIMD paths, AVX-512 or AVX2 + FMA
-    (``cpu_matmul.simd()``): its plain-C fallback is correct but slower than MKL on dense float32.
-    """
+    """Whether to look for exact GGUF blocks in the weights (``dtype_choice.block_weights_wanted``);
+    refuses ``--weight-format blocks`` where ``backend`` cannot run them."""
     possible = backend.supports_block_weights
     if config.weight_format == "blocks" and not possible:
         raise ValueError("weight_format blocks runs on the CPU fast path in float32 with a C compiler only")
     if config.weight_format == "auto" and possible and cpu_matmul.simd() == "plain":
         log.info("neither AVX-512 nor AVX2: the projections stay dense float32 (--weight-format blocks forces blocks)")
-        return False
-    return possible and config.weight_format != "dense" and config.load_format != "dummy"
+    return block_weights_wanted(config, possible)
 
 
 def load_model(
