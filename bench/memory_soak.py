@@ -214,6 +214,60 @@ async def measure(
     return rows
 
 
+async def soak(url: str, pid: int, kinds: list[str], minutes: float, clients: int) -> list[dict[str, Any]]:
+    """The issue's load: ``clients`` clients, each sending a random type after another, for
+    ``minutes``; resident memory sampled every 30 s, then once more after the engine is idle."""
+    import random
+
+    import httpx
+
+    rows: list[dict[str, Any]] = []
+    done: dict[str, int] = dict.fromkeys(kinds, 0)
+    rng = random.Random(0)
+    limits = httpx.Limits(max_connections=clients * 2)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        for kind in kinds:
+            await send(http, kind, 4, 2)
+        await wait_idle(http)
+        start = Memory.of(pid)
+        began = time.perf_counter()
+        deadline = began + minutes * 60
+
+        def sample(label: str) -> None:
+            now = Memory.of(pid)
+            row = {
+                "t_s": round(time.perf_counter() - began),
+                "at": label,
+                "requests": sum(done.values()),
+                "rss_mib": round(now.rss_kb / 1024, 1),
+                "rss_growth_mib": round((now.rss_kb - start.rss_kb) / 1024, 1),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                kind = rng.choice(kinds)
+                await KINDS[kind](http)
+                done[kind] += 1
+
+        async def sampler() -> None:
+            while time.perf_counter() < deadline:
+                await trio.sleep(30)
+                sample("loaded")
+
+        sample("start")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sampler)
+            for _ in range(clients):
+                nursery.start_soon(client)
+        await wait_idle(http)
+        await trio.sleep(2)
+        sample("idle")
+        print("requests by type:", json.dumps(done))
+    return rows
+
+
 def start_server(port: int, extra: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(port), *extra], env={**os.environ}
@@ -233,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="batches of each type")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--long-words", type=int, default=LONG_WORDS, help="words of a long_prompt (~3.9 tokens each)")
+    p.add_argument("--minutes", type=float, help="instead of batches: all types mixed for this long")
+    p.add_argument("--clients", type=int, default=12, help="concurrent clients of --minutes")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("server_args", nargs="*", help="extra `trillm serve` flags (after --), e.g. --no-malloc-tuning")
     args = p.parse_args(argv)
@@ -251,7 +307,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--url needs --pid (whose memory to read)")
     try:
         wait_healthy(url, proc)
-        rows = trio.run(measure, url, pid, kinds, args.requests, args.warmup, args.concurrency, args.rounds)
+        if args.minutes:
+            rows = trio.run(soak, url, pid, kinds, args.minutes, args.clients)
+        else:
+            rows = trio.run(measure, url, pid, kinds, args.requests, args.warmup, args.concurrency, args.rounds)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
