@@ -122,16 +122,28 @@ class Scheduler:
         self.policy.enqueue(self.waiting, seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a sequence wherever it is and free its pages; idempotent.
+        """Cut a sequence short: remove it wherever it is, free its pages, and finish it
+        "abort"; idempotent. Its steps in flight are ignored when they resolve."""
+        seq = self._remove(request_id)
+        if seq is not None:
+            seq.finish_reason = seq.finish_reason or "abort"
+        return seq
 
-        Its steps in flight are ignored when they resolve (it is finished)."""
+    def release_finished(self, request_id: str) -> Sequence | None:
+        """Free the pages of a sequence finished outside the scheduler (a stop string found in
+        its text), keeping its finish reason; a no-op for one the scheduler already retired."""
+        seq = self._remove(request_id)
+        assert seq is None or seq.is_finished, "only a finished sequence is released"
+        return seq
+
+    def _remove(self, request_id: str) -> Sequence | None:
+        """Out of its queue, pages freed, tokens still in flight forgotten."""
         for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
                     self._release(seq)
                     seq.drop_pending()
-                    seq.finish_reason = seq.finish_reason or "abort"
                     return seq
         return None
 
