@@ -124,28 +124,31 @@ class Scheduler:
     def abort(self, request_id: str) -> Sequence | None:
         """Cut a sequence short: remove it wherever it is, free its pages, and finish it
         "abort"; idempotent. Its steps in flight are ignored when they resolve."""
-        seq = self._remove(request_id)
+        seq = self._find(request_id)
         if seq is not None:
+            self._remove(seq)
             seq.finish_reason = seq.finish_reason or "abort"
         return seq
 
     def release_finished(self, request_id: str) -> Sequence | None:
         """Free the pages of a sequence finished outside the scheduler (a stop string found in
         its text), keeping its finish reason; a no-op for one the scheduler already retired."""
-        seq = self._remove(request_id)
-        assert seq is None or seq.is_finished, "only a finished sequence is released"
+        seq = self._find(request_id)
+        if seq is not None:
+            assert seq.is_finished, "only a finished sequence is released; cut one short with abort"
+            self._remove(seq)
         return seq
 
-    def _remove(self, request_id: str) -> Sequence | None:
+    def _find(self, request_id: str) -> Sequence | None:
+        return next(
+            (seq for queue in (self.waiting, self.running) for seq in queue if seq.request_id == request_id), None
+        )
+
+    def _remove(self, seq: Sequence) -> None:
         """Out of its queue, pages freed, tokens still in flight forgotten."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._release(seq)
-                    seq.drop_pending()
-                    return seq
-        return None
+        (self.running if seq in self.running else self.waiting).remove(seq)
+        self._release(seq)
+        seq.drop_pending()
 
     @property
     def has_work(self) -> bool:
