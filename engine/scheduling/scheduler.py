@@ -1,7 +1,7 @@
 """Scheduling policy: which tokens of which sequences run in the next step.
 
 Pure and synchronous (no Trio, no tensors) so every rule is unit-tested by
-calling methods. The scheduler actor in ``engine.engine`` only moves messages
+calling methods. The scheduler actor in ``engine.actors`` only moves messages
 and calls into this class.
 """
 
