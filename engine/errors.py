@@ -36,20 +36,3 @@ class EngineNotRunning(RuntimeError):
 
 class EngineOverloaded(RuntimeError):
     """Raised by ``submit`` when the waiting queue is full; try again shortly."""
-
-
-def check_prompt_ids(prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raise ``RequestRejected`` for a prompt that can never run: empty, too long, or holding ids
-    outside the vocabulary (the engine's check, and a replica set's before it routes)."""
-    if not prompt_ids:
-        raise RequestRejected("the prompt is empty", "prompt")
-    if len(prompt_ids) >= max_model_len:
-        raise PromptTooLong(len(prompt_ids), max_model_len)
-    if max(prompt_ids) >= vocab_size or min(prompt_ids) < 0:
-        raise RequestRejected(f"prompt token ids must be in [0, {vocab_size - 1}]", "prompt")
-
-
-def check_logit_bias(logit_bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
-    """Raise ``RequestRejected`` for ``logit_bias`` token ids outside the vocabulary."""
-    if any(not 0 <= token < vocab_size for token, _ in logit_bias):
-        raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab_size - 1}]", "logit_bias")

@@ -1,8 +1,9 @@
 """``--dp M``: the HTTP layer's engine, made of M replica processes.
 
 ``ReplicaSet`` offers what the API asks of an ``Engine`` (``api/gateway.py``), so the
-handlers do not know there are replicas. It checks a call as an engine would (prompt,
-parameters, capacity, grammar compiled once here to answer a bad one with a 400), routes
+handlers do not know there are replicas. It checks a call with the engine's own admission
+(``engine.admission``: prompt, parameters, capacity; a grammar is compiled once here to
+answer a bad one with a 400), routes
 it (``router.PrefixRouter``), and gives the handler a local ``OutputMailbox`` that a
 reader task fills from the replica's pipe. Cancellation goes the same way back: a
 closed mailbox or ``abort`` sends ``Abort`` to the replica that holds the request,
@@ -26,8 +27,8 @@ from typing import Any
 import attrs
 import trio
 
+from trillm.engine import admission
 from trillm.engine.config import EngineConfig
-from trillm.engine.errors import EngineNotRunning, EngineOverloaded, check_logit_bias, check_prompt_ids
 from trillm.engine.execution.loading import load_tokenizer
 from trillm.engine.execution.parallel.workers import children_allowed, join_or_kill
 from trillm.engine.mailbox import OutputMailbox
@@ -46,6 +47,7 @@ from trillm.engine.replicas.protocol import (
 from trillm.engine.replicas.replica import replica_main
 from trillm.engine.replicas.router import PrefixRouter
 from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver
 from trillm.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec
 
@@ -152,20 +154,29 @@ class ReplicaSet:
                 self.router.forget(r.index)
         return flushed
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model.shape.vocab_size
+
     def check_prompt(self, prompt_ids: list[int]) -> None:
         """Raise ``RequestRejected`` for a prompt that can never run here."""
-        check_prompt_ids(prompt_ids, self.max_model_len, self.model.shape.vocab_size)
+        admission.check_prompt(self, prompt_ids)
 
     def check_params(self, params: SamplingParams) -> None:
         """Raise ``RequestRejected`` for sampling parameters this model cannot honour."""
-        check_logit_bias(params.logit_bias, self.model.shape.vocab_size)
+        admission.check_params(self, params)
 
     def check_capacity(self, count: int) -> None:
-        running = sum(s.num_running for s in self.replica_stats() if s is not None)
-        queued = len(self._open) - running
-        limit = self.config.max_waiting * sum(r.alive for r in self.replicas)
-        if queued + count > limit:
-            raise EngineOverloaded(f"{queued} requests are already waiting (the limit is {limit})")
+        """Raise ``EngineOverloaded`` if ``count`` more requests would overfill the replicas' queues."""
+        admission.check_capacity(self, count)
+
+    def num_queued(self) -> int:
+        """Requests open here that no replica last reported running."""
+        return len(self._open) - sum(s.num_running for s in self.replica_stats() if s is not None)
+
+    def max_queued(self) -> int:
+        """Each live replica's own ``max_waiting``."""
+        return self.config.max_waiting * sum(r.alive for r in self.replicas)
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compiled here to refuse a bad one at once; the replica compiles its own from the spec."""
@@ -177,12 +188,7 @@ class ReplicaSet:
 
     def submit_many(self, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[str], OutputMailbox]:
         """Checked here, sent whole to one replica (choices of one call share its prefix cache)."""
-        if not self._running:
-            raise EngineNotRunning("the engine is not running")
-        self.check_capacity(len(requests))
-        for prompt_ids, params in requests:
-            self.check_prompt(prompt_ids)
-            self.check_params(params)
+        admission.admit(self, requests)
         loads = [len(r.open) for r in self.replicas]
         replica = self.replicas[self.router.choose(requests[0][0], loads, [r.alive for r in self.replicas])]
         ids = tuple(f"dp{replica.index}-{next(_ids)}" for _ in requests)
@@ -234,7 +240,7 @@ class ReplicaSet:
             self._running = False
             self.grammars.close()  # no compile process outlives the front
             for request_id in list(self._open):
-                self._finish(request_id, "abort")
+                self._finish(request_id, End.SHUTDOWN)
             for replica in self.replicas:
                 replica.writer.send(Stop())
             with trio.CancelScope(shield=True):
@@ -291,7 +297,7 @@ class ReplicaSet:
                 elif isinstance(message, Refused):
                     log.warning("replica %d refused a request: %s", replica.index, message.reason)
                     for request_id in replica.calls.pop(message.first_id, ()):
-                        self._finish(request_id, "error")
+                        self._finish(request_id, End.ERROR)
         finally:
             ready.set()
         if ended and replica.alive:  # died once ready (before all were ready, too)
@@ -325,12 +331,14 @@ class ReplicaSet:
             self.replicas[request.replica].open.discard(request_id)
             request.mailbox.end()
 
-    def _finish(self, request_id: str, reason: str) -> None:
-        """End a request here, with a last output that says why (its replica cannot)."""
+    def _finish(self, request_id: str, kind: End) -> None:
+        """End a request here (``End.ERROR``: its replica refused it or died; ``End.SHUTDOWN``:
+        this front stops), with a last output that says why, since its replica cannot. The
+        replicas count their own ends; nothing is counted here."""
         request = self._open.get(request_id)
         if request is None:
             return
-        request.mailbox.put(RequestOutput(request_id, request.index, "", (), reason, 0, 0))
+        request.mailbox.put(RequestOutput(request_id, request.index, "", (), kind.last_reason, 0, 0))
         self._close(request_id)
 
     def _lost(self, replica: _Replica) -> None:
@@ -341,7 +349,7 @@ class ReplicaSet:
         )
         self.router.forget(replica.index)
         for request_id in list(replica.open):
-            self._finish(request_id, "error")
+            self._finish(request_id, End.ERROR)
         replica.calls.clear()
         if not any(r.alive for r in self.replicas):
             self._all_lost.set()  # ``run`` fails (here we may be in a handler's call)

@@ -3,16 +3,15 @@
 Like vLLM's ``OutputProcessor``: incremental detokenization, stop strings, the
 per-request timers, and the hand-over to the consumer. All calls are synchronous
 (``OutputMailbox.put`` never blocks: a lagging consumer's outputs are merged), so
-the scheduler actor routes a whole step without yielding. A consumer that has gone
-away (its mailbox is closed) or stalled (an output has waited longer than
-``stall_timeout``) is reported back, so the caller can free that request's pages in
-the same step.
+the scheduler actor routes a whole step without yielding. How a token leaves its request
+— still going, or ended (finished, stopped by a stop string, its consumer gone or
+stalled) — is reported back as an ``End``, which the caller hands to ``endings.Endings``
+in the same step: that is where the request is closed, counted and its pages freed.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import attrs
 
@@ -20,11 +19,10 @@ from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
 from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
+from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.stop_strings import StopStringMatcher
 from trillm.engine.scheduling.telemetry import EngineObserver, NullObserver, RequestTimer
-
-Routed = Literal["sent", "gone", "stalled"]
 
 
 @attrs.define(eq=False)
@@ -78,12 +76,12 @@ class OutputRouter:
         if live is not None and live.prompt_logprobs is not None:
             live.prompt_logprobs[start : start + len(entries)] = entries
 
-    def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> Routed:
-        """Send ``seq.output_ids[index]`` (and its text) to its consumer.
-
-        Returns "gone" when the consumer has left and "stalled" when its oldest output has
-        waited longer than ``stall_timeout``: the caller must drop the request. A stop string
-        found in the text finishes the sequence here ("stop").
+    def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> End | None:
+        """Send ``seq.output_ids[index]`` (and its text) to its consumer; None while the request
+        goes on, else how it ended, for ``Endings.end``: ``GONE`` (the consumer has left; nothing
+        was sent), ``FINISHED``/``STOPPED`` (this was its last output; a stop string found in the
+        text finishes the sequence here, "stop"), ``STALLED`` (its oldest output has waited
+        longer than ``stall_timeout``).
         """
         live = self.live[seq.request_id]
         self.generation_tokens_total += 1
@@ -111,16 +109,14 @@ class OutputRouter:
         now = time.monotonic()
         merged = live.mailbox.num_merged
         if not live.mailbox.put(output, now):
-            return "gone"
+            return End.GONE
         self.outputs_merged += live.mailbox.num_merged - merged
         live.timer.on_token(self.observer, now)
         if seq.is_finished:
-            live.timer.on_finished(self.observer, seq.finish_reason or "stop", now)
-            live.mailbox.end()
-            del self.live[seq.request_id]
-        elif self.stall_timeout is not None and live.mailbox.waiting_for(now) > self.stall_timeout:
-            return "stalled"
-        return "sent"
+            return End.STOPPED if live.stops.stopped else End.FINISHED
+        if self.stall_timeout is not None and live.mailbox.waiting_for(now) > self.stall_timeout:
+            return End.STALLED
+        return None
 
     @staticmethod
     def _take_prompt_logprobs(live: LiveRequest) -> tuple[TokenLogprobs, ...] | None:
@@ -133,7 +129,7 @@ class OutputRouter:
 
     def close(self, request_id: str, reason: str | None, error: str | None = None) -> bool:
         """End a request's output now; with a reason, send a last output saying so (and
-        ``error``, what went wrong, with reason "error").
+        ``error``, what went wrong, with reason "error"). Called by ``Endings.end`` only.
 
         Returns whether the request was open."""
         live = self.live.pop(request_id, None)

@@ -1,7 +1,7 @@
 """Scheduling policy: which tokens of which sequences run in the next step.
 
 Pure and synchronous (no Trio, no tensors) so every rule is unit-tested by
-calling methods. The scheduler actor in ``engine.engine`` only moves messages
+calling methods. The scheduler actor in ``engine.actors`` only moves messages
 and calls into this class.
 """
 
@@ -122,18 +122,33 @@ class Scheduler:
         self.policy.enqueue(self.waiting, seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Remove a sequence wherever it is and free its pages; idempotent.
+        """Cut a sequence short: remove it wherever it is, free its pages, and finish it
+        "abort"; idempotent. Its steps in flight are ignored when they resolve."""
+        seq = self._find(request_id)
+        if seq is not None:
+            self._remove(seq)
+            seq.finish_reason = seq.finish_reason or "abort"
+        return seq
 
-        Its steps in flight are ignored when they resolve (it is finished)."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._release(seq)
-                    seq.drop_pending()
-                    seq.finish_reason = seq.finish_reason or "abort"
-                    return seq
-        return None
+    def release_finished(self, request_id: str) -> Sequence | None:
+        """Free the pages of a sequence finished outside the scheduler (a stop string found in
+        its text), keeping its finish reason; a no-op for one the scheduler already retired."""
+        seq = self._find(request_id)
+        if seq is not None:
+            assert seq.is_finished, "only a finished sequence is released; cut one short with abort"
+            self._remove(seq)
+        return seq
+
+    def _find(self, request_id: str) -> Sequence | None:
+        return next(
+            (seq for queue in (self.waiting, self.running) for seq in queue if seq.request_id == request_id), None
+        )
+
+    def _remove(self, seq: Sequence) -> None:
+        """Out of its queue, pages freed, tokens still in flight forgotten."""
+        (self.running if seq in self.running else self.waiting).remove(seq)
+        self._release(seq)
+        seq.drop_pending()
 
     @property
     def has_work(self) -> bool:
