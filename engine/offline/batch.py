@@ -57,7 +57,9 @@ class Batch:
         try:
             with self.scope:
                 await self._run()
-        except BaseException as exc:  # a refusal, or the loop stopping: the caller raises it
+        except Exception as exc:  # a refusal (or a failure) is the caller's to raise, not the loop's
+            error = exc
+        except BaseException as exc:  # the loop stopping: the caller is told, the loop goes on stopping
             error = exc
             raise
         finally:

@@ -190,8 +190,8 @@ class LLM:
         batch = Batch(self._engine, prompts)
         results: list[RequestOutput | None] = [None] * len(prompts)
         with self._lock, Progress(len(prompts), use_tqdm) as progress:
-            self._loop.spawn(batch.run)
             try:
+                self._loop.spawn(batch.run)
                 ended = self._wait(batch, results, progress)
             except BaseException:  # Ctrl-C (or any error) here: the engine drops the batch, frees its pages
                 self._cancel(batch)
