@@ -7,10 +7,12 @@ One ``LLM`` serves the module (the model loads once); the tests that must close 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -26,7 +28,9 @@ from tests.server import MODEL, QUESTION, client, in_thread, running_server
 # As tests/helpers.make_engine sizes the server's engine, so greedy answers can be compared;
 # a small waiting room, so that a call with more prompts is submitted in waves.
 SETTINGS = dict(dtype="float32", num_pages=256, page_size=16, max_num_seqs=32, max_batch_tokens=256, max_waiting=4)
+README = Path(__file__).resolve().parents[1] / "README.md"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
 
 @pytest.fixture(scope="module")
 def llm():
@@ -178,21 +182,33 @@ async def test_greedy_text_equals_the_servers(llm, model_parts):
     assert chat.outputs[0].text == answer.choices[0].message.content
 
 
+def readme_example() -> str:
+    """The README's offline example (a ``py`` block: the ``python`` ones run against a server)."""
+    section = README.read_text().split("## Offline Python API", 1)[1]
+    return re.search(r"```py\n(.*?)```", section, re.S).group(1)
+
+
 @pytest.mark.model
-def test_close_stops_everything_and_a_closed_llm_says_so():
+def test_the_readme_example_runs_and_close_stops_everything():
+    """The README's example as written (only the engine's sizes differ); its ``with`` closes the
+    LLM: the engine, its thread and its pages are gone, and a closed LLM says so."""
     before = children()
-    llm = LLM(model=MODEL, **SETTINGS)
-    (out,) = llm.generate("1, 2, 3,", GREEDY, use_tqdm=False)
-    assert isinstance(out, RequestOutput) and isinstance(out.outputs[0], CompletionOutput)
-    engine = llm._engine
-    thread = llm._loop._thread
-    assert thread.is_alive()
-    llm.close()
-    llm.close()  # idempotent
-    assert llm.closed and not engine.is_running
-    assert engine.allocator.free_pages == engine.allocator.num_pages  # the engine's stop flushed even the cache
-    assert not thread.is_alive()
+    code = readme_example().replace(
+        'LLM(model="smollm2-135m-instruct")', 'LLM(model="smollm2-135m-instruct", **SETTINGS)'
+    )
+    assert "**SETTINGS" in code
+    namespace: dict = {"SETTINGS": SETTINGS}
+    exec(compile(code, "README.md", "exec"), namespace)
+    llm, outs, (reply,) = namespace["llm"], namespace["outs"], namespace["reply"]
+    assert [o.prompt for o in outs] == ["The capital of France is", "1, 2, 3,"]
+    assert isinstance(outs[0], RequestOutput) and isinstance(outs[0].outputs[0], CompletionOutput)
+    assert outs[0].outputs[0].token_ids and reply.outputs[0].text
+    assert llm.closed and not llm._engine.is_running
+    allocator = llm._engine.allocator
+    assert allocator.free_pages == allocator.num_pages  # the engine's stop flushed even the cache
+    assert not llm._loop._thread.is_alive()
     assert children() <= before
+    llm.close()  # idempotent
     with pytest.raises(EngineNotRunning, match="closed"):
         llm.generate("1, 2, 3,")
     with pytest.raises(EngineNotRunning, match="closed"):

@@ -34,7 +34,7 @@ from trillm.engine.replicas.front import ReplicaSet
 from trillm.engine.settings import settings_of
 
 Conversation = Sequence[Mapping[str, Any]]
-DEFAULT_MODEL: str = attrs.fields(EngineConfig).model.default
+DEFAULT_MODEL: str = str(attrs.fields(EngineConfig).model.default)
 
 
 def engine_config(**settings: Any) -> EngineConfig:
@@ -61,7 +61,7 @@ def _prompt_list(prompts: str | Sequence[int] | Sequence[str | Sequence[int]]) -
     """One prompt or many; a prompt is text or its token ids (a list of ints is one prompt)."""
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [[int(t) for t in items]]
     found: list[str | list[int]] = []
@@ -164,7 +164,7 @@ class LLM:
         """Answer one conversation (a list of ``{"role", "content"}`` messages) or a list of them;
         the prompt is the chat template with the generation prompt added, as the chat endpoint's."""
         self._check_open()
-        conversations = [messages] if not messages or isinstance(messages[0], Mapping) else messages
+        conversations: list[Any] = [messages] if not messages or isinstance(messages[0], Mapping) else list(messages)
         params = _params_list(sampling_params, len(conversations))
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
@@ -172,7 +172,7 @@ class LLM:
         batch = []
         for conversation, sp in zip(conversations, params):
             text = tok.apply_chat_template(
-                [dict(m) for m in conversation],  # type: ignore[union-attr]
+                [dict(m) for m in conversation],
                 add_generation_prompt=True,
                 tokenize=False,
                 **dict(chat_template_kwargs or {}),
