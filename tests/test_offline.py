@@ -16,10 +16,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import trio
 
 from trillm import LLM, CompletionOutput, RequestOutput, SamplingParams
 from trillm.engine.errors import EngineNotRunning, RequestRejected
 from trillm.engine.offline import engine_config
+from trillm.engine.offline.loop import EngineLoop
 from trillm.engine.offline.progress import Progress
 from trillm.engine.structured import GrammarSpec
 
@@ -269,3 +271,36 @@ def test_the_progress_bar_shows_on_a_terminal_only(monkeypatch):
     with Progress(3, True) as bar:
         assert bar.shown
     assert not Progress(3, False).shown
+
+
+class _Runs:
+    """A stand-in for ``Engine.run`` (the loop's only use of it): starts, then fails when told."""
+
+    def __init__(self, fail_at_start: bool = False) -> None:
+        self.fail_at_start = fail_at_start
+        self.fail = threading.Event()
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self.fail_at_start:
+            raise OSError("no model here")
+        task_status.started()
+        while not self.fail.is_set():
+            await trio.sleep(0.01)
+        raise OSError("a rank died")
+
+
+def test_the_engine_loop_says_why_the_engine_stopped():
+    with pytest.raises(EngineNotRunning, match="failed to start: OSError"):
+        EngineLoop(_Runs(fail_at_start=True))
+    engine = _Runs()
+    loop = EngineLoop(engine)
+    assert loop.call(lambda: 42) == 42
+    engine.fail.set()
+    loop._thread.join(5)
+    assert not loop.running
+    with pytest.raises(EngineNotRunning, match="has stopped: OSError"):
+        loop.call(lambda: 42)
+    loop.stop()
+    loop.stop()  # idempotent
+    with pytest.raises(EngineNotRunning, match="closed"):
+        loop.call(lambda: 42)

@@ -125,10 +125,3 @@ class Batch:
         with trio.move_on_after(SETTLE_SECONDS):
             while self.engine.stats().num_open_requests:
                 await trio.sleep(0.01)
-
-
-def unwrap(exc: BaseException) -> BaseException:
-    """The first real error inside the nurseries' exception groups."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc

@@ -24,8 +24,8 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.errors import EngineNotRunning
-from trillm.engine.offline.batch import SETTLE_SECONDS, Batch, Ended, Prompt, unwrap
-from trillm.engine.offline.loop import EngineLoop
+from trillm.engine.offline.batch import SETTLE_SECONDS, Batch, Ended, Prompt
+from trillm.engine.offline.loop import EngineLoop, unwrap
 from trillm.engine.offline.params import SamplingParams
 from trillm.engine.offline.progress import Progress
 from trillm.engine.offline.results import RequestOutput

@@ -21,6 +21,13 @@ from trillm.engine.errors import EngineNotRunning
 T = TypeVar("T")
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """The first real error inside the nurseries' exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class Runnable(Protocol):
     """What the loop runs: ``Engine`` or, with ``dp > 1``, ``ReplicaSet``."""
 
@@ -43,7 +50,8 @@ class EngineLoop:
         self._ready.wait()
         if self._nursery is None:  # the engine failed to start
             self._thread.join()
-            raise EngineNotRunning(f"the engine failed to start: {self.failure!r}") from self.failure
+            cause = unwrap(self.failure) if self.failure is not None else None
+            raise EngineNotRunning(f"the engine failed to start: {cause!r}") from cause
 
     @property
     def running(self) -> bool:
@@ -77,7 +85,8 @@ class EngineLoop:
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
-            raise EngineNotRunning(f"the engine has stopped: {self.failure!r}") from self.failure
+            cause = unwrap(self.failure) if self.failure is not None else None
+            raise EngineNotRunning(f"the engine has stopped: {cause!r}") from cause
 
     def spawn(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Start ``fn()`` as a task beside the engine; it is cancelled when the loop stops."""
