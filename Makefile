@@ -41,8 +41,9 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	rm -rf $(TYPECHECK)/trillm && mkdir -p $(TYPECHECK)/trillm
 	for d in api bench engine kernels; do ln -s ../../../$$d $(TYPECHECK)/trillm/$$d; done
+	ln -s ../../../engine/offline/toplevel/__init__.py $(TYPECHECK)/trillm/__init__.py  # `from trillm import LLM`
 	cd $(TYPECHECK) && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml \
-	  -p trillm.api -p trillm.bench -p trillm.engine -p trillm.kernels
+	  -p trillm.api -p trillm.bench -p trillm.engine -p trillm.kernels -m trillm
 
 bench: install
 	$(VENV)/bin/trillm bench --model $(MODEL)

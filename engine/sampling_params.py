@@ -89,3 +89,11 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """True when the sampler must see the tokens generated so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` samples of one prompt; with a seed, choice j uses seed + j so they differ but repeat
+    (the HTTP API's ``n`` and the offline ``LLM``'s alike)."""
+    if params.seed is None:
+        return [params] * n
+    return [attrs.evolve(params, seed=params.seed + j) for j in range(n)]

@@ -1,0 +1,90 @@
+"""What ``LLM.generate`` returns: one ``RequestOutput`` per prompt, in prompt order (vLLM's shape).
+
+The engine speaks in deltas (``trillm.engine.outputs.RequestOutput``, one per step and
+choice); ``Gathered`` adds them up for one prompt, as the server's non-streaming
+reply does, and ``result`` freezes the total.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.outputs import RequestOutput as EngineOutput
+
+
+@attrs.frozen
+class CompletionOutput:
+    """One of a prompt's ``n`` completions."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # with SamplingParams.logprobs: one per token
+    error: str | None = None  # with finish_reason "error": why (e.g. the grammar allowed no token)
+
+
+@attrs.frozen
+class RequestOutput:
+    """A prompt and its completions."""
+
+    request_id: str
+    prompt: str | None  # None for a prompt given as token ids
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with SamplingParams.prompt_logprobs
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@attrs.define
+class Gathered:
+    """One prompt's choices so far, summed from the engine's deltas."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    want_logprobs: bool
+    texts: list[list[str]] = attrs.field(init=False)
+    token_ids: list[list[int]] = attrs.field(init=False)
+    logprobs: list[list[TokenLogprobs]] = attrs.field(init=False)
+    last: dict[int, EngineOutput] = attrs.field(init=False, factory=dict)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.texts = [[] for _ in range(self.n)]
+        self.token_ids = [[] for _ in range(self.n)]
+        self.logprobs = [[] for _ in range(self.n)]
+
+    def add(self, out: EngineOutput) -> None:
+        self.texts[out.index].append(out.text)
+        self.token_ids[out.index] += out.token_ids
+        self.logprobs[out.index] += out.logprobs
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = out.prompt_logprobs
+        self.last[out.index] = out
+
+    def result(self) -> RequestOutput:
+        """The finished total; a choice the engine never answered ends as "abort"."""
+        outputs = []
+        for j in range(self.n):
+            last = self.last.get(j)
+            outputs.append(
+                CompletionOutput(
+                    j,
+                    "".join(self.texts[j]),
+                    tuple(self.token_ids[j]),
+                    last.finish_reason if last is not None else "abort",
+                    tuple(self.logprobs[j]) if self.want_logprobs else None,
+                    last.error if last is not None else None,
+                )
+            )
+        cached = max((o.num_cached_tokens for o in self.last.values()), default=0)
+        return RequestOutput(
+            self.request_id, self.prompt, tuple(self.prompt_token_ids), tuple(outputs), self.prompt_logprobs, cached
+        )
