@@ -27,11 +27,11 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected, check_logit_bias, check_prompt_ids
 from trillm.engine.execution import native_memory
+from trillm.engine.execution.launch import Ranks, launch
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
-from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult, kv_bytes_per_token
-from trillm.engine.execution.parallel.workers import WorkerDied, Workers
-from trillm.engine.execution.sampler import Sampled
+from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
+from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
@@ -39,10 +39,11 @@ from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
 from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
-from trillm.engine.scheduling.scheduler import Batch, Scheduler
+from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.engine.scheduling.step_loop import Step, StepLoop
+from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.telemetry import EngineObserver
+from trillm.engine.step import Batch, Sampled, Step, StepInputs, StepResult
 from trillm.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
 
 __all__ = [
@@ -76,9 +77,19 @@ class _Abort:
 class Engine:
     """Continuous-batching engine around one model."""
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: Any,
+        eos_ids: frozenset[int],
+        ranks: Ranks | None = None,
+    ) -> None:
+        """``ranks``: the tensor-parallel ranks ``launch`` started for ``model``, which the
+        engine watches and stops with it."""
         self.config = config
         self.model = model
+        self.ranks = ranks
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
@@ -132,7 +143,8 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
-        return cls(config, *load_model(config))
+        launched = launch(config)
+        return cls(config, launched.model, launched.tokenizer, launched.eos_ids, launched.ranks)
 
     # -- the interface handlers use ------------------------------------------------
 
@@ -272,7 +284,7 @@ class Engine:
         # batch runs: the worker goes from step to step without waiting for us.
         batch_tx, batch_rx = trio.open_memory_channel[tuple[Step[StepInputs], trio.Event]](1)
         result_tx, result_rx = trio.open_memory_channel[Sampled | Exception](1)
-        workers = self.model.tp.workers
+        workers = self.ranks
         try:
             async with trio.open_nursery() as nursery:
                 if workers is not None:
@@ -293,7 +305,7 @@ class Engine:
                         await trio.to_thread.run_sync(self.runner.close, limiter=self._limiter)
                     await trio.to_thread.run_sync(workers.join, 0.0 if self._group_broken else 10.0)
 
-    async def _watch_workers(self, workers: Workers) -> None:
+    async def _watch_workers(self, workers: Ranks) -> None:
         """Fail fast when a tensor-parallel rank dies: the group can compute nothing more, so the
         engine stops (every open request ends) rather than wait on a collective forever. This
         machine's ranks are watched as processes; every rank, here or on other nodes, through a

@@ -29,9 +29,9 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, check_logit_bias, check_prompt_ids
 from trillm.engine.execution.loading import load_tokenizer
-from trillm.engine.execution.parallel.workers import children_allowed, join_or_kill
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
+from trillm.engine.processes import children_allowed, join_or_kill
 from trillm.engine.replicas.protocol import (
     Abort,
     Flush,

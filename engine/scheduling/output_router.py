@@ -16,9 +16,8 @@ from typing import Literal
 
 import attrs
 
-from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import RequestOutput
+from trillm.engine.outputs import RequestOutput, TokenLogprobs
 from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.stop_strings import StopStringMatcher
