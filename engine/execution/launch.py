@@ -79,7 +79,11 @@ def launch(config: EngineConfig) -> Launched:
     topology = Topology.of(config)
     config = attrs.evolve(config, dtype=plan.dtype.name, master_port=topology.master_port)
     ranks = Ranks(config, topology)
-    return Launched(*_join_and_load(attrs.evolve(plan, config=config), topology, 0), ranks)
+    try:
+        return Launched(*_join_and_load(attrs.evolve(plan, config=config), topology, 0), ranks)
+    except BaseException:
+        ranks.join(0.0)  # a start that fails leaves no rank behind
+        raise
 
 
 def _join_and_load(plan: LoadPlan, topology: Topology, rank: int) -> tuple[LlamaModel, Any, frozenset[int]]:
