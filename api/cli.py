@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
 
         engine_config = config_from_env(**overrides_from(args, EngineConfig))
         if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: compute only
-            from trillm.engine.execution.parallel.workers import serve_node
+            from trillm.engine.execution.launch import serve_node
 
             serve_node(engine_config)
             exit_now()

@@ -7,7 +7,8 @@ import math
 import re
 from typing import Any
 
-from trillm.engine.execution.sampler import LOGPROB_FLOOR, TokenLogprobs
+from trillm.engine.execution.sampler import LOGPROB_FLOOR
+from trillm.engine.outputs import TokenLogprobs
 
 
 @functools.cache

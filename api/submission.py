@@ -13,9 +13,8 @@ from trillm.api.front_door import current_request_id
 from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
 from trillm.engine.errors import PromptTooLong, RequestRejected
-from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import RequestOutput
+from trillm.engine.outputs import RequestOutput, TokenLogprobs
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarCompilerBusy, GrammarError
 

@@ -242,9 +242,9 @@ def run_bench(args: argparse.Namespace) -> None:
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot
     from trillm.bench.structured import compile_report, load_schema, mask_counters, mask_report, response_format
     from trillm.engine.config import EngineConfig
-    from trillm.engine.execution.llama import LlamaShape
     from trillm.engine.execution.loading import choose_model_dtype
     from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf, resolve_model
+    from trillm.engine.execution.shape import LlamaShape
     from trillm.engine.settings import from_env
 
     dummy = args.load_format == "dummy"

@@ -18,14 +18,15 @@ import trio
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution import native_memory
-from trillm.engine.execution.model_runner import ModelRunner, StepInputs, StepResult
-from trillm.engine.execution.parallel.workers import WorkerDied, Workers
-from trillm.engine.execution.sampler import Sampled
+from trillm.engine.execution.launch import Ranks
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.endings import Endings
 from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
-from trillm.engine.scheduling.scheduler import Batch, Scheduler
-from trillm.engine.scheduling.step_loop import Step, StepLoop
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.step_loop import StepLoop
+from trillm.engine.step import Batch, Sampled, Step, StepInputs, StepResult
 
 log = logging.getLogger("trillm.engine")
 # Under load, the runner thread hands malloc's kept free memory back at most this often
@@ -81,7 +82,7 @@ class Actors:
         self._last_trim = time.monotonic()
         self._steps_at_trim = 0  # ``num_steps`` at the last trim: an idle engine trims once
 
-    async def run(self, workers: Workers | None, task_status: trio.TaskStatus[None]) -> None:
+    async def run(self, workers: Ranks | None, task_status: trio.TaskStatus[None]) -> None:
         """Serve until cancelled; on the way out every open request ends ("abort"), every page
         is freed and the other tensor-parallel ranks (``workers``) stop with us."""
         # One batch may wait while another runs, and one result while the next
@@ -107,7 +108,7 @@ class Actors:
                         await trio.to_thread.run_sync(self.runner.close, limiter=self.limiter)
                     await trio.to_thread.run_sync(workers.join, 0.0 if self.group_broken else 10.0)
 
-    async def _watch_workers(self, workers: Workers) -> None:
+    async def _watch_workers(self, workers: Ranks) -> None:
         """Fail fast when a tensor-parallel rank dies: the group can compute nothing more, so the
         engine stops (every open request ends) rather than wait on a collective forever. This
         machine's ranks are watched as processes; every rank, here or on other nodes, through a

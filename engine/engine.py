@@ -27,9 +27,11 @@ from trillm.engine.actors import Actors, Arrival, Cancel, Message
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
 from trillm.engine.execution import native_memory
+from trillm.engine.execution.launch import Ranks, launch
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
-from trillm.engine.execution.model_runner import ModelRunner, StepInputs, kv_bytes_per_token
+from trillm.engine.step import StepInputs
+from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
@@ -61,9 +63,19 @@ _ids = itertools.count()
 class Engine:
     """Continuous-batching engine around one model."""
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        tokenizer: Any,
+        eos_ids: frozenset[int],
+        ranks: Ranks | None = None,
+    ) -> None:
+        """``ranks``: the tensor-parallel ranks ``launch`` started for ``model``, which the
+        engine watches and stops with it."""
         self.config = config
         self.model = model
+        self.ranks = ranks
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
@@ -108,7 +120,8 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig) -> Engine:
         """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
-        return cls(config, *load_model(config))
+        launched = launch(config)
+        return cls(config, launched.model, launched.tokenizer, launched.eos_ids, launched.ranks)
 
     # -- the interface handlers use ------------------------------------------------
 
@@ -254,6 +267,6 @@ class Engine:
         if observer is not None:
             self.router.observer = observer
         try:
-            await self.actors.run(self.model.tp.workers, task_status)
+            await self.actors.run(self.ranks, task_status)
         finally:
             self.grammars.close()  # no compile process outlives the engine

@@ -23,8 +23,7 @@ from types import TracebackType
 import attrs
 import trio
 
-from trillm.engine.execution.sampler import TokenLogprobs
-from trillm.engine.outputs import RequestOutput
+from trillm.engine.outputs import RequestOutput, TokenLogprobs
 
 
 @attrs.define

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import attrs
 
-from trillm.engine.execution.sampler import TokenLogprobs
+
+@attrs.frozen
+class TokenLogprobs:
+    """The chosen token's log-probability and the ``k`` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @attrs.frozen

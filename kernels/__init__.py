@@ -15,7 +15,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-KERNEL_CHOICES = ("auto", "triton", "reference")
+KERNEL_CHOICES = ("triton", "reference")
 
 
 @attrs.frozen
@@ -59,10 +59,11 @@ def triton_available(device: torch.device) -> bool:
 
 
 def select_kernels(choice: str, device: torch.device) -> Kernels:
-    """``auto``: Triton on CUDA, else the reference; ``triton``/``reference`` force one."""
+    """The set ``choice`` names, ``triton`` or ``reference``. There is no ``auto`` here: which
+    backend runs where is decided once, by the engine's registry (its ``auto`` rule)."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, not {choice!r}")
-    if choice == "reference" or (choice == "auto" and device.type != "cuda"):
+    if choice == "reference":
         return reference_kernels()
     if not triton_available(device):
         raise ValueError(f"Triton kernels cannot run on {device} here (set TRITON_INTERPRET=1 to interpret them)")

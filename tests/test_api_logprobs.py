@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from trillm.api.json_text import dumps
 from trillm.api.logprobs import chat_content, legacy, token_bytes
 from trillm.api.responses import sse, typed_sse
-from trillm.engine.execution.sampler import LOGPROB_FLOOR, TokenLogprobs
+from trillm.engine.execution.sampler import LOGPROB_FLOOR
+from trillm.engine.outputs import TokenLogprobs
 
 from tests.server import MODEL, QUESTION, client, in_thread
 

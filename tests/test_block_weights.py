@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trillm.engine.config import EngineConfig
+from trillm.engine.execution.backends import CpuBackend
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.kernels import cpu_matmul
@@ -82,7 +83,10 @@ def test_default_model_packs_every_projection_exactly(model_parts, model_dir):
     """The shipped GGUF's weights are Q4_1 and Q8_0: all 121 projections pack, and
     every packed value equals the float32 weight a dense load gives."""
     blocks = model_parts[0]
-    dense = LlamaModel.load(model_dir, json.loads((model_dir / "config.json").read_text()), torch.float32, 256)
+    config = json.loads((model_dir / "config.json").read_text())
+    dense = LlamaModel.load(
+        model_dir, config, torch.float32, 256, backend=CpuBackend(torch.device("cpu"), torch.float32)
+    )
     assert dense.num_block_weights == 0
     assert blocks.num_block_weights == len(blocks.projections()) == 1 + 4 * blocks.shape.num_layers
     assert isinstance(blocks.lm_head, Q8_0Weight) and isinstance(blocks.layers[0].gate_up, Q4_1Weight)

@@ -26,7 +26,7 @@ from trillm.api.app import create_app
 from trillm.api.cli import hypercorn_config
 from trillm.api.settings import ServerConfig
 from trillm.bench.run import wait_healthy
-from trillm.engine.execution.parallel.workers import free_port
+from trillm.engine.processes import free_port
 
 from tests.helpers import all_tasks, make_engine, wait_idle
 

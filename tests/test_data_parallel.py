@@ -16,7 +16,7 @@ import pytest
 
 from trillm.bench.run import wait_healthy
 from trillm.engine.config import EngineConfig
-from trillm.engine.execution.parallel.workers import free_port
+from trillm.engine.processes import free_port
 from trillm.engine.replicas.router import PrefixRouter, prefix_hashes
 
 from tests.server import MODEL

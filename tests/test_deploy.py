@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from trillm.bench.run import wait_healthy
-from trillm.engine.execution.parallel.workers import free_port
+from trillm.engine.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -22,7 +22,7 @@ MODEL = "smollm2-135m-instruct"
 
 def test_hypercorn_cli_with_environment_settings():
     """Also at ``TRILLM_TP=2``: Hypercorn's workers are daemonic processes, which Python forbids to
-    start children unless asked otherwise (``parallel.workers.children_allowed``)."""
+    start children unless asked otherwise (``engine.processes.children_allowed``)."""
     port = free_port()
     env = {**os.environ, "TRILLM_NUM_PAGES": "64", "TRILLM_SERVED_MODEL_NAME": "smol", "TRILLM_DTYPE": "float32"}
     env["TRILLM_TP"] = "2"

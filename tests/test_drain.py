@@ -26,7 +26,7 @@ import trio.testing
 from trillm.api.drain import Drain, shut_down_connections
 from trillm.api.errors import ApiError
 from trillm.bench.run import wait_healthy
-from trillm.engine.execution.parallel.workers import free_port
+from trillm.engine.processes import free_port
 
 MODEL = "smollm2-135m-instruct"
 GRACE = 5  # Hypercorn's graceful_timeout in ``trillm serve``

@@ -18,10 +18,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
-from trillm.engine.execution.backends import CpuBackend
-from trillm.engine.execution.llama import LlamaModel, LlamaShape, dummy_weights
+from trillm.engine.execution.backends import CpuBackend, create_backend
+from trillm.engine.execution.llama import LlamaModel, dummy_weights
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.execution.shape import LlamaShape
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.prefix_cache import PrefixCache
@@ -64,7 +65,17 @@ def _weights() -> dict[str, torch.Tensor]:
 
 def _models() -> dict[str, LlamaModel]:
     shape, weights = LlamaShape.from_config(TINY), _weights()
-    return {name: LlamaModel(shape, weights, torch.float32, 256, _device(name), name) for name in VARIANTS}
+    return {
+        name: LlamaModel(
+            shape,
+            weights,
+            torch.float32,
+            256,
+            _device(name),
+            backend=create_backend(name, _device(name), torch.float32),
+        )
+        for name in VARIANTS
+    }
 
 
 def _hf_model() -> LlamaForCausalLM:
@@ -207,6 +218,9 @@ def test_shape_byte_counts_match_a_built_model():
     from trillm.engine.execution.model_runner import kv_bytes_per_token
 
     shape = LlamaShape.from_config(TINY)
-    model = LlamaModel(shape, _weights(), torch.float32, 256, torch.device("cpu"), "reference")
+    cpu = torch.device("cpu")
+    model = LlamaModel(
+        shape, _weights(), torch.float32, 256, cpu, backend=create_backend("reference", cpu, torch.float32)
+    )
     assert model.projection_bytes == shape.dense_projection_bytes(torch.float32)
     assert kv_bytes_per_token(model) == shape.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 16 * 4

@@ -187,7 +187,8 @@ def test_reference_sampling_keeps_only_allowed_tokens():
 
 
 def test_select_kernels():
+    """A set is named; ``auto`` is the engine's backend registry's one rule, not a second one here."""
     assert select_kernels("reference", DEVICE).name == "reference"
-    assert select_kernels("auto", torch.device("cpu")).name == "reference"
-    with pytest.raises(ValueError):
-        select_kernels("fast", DEVICE)
+    for unknown in ("auto", "fast"):
+        with pytest.raises(ValueError):
+            select_kernels(unknown, DEVICE)

@@ -19,13 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trillm.engine.execution.backends.base import StepRows
-from trillm.engine.execution.model_runner import StepInputs, _fill_pending
+from trillm.engine.execution.model_runner import _fill_pending
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.prefix_cache import PrefixCache
-from trillm.engine.scheduling.scheduler import Batch, Scheduler
-from trillm.engine.scheduling.sequence import PENDING, Sequence
-from trillm.engine.scheduling.step_loop import Step, StepLoop
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.step_loop import StepLoop
+from trillm.engine.step import PENDING, Batch, Step, StepInputs
 
 from tests.helpers import make_engine, wait_idle
 

@@ -26,9 +26,10 @@ from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
-from trillm.engine.scheduling.scheduler import Batch, Scheduler
-from trillm.engine.scheduling.sequence import PENDING, Sequence
-from trillm.engine.scheduling.step_loop import Step, StepLoop
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.step_loop import StepLoop
+from trillm.engine.step import PENDING, Batch, Step
 
 from tests.helpers import make_engine, wait_idle
 from tests.server import MODEL, client, in_thread, running_server

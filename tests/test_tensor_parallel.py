@@ -18,10 +18,11 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.execution.layers import make_weight, project, project_add
-from trillm.engine.execution.llama import LlamaShape
 from trillm.engine.execution.parallel.group import TensorParallel
 from trillm.engine.execution.parallel.sharding import even_ranges, local_shape, partition, shard_weights
-from trillm.engine.execution.parallel.workers import WorkerDied, check_same_model, free_port
+from trillm.engine.execution.parallel.topology import WorkerDied, check_same_model
+from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.processes import free_port
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarSpec
 
@@ -188,7 +189,8 @@ async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_p
         nursery.cancel_scope.cancel()
 
     two = await trio.to_thread.run_sync(Engine.load, EngineConfig(**settings, tp=2, dist_timeout=3.0))
-    workers = two.model.tp.workers
+    workers = two.ranks
+    assert workers is not None
     assert len(workers.processes) == 1 and two.model.shape.num_heads == 6  # rank 0: two of the three groups
     with pytest.raises(ExceptionGroup) as failure:
         async with trio.open_nursery() as nursery:

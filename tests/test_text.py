@@ -89,7 +89,8 @@ def test_llama3_rope_scaling_matches_transformers():
 
 
 def test_penalties_bias_and_bans_follow_their_formulas():
-    from trillm.engine.execution.sampler import SampleRow, _adjust
+    from trillm.engine.execution.sampler import _adjust
+    from trillm.engine.step import SampleRow
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
     params = SamplingParams(
@@ -107,7 +108,7 @@ def test_penalties_bias_and_bans_follow_their_formulas():
 
 
 def test_seeded_rows_draw_the_same_whatever_the_batch():
-    from trillm.engine.execution.sampler import SampleRow
+    from trillm.engine.step import SampleRow
 
     torch.manual_seed(3)
     logits = torch.randn(4, 100)

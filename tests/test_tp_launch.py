@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from trillm.bench.run import wait_healthy
-from trillm.engine.execution.parallel.workers import free_port
+from trillm.engine.processes import free_port
 
 from tests.server import MODEL, running_server
 

@@ -1,7 +1,9 @@
 """The execution half of the engine: turning a scheduled batch into sampled tokens.
 
-The model definition (weights, embedding, LM head), the backends that run its layers
-(``backends/``: the CPU fast path, Triton or reference kernels, one registry), weight
-loading, the runner, CUDA graphs and the sampler. Nothing here knows about requests'
-channels or HTTP.
+It flows one way, top to bottom: ``launch`` (starts the tensor-parallel ranks, joins
+their group, then loads) -> ``model_runner`` -> ``loading`` (picks the dtype and the
+backend, from the one registry, and hands it to the model) -> ``llama`` -> ``backends``,
+``parallel`` -> ``layers``, ``rope``, ``sampler``, ``shape``. It meets the scheduling
+half only through the step records of ``trillm.engine.step``. Nothing here knows about
+requests' channels or HTTP.
 """

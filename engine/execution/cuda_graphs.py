@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from trillm.engine.execution.backends import KernelMetadata, KVCache, StepMetadata
+from trillm.engine.execution.backends import KernelMetadata, KVCache
 from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.step import StepMetadata
 
 log = logging.getLogger("trillm.engine")
 

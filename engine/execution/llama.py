@@ -2,10 +2,10 @@
 
 Weights are plain tensors held by the model; Q/K/V and gate/up projections are
 fused into one matmul each at load time. ``transformers`` supplies only the config.
-The model embeds tokens and projects logits; its backend (``backends/``) runs the
-decoder layers. Where the backend allows it (the CPU fast path in float32),
-projections whose values are exactly GGUF blocks (as the default model's are) stay
-in those blocks (``kernels/block_weights.py``).
+The model embeds tokens and projects logits; its backend (``backends/``), chosen by
+the composition root (``loading.py``) and handed in, runs the decoder layers. Where
+the backend allows it (the CPU fast path in float32), projections whose values are
+exactly GGUF blocks (as the default model's are) stay in those blocks (``kernels/block_weights.py``).
 """
 
 from __future__ import annotations
@@ -15,79 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 from safetensors import safe_open
 
-from trillm.engine.execution.backends import Backend, KVCache, StepMetadata, create_backend
+from trillm.engine.execution.backends import Backend, KVCache
 from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.layers import LayerWeights, Weight, make_weight, project
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
-
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
-
-
-@attrs.frozen
-class LlamaShape:
-    """The numbers of a Llama-family config that the forward pass uses."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm over each Q and K head before RoPE
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one token over every layer: what the KV pool is sized by."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
-
-    def dense_projection_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of every projection (and the LM head) as dense ``dtype`` matrices: what one decode
-        step reads of the weights unless they are kept in blocks (``LlamaModel.projection_bytes``)."""
-        d, h = self.head_dim, self.hidden_size
-        per_layer = (
-            h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + 3 * h * self.intermediate_size
-        )
-        return (self.num_layers * per_layer + self.vocab_size * h) * torch.finfo(dtype).bits // 8
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> LlamaShape:
-        archs = set(cfg.get("architectures") or ["LlamaForCausalLM"])
-        if not archs & SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {sorted(archs)}; trillm serves {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
-        # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        heads = cfg["num_attention_heads"]
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=rope or None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
-            qk_norm="Qwen3ForCausalLM" in archs,
-        )
+from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.step import StepMetadata
 
 
 def dummy_weights(
@@ -151,12 +89,13 @@ class LlamaModel:
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str = "cpu",
-        backend: Backend | str = "auto",
+        *,
+        backend: Backend,
         block_weights: bool = False,
         tp: TensorParallel = SINGLE,
     ) -> None:
-        """``backend``: a ``Backend``, or a ``--kernels`` value for the registry
-        (``auto``: Triton on CUDA, the CPU fast path elsewhere). ``block_weights`` keeps
+        """``backend``: what runs the layers (``backends.create_backend`` makes one from the
+        ``--kernels`` setting), for ``device`` and ``dtype``. ``block_weights`` keeps
         projections that are exact GGUF blocks in that form, where the backend can run them.
         ``tp``: this model is one rank's shard (``parallel/sharding.py``): ``shape`` is the
         rank's own, ``weights`` already cut to it."""
@@ -165,7 +104,7 @@ class LlamaModel:
         self.fingerprint = ""  # of the whole checkpoint (``sharded``): ranks compare it at start
         self.dtype = dtype
         self.device = torch.device(device)
-        self.backend = backend if isinstance(backend, Backend) else create_backend(backend, self.device, dtype)
+        self.backend = backend
         if (self.backend.device.type, self.backend.dtype) != (self.device.type, dtype):
             raise ValueError(
                 f"a backend for {self.backend.device} {self.backend.dtype} cannot run a model "
@@ -232,7 +171,8 @@ class LlamaModel:
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str = "cpu",
-        backend: Backend | str = "auto",
+        *,
+        backend: Backend,
         seed: int = 0,
         tp: TensorParallel = SINGLE,
     ) -> LlamaModel:
@@ -244,9 +184,9 @@ class LlamaModel:
             dtype,
             max_len,
             device,
-            backend,
-            False,
-            tp,
+            backend=backend,
+            block_weights=False,
+            tp=tp,
         )
 
     @classmethod
@@ -257,7 +197,8 @@ class LlamaModel:
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str,
-        backend: Backend | str,
+        *,
+        backend: Backend,
         block_weights: bool,
         tp: TensorParallel,
     ) -> LlamaModel:
@@ -265,10 +206,11 @@ class LlamaModel:
         model) are cut before they are moved or fused, and the rest freed."""
         whole = weights(shape)
         if tp.part is None:
-            model = cls(shape, whole, dtype, max_len, device, backend, block_weights)
+            model = cls(shape, whole, dtype, max_len, device, backend=backend, block_weights=block_weights)
         else:
             mine = shard_weights(whole, shape, tp.part)
-            model = cls(local_shape(shape, tp.part), mine, dtype, max_len, device, backend, block_weights, tp)
+            part = local_shape(shape, tp.part)
+            model = cls(part, mine, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
         model.fingerprint = fingerprint(whole)
         return model
 
@@ -280,7 +222,8 @@ class LlamaModel:
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str = "cpu",
-        backend: Backend | str = "auto",
+        *,
+        backend: Backend,
         block_weights: bool = False,
         tp: TensorParallel = SINGLE,
     ) -> LlamaModel:
@@ -296,7 +239,8 @@ class LlamaModel:
                 raise FileNotFoundError(f"no .safetensors files in {folder}")
             return weights
 
-        return cls.sharded(LlamaShape.from_config(config), read, dtype, max_len, device, backend, block_weights, tp)
+        shape = LlamaShape.from_config(config)
+        return cls.sharded(shape, read, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
 
     def forward(
         self,

@@ -1,4 +1,5 @@
-"""Load a model for the engine: resolve weights, pick the dtype, read tokenizer and EOS ids."""
+"""Load a model for the engine: resolve weights, pick the dtype and the backend, read the
+tokenizer and EOS ids. One process's part; starting tensor-parallel ranks is ``launch.py``'s."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import Backend, create_backend
-from trillm.engine.execution.dtype_choice import DTYPE_NAMES, DtypeChoice, block_weights_wanted, choose_dtype
-from trillm.engine.execution.llama import LlamaModel, LlamaShape
+from trillm.engine.execution.dtype_choice import DtypeChoice, block_weights_wanted, choose_dtype
+from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
-from trillm.engine.execution.parallel.sharding import partition
-from trillm.engine.execution.parallel.workers import Topology, Workers, check_same_model, join_group, rank_device
+from trillm.engine.execution.parallel.topology import check_same_model
 from trillm.kernels import cpu_build, cpu_matmul
 
 log = logging.getLogger("trillm.engine")
@@ -88,16 +88,21 @@ def _use_block_weights(config: EngineConfig, backend: Backend) -> bool:
     return block_weights_wanted(config, possible)
 
 
-def load_model(
-    config: EngineConfig, topology: Topology | None = None, rank: int = 0
-) -> tuple[LlamaModel, Any, frozenset[int]]:
-    """Weights, tokenizer and EOS ids for ``config.model`` (slow; call from a thread).
+@attrs.frozen
+class LoadPlan:
+    """What is to be loaded, decided before any weight is read (and before other tensor-parallel
+    ranks start, so that they load the same): the files, their config, the device and dtype."""
 
-    With ``--tp`` > 1, the shard of rank ``rank`` (0 unless a worker calls): rank 0 first
-    spawns this machine's other ranks, then every rank joins the group, loads its part and
-    checks that all loaded the same model."""
-    from transformers import AutoTokenizer
+    config: EngineConfig
+    folder: Path
+    model_config: dict[str, Any]
+    device: torch.device
+    dtype: DtypeChoice
 
+
+def plan_load(config: EngineConfig) -> LoadPlan:
+    """Resolve ``config.model`` (downloading or converting it if needed) and choose the device
+    and dtype (slow; call from a thread)."""
     # The forward pass runs in the runner's worker thread with all cores. A
     # second OpenMP team on the loading thread would halve its speed on small
     # machines, so the caller's thread stays single-threaded.
@@ -107,26 +112,29 @@ def load_model(
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)
     dtype_choice = choose_dtype(config, device, None if config.load_format == "dummy" else folder, model_config)
-    dtype = dtype_choice.dtype
     if config.dtype == "auto":  # a dtype asked for needs no reason
         log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
-    tp, workers = SINGLE, None
-    if config.tp > 1:
-        if topology is None:  # the serving rank: the others are started with the dtype it chose
-            topology = Topology.of(config)
-            config = attrs.evolve(config, dtype=DTYPE_NAMES[dtype], master_port=topology.master_port)
-            workers = Workers(config, topology)
-        device = rank_device(device, topology, rank)
-        compute = join_group(topology, rank, device)
-        shape = LlamaShape.from_config(model_config)
-        tp = TensorParallel(partition(shape, topology.size, rank), compute, shape.vocab_size, workers)
+    return LoadPlan(config, folder, model_config, device, dtype_choice)
+
+
+def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaModel, Any, frozenset[int]]:
+    """Weights, tokenizer and EOS ids of ``plan``: the whole model, or with ``tp`` (a group already
+    joined, ``launch.py``) this rank's shard, checked to be the same model on every rank. The
+    backend is chosen here, from the one registry (``backends.create_backend``), and handed to
+    the model."""
+    from transformers import AutoTokenizer
+
+    config, folder, model_config, device = plan.config, plan.folder, plan.model_config, plan.device
+    dtype = plan.dtype.dtype
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     backend = create_backend(config.kernels, device, dtype)
     blocks = _use_block_weights(config, backend)
     if config.load_format == "dummy":
-        model = LlamaModel.dummy(model_config, dtype, max_len, device, backend, tp=tp)
+        model = LlamaModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
     else:
-        model = LlamaModel.load(folder, model_config, dtype, max_len, device, backend, blocks, tp)
+        model = LlamaModel.load(
+            folder, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
+        )
     if tp.size > 1:
         settings = json.dumps(model_config, sort_keys=True, default=str)
         check_same_model(f"{model.fingerprint}:{settings}:{dtype}:{model.num_block_weights}")
@@ -148,6 +156,14 @@ def load_model(
         folder,
     )
     return model, tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer)
+
+
+def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
+    """Weights, tokenizer and EOS ids for ``config.model`` in one process (slow; call from a
+    thread). ``--tp`` > 1 starts ranks first: that is ``launch.launch``."""
+    if config.tp > 1:
+        raise ValueError("--tp > 1 is launched (trillm.engine.execution.launch.launch), not loaded in one process")
+    return load_planned(plan_load(config))
 
 
 def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str, Any]]:

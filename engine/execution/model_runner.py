@@ -21,37 +21,30 @@ from typing import Any
 import attrs
 import torch
 
-from trillm.engine.execution.backends import StepInputs
-from trillm.engine.execution.backends.base import PromptSpan
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from trillm.engine.execution.llama import LlamaModel
-from trillm.engine.execution.parallel.workers import HEARTBEAT, RunnerSetup, StepChannel, WorkerDied
-from trillm.engine.execution.sampler import Sampled, SampleRow, TokenLogprobs, sample_with_logprobs
-from trillm.engine.scheduling.scheduler import Batch
-from trillm.engine.scheduling.sequence import PENDING
+from trillm.engine.execution.parallel.channel import StepChannel
+from trillm.engine.execution.parallel.topology import WorkerDied
+from trillm.engine.execution.sampler import sample_with_logprobs
+from trillm.engine.outputs import TokenLogprobs
+from trillm.engine.step import (
+    HEARTBEAT,
+    PENDING,
+    Batch,
+    PromptLogprobs,
+    PromptSpan,
+    RunnerSetup,
+    Sampled,
+    SampleRow,
+    ScheduledSequence,
+    StepInputs,
+    StepResult,
+)
 from trillm.engine.structured.matcher import GrammarMasks, advance
 
 log = logging.getLogger("trillm.engine")
 
-__all__ = ["ModelRunner", "PromptLogprobs", "StepInputs", "StepResult", "kv_bytes_per_token"]
-
-
-@attrs.frozen
-class PromptLogprobs:
-    """Prompt tokens ``start + 1``, ``start + 2``, ... of chunk ``chunk`` of the step's batch, each
-    with its log-probability given the tokens before it (the model's raw log-softmax: no
-    temperature, bias or penalty) and the ``top`` most likely tokens there."""
-
-    chunk: int
-    start: int
-    entries: tuple[TokenLogprobs, ...]
-
-
-@attrs.frozen
-class StepResult(Sampled):
-    """A step's samples, plus the prompt log-probabilities its requests asked for."""
-
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+__all__ = ["ModelRunner", "kv_bytes_per_token"]
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tuple[PromptLogprobs, ...]:
@@ -130,7 +123,7 @@ class ModelRunner:
         # Rank 0 of a tensor-parallel group sends every step to the other ranks, which run it alike.
         self.steps: StepChannel | None = None
         if model.tp.size > 1 and model.tp.rank == 0:
-            self.steps = StepChannel()
+            self.steps = StepChannel(model.tp.steps)
             self.steps.send(RunnerSetup(num_pages, page_size, graph_batch, max_model_len))
         self.graphs: DecodeGraphs | None = None
         if graph_batch > 0:
@@ -163,7 +156,7 @@ class ModelRunner:
         log.info("decode graphs for batch sizes %s captured in %.1f s", graphs.buckets, time.perf_counter() - started)
         return graphs
 
-    def prepare(self, batch: Batch) -> StepInputs:
+    def prepare(self, batch: Batch[ScheduledSequence]) -> StepInputs:
         """The step's tensors, in the backend's own metadata."""
         return self.backend.prepare(batch, self.page_size)
 

@@ -10,44 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import torch
 import torch.nn.functional as F
 
+from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.structured.matcher import GrammarMasks, Matcher
+from trillm.engine.step import Sampled, SampleRow
+from trillm.engine.structured.matcher import GrammarMasks
 
 # ``kernels.reference.sample_top_k_top_p``'s signature: logits, temperature, top_k,
 # top_p, min_p, uniforms -> tokens (a backend's ``sampling_kernel``).
 SamplingKernel = Callable[..., torch.Tensor]
 LOGPROB_FLOOR = -9999.0
-
-
-@attrs.frozen
-class SampleRow:
-    """What the sampler needs about one row; a snapshot taken before the step."""
-
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    prompt_ids: tuple[int, ...] | list[int] = ()
-    output_ids: tuple[int, ...] = ()
-    banned_ids: tuple[int, ...] = ()  # EOS and stop ids while min_tokens is not reached
-    matcher: Matcher | None = None  # the row's grammar state, when it has one
-
-
-@attrs.frozen
-class TokenLogprobs:
-    """The chosen token's log-probability and the ``k`` most likely alternatives."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@attrs.frozen
-class Sampled:
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None]  # per row; None where not asked for
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow] | list[SamplingParams]) -> list[int]:

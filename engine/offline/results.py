@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from trillm.engine.execution.sampler import TokenLogprobs
+from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.outputs import RequestOutput as EngineOutput
 
 

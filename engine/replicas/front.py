@@ -30,9 +30,9 @@ import trio
 from trillm.engine import admission
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.loading import load_tokenizer
-from trillm.engine.execution.parallel.workers import children_allowed, join_or_kill
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
+from trillm.engine.processes import children_allowed, join_or_kill
 from trillm.engine.replicas.protocol import (
     Abort,
     Flush,

@@ -19,9 +19,9 @@ import trio
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
-from trillm.engine.execution.parallel.workers import ignore_stop_signals
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import RequestOutput
+from trillm.engine.processes import ignore_stop_signals
 from trillm.engine.replicas.protocol import Abort, Flush, Outputs, PipeWriter, Ready, Refused, Stats, Stop, Submit
 
 log = logging.getLogger("trillm.engine")

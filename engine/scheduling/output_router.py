@@ -15,9 +15,8 @@ import time
 
 import attrs
 
-from trillm.engine.execution.sampler import TokenLogprobs
 from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import RequestOutput
+from trillm.engine.outputs import RequestOutput, TokenLogprobs
 from trillm.engine.scheduling.detokenizer import IncrementalDetokenizer
 from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.sequence import Sequence

@@ -14,32 +14,8 @@ import attrs
 from trillm.engine.scheduling.kv_pages import PageAllocator, pages_needed
 from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
-from trillm.engine.scheduling.sequence import PENDING, Sequence
-
-
-@attrs.frozen
-class ScheduledChunk:
-    """``length`` tokens of ``seq`` starting at position ``start``.
-
-    ``samples`` is fixed when scheduled: the chunk reaches the end of the known
-    tokens, so the step samples a new one after it. ``generation`` is the
-    sequence's preemption count then: a chunk of an older generation wrote
-    pages the sequence no longer holds.
-    """
-
-    seq: Sequence
-    start: int
-    length: int
-    samples: bool
-    generation: int = 0
-
-    @classmethod
-    def next_for(cls, seq: Sequence, length: int) -> ScheduledChunk:
-        return cls(seq, seq.num_computed, length, seq.num_computed + length == seq.num_tokens, seq.num_preemptions)
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.step import PENDING, Batch, ScheduledChunk
 
 
 @attrs.define
@@ -47,10 +23,10 @@ class _Draft:
     """The step being built: its chunks, the token budget left, and the best rank preempted in it."""
 
     budget: int
-    chunks: list[ScheduledChunk] = attrs.field(factory=list)
+    chunks: list[ScheduledChunk[Sequence]] = attrs.field(factory=list)
     floor: tuple[float, float] | None = None
 
-    def add(self, chunk: ScheduledChunk) -> None:
+    def add(self, chunk: ScheduledChunk[Sequence]) -> None:
         self.chunks.append(chunk)
         self.budget -= chunk.length
 
@@ -64,15 +40,6 @@ class _Draft:
                 del self.chunks[i]
                 self.budget += chunk.length
                 return
-
-
-@attrs.frozen
-class Batch:
-    chunks: tuple[ScheduledChunk, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
 
 
 class Scheduler:
@@ -156,7 +123,7 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------
 
-    def schedule(self) -> Batch:
+    def schedule(self) -> Batch[Sequence]:
         draft = _Draft(self.max_batch_tokens)
         rank = self.policy.rank
         by_priority = self.policy.by_priority
@@ -299,7 +266,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.policy.requeue(self.waiting, seq)
 
-    def launch(self, batch: Batch) -> None:
+    def launch(self, batch: Batch[Sequence]) -> None:
         """A step goes into flight: its sequences advance past its chunks, and each
         sampling chunk appends a ``PENDING`` token that ``resolve`` fills in."""
         sample = 0
@@ -314,7 +281,7 @@ class Scheduler:
                 seq.output_ids.append(PENDING)
                 seq.pending_sample = sample - 1
 
-    def resolve(self, batch: Batch, sampled: list[int]) -> list[tuple[Sequence, int]]:
+    def resolve(self, batch: Batch[Sequence], sampled: list[int]) -> list[tuple[Sequence, int]]:
         """Apply a launched step that returned: settle its KV, put each sampled token
         in place of its ``PENDING`` and retire sequences that finished.
 
@@ -348,7 +315,7 @@ class Scheduler:
                 self._release(seq)
         return updated
 
-    def complete(self, batch: Batch, sampled: list[int]) -> list[Sequence]:
+    def complete(self, batch: Batch[Sequence], sampled: list[int]) -> list[Sequence]:
         """Launch and resolve a step at once; returns the sequences that got a token."""
         self.launch(batch)
         return [seq for seq, _ in self.resolve(batch, sampled)]

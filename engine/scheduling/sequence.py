@@ -7,15 +7,12 @@ from typing import Any
 import attrs
 
 from trillm.engine.sampling_params import SamplingParams
-
-# An output token that a step in flight samples: scheduling runs one step ahead
-# of the sampled tokens, so the next step is built before this one's arrive.
-PENDING = -1
+from trillm.engine.step import PENDING
 
 
 @attrs.define(eq=False)
 class Sequence:
-    """Tokens, pages and progress of one request.
+    """Tokens, pages and progress of one request (a ``step.ScheduledSequence`` to the runner).
 
     ``num_computed`` counts the tokens whose K/V is in the cache or is being
     written by a step in flight. Whatever lies beyond it is scheduled next: many

@@ -12,20 +12,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-import attrs
-
-from trillm.engine.scheduling.scheduler import Batch, Scheduler
+from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.step import Batch, Step
 
 Inputs = TypeVar("Inputs")
-
-
-@attrs.frozen
-class Step(Generic[Inputs]):
-    """A launched batch and the inputs prepared for it (a snapshot the worker may read)."""
-
-    batch: Batch
-    inputs: Inputs
 
 
 class StepLoop(Generic[Inputs]):
@@ -34,9 +25,9 @@ class StepLoop(Generic[Inputs]):
     def __init__(
         self,
         scheduler: Scheduler,
-        prepare: Callable[[Batch], Inputs],
+        prepare: Callable[[Batch[Sequence]], Inputs],
         depth: int,
-        on_scheduled: Callable[[Batch], None] = lambda batch: None,
+        on_scheduled: Callable[[Batch[Sequence]], None] = lambda batch: None,
     ) -> None:
         if depth not in (1, 2):
             raise ValueError("depth must be 1 (one step at a time) or 2 (one step ahead)")
@@ -66,18 +57,20 @@ class StepLoop(Generic[Inputs]):
         was scheduled (so waiting is all there is to do)."""
         return bool(self.in_flight) and (len(self.in_flight) >= self.depth or not scheduled)
 
-    def resolve(self, sampled: list[int]) -> tuple[Batch, list[tuple[Sequence, int]]]:
+    def resolve(self, sampled: list[int]) -> tuple[Batch[Sequence], list[tuple[Sequence, int]]]:
         """The oldest step returned ``sampled`` (one token per sampling chunk): settle it.
 
         Returns its batch and each sequence that got a token, with the token's index."""
         step = self.in_flight.popleft()
         return step.batch, self.scheduler.resolve(step.batch, sampled)
 
-    def fail(self) -> Batch:
+    def fail(self) -> Batch[Sequence]:
         """The oldest step failed: drop it; the caller ends its requests."""
         return self.in_flight.popleft().batch
 
-    def run_once(self, execute: Callable[[Step[Inputs]], list[int]]) -> tuple[Batch, list[tuple[Sequence, int]]] | None:
+    def run_once(
+        self, execute: Callable[[Step[Inputs]], list[int]]
+    ) -> tuple[Batch[Sequence], list[tuple[Sequence, int]]] | None:
         """One turn of the loop with a synchronous worker: schedule (and launch) a step, then,
         when one is due, execute the oldest and resolve it. Returns what was resolved, if anything."""
         scheduled = self.schedule() is not None

@@ -2,7 +2,9 @@
 
 ``BACKENDS`` maps each value of the ``--kernels`` setting to a factory of
 ``(device, dtype) -> Backend``; ``auto`` resolves by device (Triton on CUDA, the CPU
-fast path elsewhere). A new backend is a ``Backend`` subclass and one entry here.
+fast path elsewhere): the one ``auto`` rule. A new backend is a ``Backend`` subclass and
+one entry here. The composition root (``loading.py``) makes the backend and hands it to
+the model; a backend reads the model only through ``ModelWeights``.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from trillm.engine.execution.backends.base import Backend, KVCache, SamplingKernel, StepInputs, StepMetadata
+from trillm.engine.execution.backends.base import Backend, KVCache, ModelWeights
 from trillm.engine.execution.backends.cpu import CpuBackend
 from trillm.engine.execution.backends.kernel import KernelBackend, KernelMetadata
 from trillm.kernels import select_kernels
@@ -47,9 +49,7 @@ __all__ = [
     "KVCache",
     "KernelBackend",
     "KernelMetadata",
-    "SamplingKernel",
-    "StepInputs",
-    "StepMetadata",
+    "ModelWeights",
     "create_backend",
     "resolve_backend",
 ]

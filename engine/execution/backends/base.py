@@ -11,44 +11,61 @@ which backend it holds. After mini-sglang's ``python/minisgl/attention/base.py``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import torch
 
-from trillm.engine.execution.sampler import SampleRow, SamplingKernel
-from trillm.engine.scheduling.scheduler import Batch, ScheduledChunk
-from trillm.engine.scheduling.sequence import Sequence
-
-if TYPE_CHECKING:
-    from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.layers import LayerWeights
+from trillm.engine.execution.sampler import SamplingKernel
+from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.step import (
+    Batch,
+    PromptSpan,
+    SampleRow,
+    ScheduledChunk,
+    ScheduledSequence,
+    StepInputs,
+    StepMetadata,
+)
 
 # One (K, V) pair per layer, each [num_pages, page_size, kv_heads, head_dim].
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class StepMetadata(Protocol):
-    """What every backend's metadata offers the runner; the rest is the backend's own."""
+class Collectives(Protocol):
+    """The tensor-parallel group a model's layers sum their partial outputs over (``parallel.group``)."""
 
     @property
-    def slot_mapping(self) -> torch.Tensor:
-        """[T]: where each new token's K/V is written."""
+    def size(self) -> int: ...
 
-    def to(self, device: torch.device) -> Self: ...
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
 
 
-@attrs.frozen
-class PromptSpan:
-    """Logits rows whose log-softmax a request asked for (``SamplingParams.prompt_logprobs``):
-    the rows of positions ``start``, ``start + 1``, ... of chunk ``chunk`` of the batch, each
-    scoring the prompt token after it (``targets``). They follow the sampling rows in
-    ``logits_rows``, from ``offset`` on."""
+class ModelWeights(Protocol):
+    """What a backend reads of the model whose layers it runs (``llama.LlamaModel`` offers it):
+    the backends never see the model class, so the model may hold any backend."""
 
-    chunk: int  # index in ``batch.chunks``
-    start: int  # position of the first row; it scores prompt token ``start + 1``
-    targets: tuple[int, ...]
-    top: int  # alternatives per token
-    offset: int  # first row among the prompt rows (after the sampling rows)
+    @property
+    def shape(self) -> LlamaShape: ...  # this rank's own (``parallel.sharding.local_shape``)
+
+    @property
+    def layers(self) -> list[LayerWeights]: ...
+
+    @property
+    def final_norm(self) -> torch.Tensor: ...
+
+    @property
+    def cos(self) -> torch.Tensor: ...  # the rotary tables, [max_len, head_dim / 2]
+
+    @property
+    def sin(self) -> torch.Tensor: ...
+
+    @property
+    def scale(self) -> float: ...  # of the attention scores
+
+    @property
+    def tp(self) -> Collectives: ...
 
 
 @attrs.define
@@ -58,7 +75,7 @@ class PromptRows:
     rows: list[int] = attrs.field(factory=list)  # input rows, in order
     spans: list[PromptSpan] = attrs.field(factory=list)
 
-    def add(self, index: int, chunk: ScheduledChunk, row: int) -> None:
+    def add(self, index: int, chunk: ScheduledChunk[ScheduledSequence], row: int) -> None:
         """Chunk ``index`` of the batch starts at input ``row``: if its request asks for prompt
         logprobs, every position of the chunk that precedes a prompt token gets a row."""
         seq = chunk.seq
@@ -69,23 +86,6 @@ class PromptRows:
         targets = tuple(seq.prompt_ids[chunk.start + 1 : stop + 1])
         self.spans.append(PromptSpan(index, chunk.start, targets, top, len(self.rows)))
         self.rows += range(row, row + stop - chunk.start)
-
-
-@attrs.frozen
-class StepInputs:
-    """One prepared step: a snapshot of the batch, so the scheduler may change it meanwhile."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: StepMetadata  # the preparing backend's own type
-    logits_rows: torch.Tensor
-    rows: tuple[SampleRow, ...]
-    # (input row, sample of the previous step) for each PENDING input token, and
-    # (sample row, sample of the previous step) for each PENDING token in a row's history
-    pending_inputs: tuple[tuple[int, int], ...] = ()
-    pending_history: tuple[tuple[int, int], ...] = ()
-    # rows of ``logits_rows`` after the sampling rows whose log-softmax a request asked for
-    prompt_spans: tuple[PromptSpan, ...] = ()
 
 
 @attrs.define
@@ -101,7 +101,7 @@ class StepRows:
     pending_history: list[tuple[int, int]] = attrs.field(factory=list)
     prompt: PromptRows = attrs.field(factory=PromptRows)
 
-    def add(self, index: int, chunk: ScheduledChunk) -> int:
+    def add(self, index: int, chunk: ScheduledChunk[ScheduledSequence]) -> int:
         """Chunk ``index`` of the batch, appended; returns the input row it starts at."""
         row, seq = len(self.ids), chunk.seq
         self.prompt.add(index, chunk, row)
@@ -152,13 +152,13 @@ class Backend(ABC):
         return None
 
     @abstractmethod
-    def prepare(self, batch: Batch, page_size: int) -> StepInputs:
+    def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
         """Tensors for ``batch`` in this backend's metadata (runs on the event loop)."""
 
     @abstractmethod
     def run_layers(
         self,
-        model: LlamaModel,
+        model: ModelWeights,
         h: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: KVCache,
@@ -169,7 +169,7 @@ class Backend(ABC):
         """Every decoder layer on the embedded batch ``h`` [T, hidden], storing this step's
         K/V; returns the final-normed hidden states of ``logits_rows`` [S, hidden]."""
 
-    def bind(self, model: LlamaModel, kv_cache: KVCache) -> Any:
+    def bind(self, model: ModelWeights, kv_cache: KVCache) -> Any:
         """Per-cache state ``run_layers`` may reuse as ``bound`` (made once by the runner that
         owns ``kv_cache``); None where the backend needs none."""
         return None
@@ -182,7 +182,7 @@ def padded_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)
 
 
-def pending_offset(seq: Sequence, start: int, end: int) -> int | None:
+def pending_offset(seq: ScheduledSequence, start: int, end: int) -> int | None:
     """Where in tokens ``start:end`` of ``seq`` the token in flight sits, if there."""
     position = len(seq.prompt_ids) + seq.num_known_outputs
     if position < seq.num_tokens and start <= position < end:
@@ -191,8 +191,8 @@ def pending_offset(seq: Sequence, start: int, end: int) -> int | None:
 
 
 def note_pending(
-    seq: Sequence,
-    chunk: ScheduledChunk,
+    seq: ScheduledSequence,
+    chunk: ScheduledChunk[ScheduledSequence],
     row: int,
     sample_row: int,
     inputs: list[tuple[int, int]],
@@ -208,7 +208,7 @@ def note_pending(
         history.append((sample_row, seq.pending_sample))
 
 
-def sample_row(seq: Sequence) -> SampleRow:
+def sample_row(seq: ScheduledSequence) -> SampleRow:
     """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step."""
     p = seq.params
     return SampleRow(

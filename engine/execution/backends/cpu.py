@@ -11,15 +11,13 @@ bfloat16, the same layers run in torch: gather + SDPA for attention.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from trillm.engine.execution.backends.base import (
     Backend,
     KVCache,
-    StepInputs,
+    ModelWeights,
     StepRows,
     padded_tables,
 )
@@ -32,12 +30,9 @@ from trillm.engine.execution.backends.cpu_attention import (
 )
 from trillm.engine.execution.layers import project, project_add, qk_norm_, rms_norm
 from trillm.engine.execution.rope import apply_rotary
-from trillm.engine.scheduling.scheduler import Batch
+from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
 from trillm.kernels.block_weights import BlockWeight
-
-if TYPE_CHECKING:
-    from trillm.engine.execution.llama import LlamaModel
 
 
 class CpuBackend(Backend):
@@ -63,7 +58,7 @@ class CpuBackend(Backend):
     def supports_block_weights(self) -> bool:
         return self.c_kernels and cpu_matmul.available()
 
-    def fusable(self, model: LlamaModel) -> bool:
+    def fusable(self, model: ModelWeights) -> bool:
         """Whether every piece of ``model``'s layers has its C kernel: the C loop applies."""
         return (
             self.c_ops
@@ -77,7 +72,7 @@ class CpuBackend(Backend):
             )
         )
 
-    def bind(self, model: LlamaModel, kv_cache: KVCache) -> cpu_forward.DecodeLayers | None:
+    def bind(self, model: ModelWeights, kv_cache: KVCache) -> cpu_forward.DecodeLayers | None:
         """The C layer loop over ``model``'s weights and ``kv_cache``, where it applies."""
         if not self.fusable(model):
             return None
@@ -85,7 +80,7 @@ class CpuBackend(Backend):
         s = model.shape  # fusable: every projection is a BlockWeight
         return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale)  # type: ignore[arg-type]
 
-    def prepare(self, batch: Batch, page_size: int) -> StepInputs:
+    def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
         ps = page_size
         step = StepRows()
         positions: list[torch.Tensor] = []
@@ -131,7 +126,7 @@ class CpuBackend(Backend):
 
     def run_layers(
         self,
-        model: LlamaModel,
+        model: ModelWeights,
         h: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: KVCache,
@@ -153,7 +148,7 @@ class CpuBackend(Backend):
 
     def _layers(
         self,
-        model: LlamaModel,
+        model: ModelWeights,
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,

@@ -8,7 +8,7 @@ block-table row per sequence), so decode steps can be captured as CUDA graphs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -17,17 +17,14 @@ import torch.nn.functional as F
 from trillm.engine.execution.backends.base import (
     Backend,
     KVCache,
-    SamplingKernel,
-    StepInputs,
+    ModelWeights,
     StepRows,
     padded_tables,
 )
 from trillm.engine.execution.layers import project
-from trillm.engine.scheduling.scheduler import Batch
+from trillm.engine.execution.sampler import SamplingKernel
+from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import Kernels
-
-if TYPE_CHECKING:
-    from trillm.engine.execution.llama import LlamaModel
 
 
 @attrs.frozen
@@ -68,7 +65,7 @@ class KernelBackend(Backend):
     def sampling_kernel(self) -> SamplingKernel:
         return self.kernels.sample_top_k_top_p
 
-    def prepare(self, batch: Batch, page_size: int) -> StepInputs:
+    def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
         """The kernels' form: a padded block table, query offsets and context lengths."""
         ps = page_size
         step = StepRows()
@@ -97,7 +94,7 @@ class KernelBackend(Backend):
 
     def run_layers(
         self,
-        model: LlamaModel,
+        model: ModelWeights,
         h: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: KVCache,

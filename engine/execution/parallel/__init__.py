@@ -3,5 +3,6 @@
 ``sharding`` says which heads, columns and vocabulary rows each rank holds and
 cuts checkpoint weights to match; ``group`` holds the collectives the forward pass
 needs (an all-reduce after each row-parallel projection, a gather of the logits);
-``workers`` starts and feeds the ranks that only compute.
+``topology`` says where a rank sits and joins the groups; ``channel`` carries each step
+from rank 0 to the others. Starting the ranks is ``execution/launch.py``'s, above all this.
 """

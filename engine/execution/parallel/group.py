@@ -19,11 +19,11 @@ class TensorParallel:
     """Rank ``part.rank`` of ``part.size`` in ``group`` (None: the default group)."""
 
     def __init__(
-        self, part: Partition | None = None, group: Any = None, vocab_size: int = 0, workers: Any = None
+        self, part: Partition | None = None, group: Any = None, vocab_size: int = 0, steps: Any = None
     ) -> None:
-        """``workers``: on rank 0, the spawned ranks (``workers.Workers``), watched by the engine."""
+        """``steps``: the group rank 0 sends each step over (``topology.RankGroups.steps``)."""
         self.part = part
-        self.workers = workers
+        self.steps = steps
         self.rank = part.rank if part else 0
         self.size = part.size if part else 1
         self.group = group

@@ -15,13 +15,10 @@ that are exact GGUF blocks stay blocks on every rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import attrs
 import torch
 
-if TYPE_CHECKING:
-    from trillm.engine.execution.llama import LlamaShape
+from trillm.engine.execution.shape import LlamaShape
 
 BLOCK = 32  # GGUF block width: row-parallel splits of the input dimension fall on its multiples
 
