@@ -30,7 +30,6 @@ from trillm.engine.execution import native_memory
 from trillm.engine.execution.launch import Ranks, launch
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
-from trillm.engine.step import StepInputs
 from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
@@ -44,6 +43,7 @@ from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.telemetry import EngineObserver
+from trillm.engine.step import StepInputs
 from trillm.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
 
 __all__ = [

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import attrs
 
-from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.outputs import RequestOutput as EngineOutput
+from trillm.engine.outputs import TokenLogprobs
 
 
 @attrs.frozen
