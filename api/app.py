@@ -33,11 +33,15 @@ from trillm.api.openapi import openapi_document
 from trillm.api.schemas import DetokenizeBody, TokenizeBody
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.api.submission import check_prompt, with_grammar
-from trillm.engine.config import EngineConfig
-from trillm.engine.engine import Engine
-from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
-from trillm.engine.replicas.front import ReplicaSet
-from trillm.engine.scheduling.telemetry import EngineObserver
+from trillm.engine import (
+    Engine,
+    EngineConfig,
+    EngineNotRunning,
+    EngineObserver,
+    EngineOverloaded,
+    ReplicaSet,
+    RequestRejected,
+)
 
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 * 1024 * 1024

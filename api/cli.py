@@ -17,8 +17,7 @@ import trio
 
 from trillm.api.drain import shutdown_on_signals
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
-from trillm.engine.config import EngineConfig
-from trillm.engine.settings import add_arguments, overrides_from
+from trillm.engine import EngineConfig, add_arguments, overrides_from
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -150,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
         engine_config = config_from_env(**overrides_from(args, EngineConfig))
         if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: compute only
-            from trillm.engine.execution.parallel.workers import serve_node
+            from trillm.engine import serve_node
 
             serve_node(engine_config)
             exit_now()

@@ -12,12 +12,16 @@ from trillm.api.errors import ApiError, context_length_error
 from trillm.api.front_door import current_request_id
 from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
-from trillm.engine.errors import PromptTooLong, RequestRejected
-from trillm.engine.execution.sampler import TokenLogprobs
-from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import RequestOutput
-from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.structured import GrammarCompilerBusy, GrammarError
+from trillm.engine import (
+    GrammarCompilerBusy,
+    GrammarError,
+    OutputMailbox,
+    PromptTooLong,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 log = logging.getLogger("trillm.api")
 

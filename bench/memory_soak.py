@@ -276,7 +276,7 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen:
 
 def main(argv: list[str] | None = None) -> None:
     from trillm.bench.run import wait_healthy
-    from trillm.engine.execution.parallel.workers import free_port
+    from trillm.engine import free_port
 
     p = argparse.ArgumentParser(prog="python -m trillm.bench.memory_soak", description=__doc__)
     p.add_argument("--url", help="measure this server (with --pid) instead of starting one")

@@ -241,11 +241,15 @@ def run_bench(args: argparse.Namespace) -> None:
 
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot
     from trillm.bench.structured import compile_report, load_schema, mask_counters, mask_report, response_format
-    from trillm.engine.config import EngineConfig
-    from trillm.engine.execution.llama import LlamaShape
-    from trillm.engine.execution.loading import choose_model_dtype
-    from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf, resolve_model
-    from trillm.engine.settings import from_env
+    from trillm.engine import (
+        DEFAULT_ALIAS,
+        EngineConfig,
+        LlamaShape,
+        choose_model_dtype,
+        default_gguf,
+        from_env,
+        resolve_model,
+    )
 
     dummy = args.load_format == "dummy"
     config_path = Path(args.model) / "config.json" if Path(args.model).is_dir() else Path(args.model)

@@ -17,10 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trillm.engine.execution.backends.base import StepInputs
-from trillm.engine.execution.backends.cpu_attention import CpuMetadata, DecodeRows, PrefillSpan
-from trillm.engine.execution.parallel import workers
-from trillm.engine.execution.parallel.workers import free_port
+from trillm.engine import CpuMetadata, DecodeRows, PrefillSpan, StepChannel, StepInputs, Topology, free_port, join_group
 
 ROUNDS = 300
 
@@ -47,8 +44,8 @@ def prefill_step(tokens: int = 512, page: int = 16) -> StepInputs:
 
 
 def _rank(rank: int, port: int, results: mp.Queue) -> None:
-    workers.join_group(workers.Topology(2, 1, 0, "127.0.0.1", port, 60.0), rank, torch.device("cpu"))
-    channel = workers.StepChannel()
+    join_group(Topology(2, 1, 0, "127.0.0.1", port, 60.0), rank, torch.device("cpu"))
+    channel = StepChannel()
     for name, step in (("decode 32 rows", decode_step()), ("prefill 512 tokens", prefill_step())):
         for how in ("broadcast_object_list", "StepChannel (one buffer)"):
             times = []
