@@ -38,7 +38,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "execution.llama": ("LlamaShape",),
     "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of"),
     # Settings declared once: flags, variables, --help and the README's table derive from them.
-    "settings": ("setting", "settings_of", "from_env", "add_arguments", "overrides_from", "markdown_table"),
+    "settings": ("Setting", "setting", "settings_of", "from_env", "add_arguments", "overrides_from", "markdown_table"),
     # Processes: another machine's tensor-parallel ranks (`trillm serve --node-rank N`), a free port.
     "execution.parallel.workers": ("serve_node", "free_port", "Topology", "join_group", "StepChannel"),
     # One step's inputs as the ranks receive them (bench/step_broadcast.py measures handing them over).
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from trillm.engine.sampling_params import SEED_MIN as SEED_MIN
     from trillm.engine.sampling_params import SamplingParams as SamplingParams
     from trillm.engine.scheduling.telemetry import EngineObserver as EngineObserver
+    from trillm.engine.settings import Setting as Setting
     from trillm.engine.settings import add_arguments as add_arguments
     from trillm.engine.settings import from_env as from_env
     from trillm.engine.settings import markdown_table as markdown_table
