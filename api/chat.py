@@ -25,8 +25,7 @@ from trillm.api.tools.formats import ToolFormat, choose
 from trillm.api.tools.generic import Imitation
 from trillm.api.tools.prompt import has_tool_turns, renders_tools, template_messages
 from trillm.api.tools.stream import ToolStream
-from trillm.engine.outputs import RequestOutput
-from trillm.engine.sampling_params import SamplingParams
+from trillm.engine import RequestOutput, SamplingParams
 
 IMITATION = Imitation()
 

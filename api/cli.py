@@ -17,8 +17,7 @@ import trio
 
 from trillm.api.drain import shutdown_on_signals
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
-from trillm.engine.config import EngineConfig
-from trillm.engine.settings import add_arguments, overrides_from
+from trillm.engine import EngineConfig, add_arguments, overrides_from
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -87,12 +86,15 @@ async def serve(app: Any, server: ServerConfig, config: Config | None = None) ->
     """
     from hypercorn.trio import serve as hypercorn_serve
 
+    from trillm.api.app_state import EXTENSION
+
     config = config or hypercorn_config(server)
-    drain = app.extensions["trillm_drain"]
+    state = app.extensions[EXTENSION]
+    drain = state.drain
     stop_serving = trio.Event()
     ports: set[int] = set()
     async with trio.open_nursery() as nursery:
-        stop_engine = app.extensions["trillm_host"].stop
+        stop_engine = state.host.stop
         await nursery.start(partial(shutdown_on_signals, drain, stop_engine, stop_serving, lambda: ports, config))
 
         async def run_hypercorn(task_status: trio.TaskStatus[list[str]]) -> None:
@@ -104,11 +106,11 @@ async def serve(app: Any, server: ServerConfig, config: Config | None = None) ->
 
         binds = await nursery.start(run_hypercorn)
         ports.update(int(bind.rsplit(":", 1)[1]) for bind in binds)
-        model = app.extensions["trillm_model_name"]
+        model = state.model_name
         print(f"[trillm] serving {model} on {', '.join(binds)}", file=sys.stderr, flush=True)
 
         async def stop_when_the_engine_fails() -> None:
-            await app.extensions["trillm_host"].failed.wait()
+            await state.host.failed.wait()
             stop_serving.set()  # a dead engine serves nothing: the process ends, non-zero (``main``)
 
         nursery.start_soon(stop_when_the_engine_fails)
@@ -140,17 +142,18 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trillm")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    from trillm.bench.run import add_parser as add_bench_parser
+    from trillm.bench.options import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     if args.command == "serve":
         from trillm.api.app import create_app
+        from trillm.api.app_state import EXTENSION
 
         engine_config = config_from_env(**overrides_from(args, EngineConfig))
         if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: compute only
-            from trillm.engine.execution.launch import serve_node
+            from trillm.engine import serve_node
 
             serve_node(engine_config)
             exit_now()
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             trio.run(partial(serve, app, server_config, config))
         except Exception as exc:
             fail_to_start(exc)
-        failure = app.extensions["trillm_host"].failure
+        failure = app.extensions[EXTENSION].host.failure
         if failure is not None:
             print(f"[trillm] the engine failed: {failure}; exiting with status 1", file=sys.stderr, flush=True)
         exit_now(1 if failure is not None else 0)

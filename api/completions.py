@@ -18,7 +18,7 @@ from trillm.api.input_limits import check_text
 from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.completion import CompletionBody, CompletionRequest, parse_completion_request
 from trillm.api.submission import collect, submit_choices
-from trillm.engine.outputs import RequestOutput, TokenLogprobs
+from trillm.engine import RequestOutput, TokenLogprobs
 
 
 def prompt_ids(engine: EngineHandle, req: CompletionRequest) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""What makes a generation endpoint: the one handler path in ``app.py`` calls these parts."""
+"""What makes a generation endpoint: the one handler path in ``generation_routes.py`` calls these parts."""
 
 from __future__ import annotations
 

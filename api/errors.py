@@ -72,7 +72,7 @@ def context_length_error(
 
 def from_engine(exc: Exception) -> ApiError | None:
     """The one place the engine's refusals become HTTP errors; None for anything else (a bug)."""
-    from trillm.engine.errors import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
+    from trillm.engine import EngineNotRunning, EngineOverloaded, PromptTooLong, RequestRejected
 
     if isinstance(exc, ApiError):
         return exc

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.structured import CompiledGrammar, GrammarSpec
+from trillm.engine import CompiledGrammar, GrammarSpec, OutputMailbox, SamplingParams
 
 
 class EngineHandle(Protocol):

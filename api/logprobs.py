@@ -7,8 +7,7 @@ import math
 import re
 from typing import Any
 
-from trillm.engine.execution.sampler import LOGPROB_FLOOR
-from trillm.engine.outputs import TokenLogprobs
+from trillm.engine import LOGPROB_FLOOR, TokenLogprobs
 
 
 @functools.cache

@@ -7,9 +7,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from trillm.engine.engine import Engine
-from trillm.engine.outputs import EngineStats
-from trillm.engine.replicas.front import ReplicaSet
+from trillm.engine import Engine, EngineStats, ReplicaSet
 
 
 class EngineCollector:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trillm.engine.structured.spec import ThinkingMode
+from trillm.engine import ThinkingMode
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

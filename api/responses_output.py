@@ -22,7 +22,7 @@ from trillm.api.gateway import EngineHandle
 from trillm.api.responses import log, typed_sse
 from trillm.api.schemas.responses import ResponsesRequest
 from trillm.api.submission import ChoiceProgress
-from trillm.engine.outputs import RequestOutput
+from trillm.engine import RequestOutput
 
 # The response status for chat's finish reasons; "length" is a response cut short.
 STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete"}

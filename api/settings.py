@@ -15,8 +15,7 @@ import attrs
 
 from trillm.api.reasoning import REASONING_PARSERS
 from trillm.api.tools.formats import PARSER_CHOICES
-from trillm.engine.config import EngineConfig
-from trillm.engine.settings import from_env, markdown_table, setting
+from trillm.engine import EngineConfig, from_env, markdown_table, setting
 
 
 def _not_negative(_: Any, attribute: attrs.Attribute, value: float | None) -> None:

@@ -32,8 +32,7 @@ from trillm.api.errors import ApiError, from_engine
 from trillm.api.gateway import EngineHandle
 from trillm.api.responses import new_completion_id, sse, stream_end, stream_failure, usage
 from trillm.api.submission import ChoiceProgress, RequestTimedOut, abort_all, receive_until, submit_choices
-from trillm.engine.outputs import RequestOutput
-from trillm.engine.sampling_params import SamplingParams
+from trillm.engine import RequestOutput, SamplingParams
 
 PING = b": ping\n\n"  # an SSE comment: every client skips it, every proxy sees traffic
 

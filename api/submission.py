@@ -12,20 +12,19 @@ from trillm.api.errors import ApiError, context_length_error
 from trillm.api.front_door import current_request_id
 from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
-from trillm.engine.errors import PromptTooLong, RequestRejected
-from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import RequestOutput, TokenLogprobs
-from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.structured import GrammarCompilerBusy, GrammarError
+from trillm.engine import (
+    GrammarCompilerBusy,
+    GrammarError,
+    OutputMailbox,
+    PromptTooLong,
+    RequestOutput,
+    RequestRejected,
+    SamplingParams,
+    TokenLogprobs,
+    choice_params,
+)
 
 log = logging.getLogger("trillm.api")
-
-
-def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """``n`` samples of one prompt; with a seed, choice j uses seed + j so they differ but repeat."""
-    if params.seed is None:
-        return [params] * n
-    return [attrs.evolve(params, seed=params.seed + j) for j in range(n)]
 
 
 def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: CommonFields) -> None:

@@ -8,8 +8,7 @@ from trillm.api.errors import ApiError
 from trillm.api.input_limits import check_counts, check_text, message_texts
 from trillm.api.schemas.describe import parse
 from trillm.api.schemas.tokenize import DetokenizeBody, TokenizeBody
-from trillm.engine.engine import Engine
-from trillm.engine.replicas.front import ReplicaSet
+from trillm.engine import Engine, ReplicaSet
 
 
 def tokenize(engine: Engine | ReplicaSet, body: Any) -> dict[str, Any]:

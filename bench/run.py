@@ -23,71 +23,9 @@ from typing import Any
 import attrs
 import trio
 
+from trillm.bench.options import server_environment, swept_values
 from trillm.bench.prometheus import scrape
 from trillm.bench.report import RunResult, table
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark serving against transformers generate")
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--url", help="benchmark a running server instead of starting one")
-    p.add_argument("--port", type=int, default=8123)
-    p.add_argument("--no-baseline", action="store_true", help="skip transformers generate")
-    p.add_argument(
-        "--shared-prefix-len",
-        type=int,
-        default=0,
-        help="tokens of one shared 'system prompt' put before every client's prompt",
-    )
-    p.add_argument("--no-prefix-cache", action="store_true", help="start the server with --no-prefix-cache")
-    p.add_argument(
-        "--cancel-heavy",
-        type=float,
-        metavar="SECONDS",
-        help="run the stop-and-retry workload for this long instead (uses the first --concurrency)",
-    )
-    p.add_argument(
-        "--probe-len",
-        type=int,
-        default=None,
-        help="prompt tokens of the newcomer sent once every client streams (default: --prompt-len)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights for --model's config.json (server and baseline alike)",
-    )
-    p.add_argument("--kernels", default=None, help="passed to trillm serve --kernels")
-    p.add_argument("--tp", default="1", help="tensor-parallel ranks; a comma list runs one server per value")
-    p.add_argument("--dp", default="1", help="data-parallel replicas; a comma list runs one server per value")
-    p.add_argument(
-        "--weight-format",
-        default="auto",
-        help="comma-separated trillm serve --weight-format values, one server run each (e.g. auto,dense)",
-    )
-    p.add_argument(
-        "--overlap",
-        default="on",
-        help="comma-separated on/off: one server run each, with or without --disable-overlap-schedule",
-    )
-    p.add_argument(
-        "--structured",
-        default="off",
-        help="comma-separated off/on: one pass each per concurrency on the same server; on: every client "
-        "asks for the same json_schema (reports the ratio to off, the mask cost per step, compile times)",
-    )
-    p.add_argument("--json-schema", type=Path, help="the schema for --structured on (default: a long records array)")
-    p.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
-    p.add_argument(
-        "--llama-cpp",
-        metavar="PYTHON",
-        help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF",
-    )
 
 
 def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
@@ -241,16 +179,23 @@ def run_bench(args: argparse.Namespace) -> None:
 
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot
     from trillm.bench.structured import compile_report, load_schema, mask_counters, mask_report, response_format
-    from trillm.engine.config import EngineConfig
-    from trillm.engine.execution.loading import choose_model_dtype
-    from trillm.engine.execution.model_source import DEFAULT_ALIAS, default_gguf, resolve_model
-    from trillm.engine.execution.shape import LlamaShape
-    from trillm.engine.settings import from_env
+    from trillm.engine import (
+        DEFAULT_ALIAS,
+        EngineConfig,
+        LlamaShape,
+        choose_model_dtype,
+        default_gguf,
+        from_env,
+        overrides_from,
+        resolve_model,
+    )
 
-    dummy = args.load_format == "dummy"
-    config_path = Path(args.model) / "config.json" if Path(args.model).is_dir() else Path(args.model)
-    cache = from_env(EngineConfig).cache_path  # the server it starts reads the same variables
-    model_dir = resolve_model(DEFAULT_ALIAS if dummy else args.model, cache)
+    given = overrides_from(args, EngineConfig)  # the engine flags given; the servers get these too
+    base = from_env(EngineConfig, **given)  # as `trillm serve` reads them: flags, then TRILLM_*, then defaults
+    dummy = base.load_format == "dummy"
+    config_path = Path(base.model) / "config.json" if Path(base.model).is_dir() else Path(base.model)
+    cache = base.cache_path
+    model_dir = resolve_model(DEFAULT_ALIAS if dummy else base.model, cache)
     model_config = json.loads((config_path if dummy else model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -259,23 +204,17 @@ def run_bench(args: argparse.Namespace) -> None:
         raise SystemExit(f"--structured takes off, on or off,on, not {args.structured!r}")
     schema = load_schema(args.json_schema)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    formats = swept_values(args, base, "weight_format")
     # The engine's own choice (for the first server's weight format), so both sides use the same dtype.
-    engine_config = EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        weight_format=args.weight_format.split(",")[0],
-        cache_dir=str(cache),
-    )
-    dtype = choose_model_dtype(engine_config, device).dtype
+    dtype = choose_model_dtype(attrs.evolve(base, weight_format=formats[0]), device).dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
     prompts = [shared + _prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels))]
     prompts.append(shared + _prompt(tokenizer, args.probe_len or args.prompt_len, rng))  # the newcomer
     print(
-        f"[bench] model={args.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
-        f"output={args.output_len} prefix_cache={not args.no_prefix_cache} "
+        f"[bench] model={base.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
+        f"output={args.output_len} prefix_cache={base.prefix_cache} "
         f"threads={torch.get_num_threads()} levels={levels}",
         file=sys.stderr,
         flush=True,
@@ -287,11 +226,11 @@ def run_bench(args: argparse.Namespace) -> None:
     tokens = (max(levels) + 1) * (args.shared_prefix_len + args.prompt_len + args.output_len + 32)
     kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))
     rows: list[RunResult] = []
-    formats = args.weight_format.split(",")
-    overlaps = args.overlap.split(",")
+    overlap_text = args.overlap or ("on" if base.overlap_schedule else "off")
+    overlaps = overlap_text.split(",")
     if not set(overlaps) <= {"on", "off"}:
-        raise SystemExit(f"--overlap takes on, off or on,off, not {args.overlap!r}")
-    tps, dps = [int(t) for t in args.tp.split(",")], [int(d) for d in args.dp.split(",")]
+        raise SystemExit(f"--overlap takes on, off or on,off, not {overlap_text!r}")
+    tps, dps = swept_values(args, base, "tp"), swept_values(args, base, "dp")
     servers = (
         [(f, o, t, d) for f in formats for o in overlaps for t in tps for d in dps]
         if args.url is None
@@ -302,40 +241,20 @@ def run_bench(args: argparse.Namespace) -> None:
         url = args.url
         if url is None:
             url = f"http://127.0.0.1:{args.port}"
+            # Bench's own sizing (a seat and pages for every client) unless the flags said otherwise.
+            sized = {"max_num_seqs": max(levels) + 1, "kv_cache_bytes": kv_mb * 2**20} | given
+            run = dict(weight_format=weight_format, overlap_schedule=overlap == "on", tp=tp, dp=dp)
+            server = attrs.evolve(base, **{**sized, **run, "dtype": dtype_name})
             proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "trillm.api.cli",
-                    "serve",
-                    "--model",
-                    args.model,
-                    "--port",
-                    str(args.port),
-                    "--dtype",
-                    dtype_name,
-                    "--max-num-seqs",
-                    str(max(levels) + 1),
-                    "--load-format",
-                    args.load_format,
-                    "--kv-cache-mb",
-                    str(kv_mb),
-                    "--weight-format",
-                    str(weight_format),
-                    *(["--disable-overlap-schedule"] if overlap == "off" else []),
-                    *(["--kernels", str(args.kernels)] if args.kernels else []),
-                    *(["--tp", str(tp)] if tp > 1 else []),
-                    *(["--dp", str(dp)] if dp > 1 else []),
-                    *(["--no-prefix-cache"] if args.no_prefix_cache else []),
-                ],
-                env={**os.environ},
+                [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(args.port)],
+                env={**os.environ, **server_environment(server)},
             )
         try:
             wait_healthy(url, proc)
             if args.cancel_heavy:
                 from trillm.bench.cancel import cancel_heavy
 
-                report = trio.run(partial(cancel_heavy, url, args.model, prompts[: levels[0]], args.cancel_heavy))
+                report = trio.run(partial(cancel_heavy, url, base.model, prompts[: levels[0]], args.cancel_heavy))
                 print(json.dumps(report, indent=1))
                 return
             server_bytes = _server_step_bytes(url)
@@ -352,7 +271,7 @@ def run_bench(args: argparse.Namespace) -> None:
                     name = label + (", json_schema" if mode == "on" else "")
                     before = mask_counters(url)
                     result = trio.run(
-                        partial(_serving_run, url, args.model, prompts[:level], args.output_len, prompts[-1], extra)
+                        partial(_serving_run, url, base.model, prompts[:level], args.output_len, prompts[-1], extra)
                     )
                     result = attrs.evolve(result, label=name, step_bytes=server_bytes)
                     print(f"[bench] {name} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
@@ -398,6 +317,6 @@ def run_bench(args: argparse.Namespace) -> None:
         plot(
             rows,
             args.plot,
-            f"{args.model if not dummy else config_path.name} ({dtype_name}, {device.type}, "
+            f"{base.model if not dummy else config_path.name} ({dtype_name}, {device.type}, "
             f"{args.prompt_len} in / {args.output_len} out)",
         )

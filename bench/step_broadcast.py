@@ -17,11 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trillm.engine.execution.backends.cpu_attention import CpuMetadata, DecodeRows, PrefillSpan
-from trillm.engine.execution.parallel.channel import StepChannel
-from trillm.engine.execution.parallel.topology import Topology, join_group
-from trillm.engine.processes import free_port
-from trillm.engine.step import StepInputs
+from trillm.engine import CpuMetadata, DecodeRows, PrefillSpan, StepChannel, StepInputs, Topology, free_port, join_group
 
 ROUNDS = 300
 

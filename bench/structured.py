@@ -46,9 +46,7 @@ def response_format(schema: dict[str, Any]) -> dict[str, Any]:
 def compile_report(tokenizer: Any, model_dir: Path, model_config: dict[str, Any], schema: dict[str, Any]) -> str:
     """Seconds to compile ``schema`` cold (after the vocabulary is read, a one-time cost per
     server) and to find it cached, with the engine's own compiler."""
-    from trillm.engine.execution.loading import eos_ids_of
-    from trillm.engine.execution.shape import LlamaShape
-    from trillm.engine.structured import GrammarCompiler, GrammarSpec
+    from trillm.engine import GrammarCompiler, GrammarSpec, LlamaShape, eos_ids_of
 
     eos = eos_ids_of(model_dir, model_config, tokenizer)
     compiler = GrammarCompiler(tokenizer, LlamaShape.from_config(model_config).vocab_size, eos)

@@ -5,20 +5,29 @@ it can run (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests), the refere
 elsewhere or when asked. The engine does not choose here: its backend registry
 (``trillm.engine.execution.backends``) wraps a set in a ``KernelBackend``. The CPU C
 kernels (``cpu_*.py``) are not a set; the engine's ``CpuBackend`` calls them directly.
+
+This file imports only the standard library at its top: a Python started in the repository
+root finds this folder as a top-level ``kernels``, the name of Hugging Face's package, and
+transformers probes for that one by importing it (no metadata answers for ours). Imported so,
+it must load without trillm's dependencies and say "not that package": no ``__version__``,
+which transformers reads as no usable ``kernels`` (tests/test_kernels_folder.py). Hence a
+dataclass rather than attrs for ``Kernels``, and torch only for the type checker.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import attrs
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KERNEL_CHOICES = ("triton", "reference")
 
 
-@attrs.frozen
+@dataclass(frozen=True)
 class Kernels:
     """One implementation of every kernel; all share the reference signatures."""
 

@@ -14,8 +14,7 @@ from pydantic import Field, model_validator
 from trillm.api.errors import shown
 from trillm.api.schemas.base import Not, RequestModel, invalid
 from trillm.api.schemas.structured import StructuredFields
-from trillm.engine.sampling_params import MAX_PRIORITY, SEED_MAX, SEED_MIN, SamplingParams
-from trillm.engine.structured import GrammarSpec
+from trillm.engine import MAX_PRIORITY, SEED_MAX, SEED_MIN, GrammarSpec, SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 1024  # characters of one stop string: each is searched for in every output text

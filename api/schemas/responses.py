@@ -23,8 +23,7 @@ from trillm.api.schemas.messages import AssistantMessage, FunctionCall, ToolCall
 from trillm.api.schemas.structured import JsonObjectFormat, JsonSchema, TextFormat
 from trillm.api.schemas.tools import MAX_TOOLS, FunctionDefinition, tool_set_of
 from trillm.api.tools.spec import ToolSet
-from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.structured import GrammarError, GrammarSpec
+from trillm.engine import GrammarError, GrammarSpec, SamplingParams
 
 MAX_METADATA = 16
 NO_STATE = "this server keeps no responses (stateless): send the whole conversation in 'input'"

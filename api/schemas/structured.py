@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from trillm.api.schemas.base import RequestModel, invalid
-from trillm.engine.structured import GrammarError, GrammarSpec
+from trillm.engine import GrammarError, GrammarSpec
 
 MAX_CHOICES = 256
 

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Protocol
 
 from trillm.api.tools.spec import Call, Parsed, ToolSet
-from trillm.engine.structured import GrammarSpec
+from trillm.engine import GrammarSpec
 
 
 class Reader(Protocol):

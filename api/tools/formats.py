@@ -16,7 +16,7 @@ from typing import ClassVar
 from trillm.api.tools.base import ToolFormat, call_of, calls_in, json_prefix
 from trillm.api.tools.generic import Generic
 from trillm.api.tools.spec import Call, Parsed, ToolSet
-from trillm.engine.structured import GrammarSpec
+from trillm.engine import GrammarSpec
 
 __all__ = ["FORMATS", "PARSER_CHOICES", "Generic", "ToolFormat", "choose", "detect"]
 

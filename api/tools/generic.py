@@ -18,7 +18,7 @@ from trillm.api.tools.base import ToolFormat, call_of, calls_in
 from trillm.api.tools.reading import ReplyReader, StringDecoder, branch
 from trillm.api.tools.schema import embedded
 from trillm.api.tools.spec import Function, Parsed, ToolSet
-from trillm.engine.structured import GrammarSpec
+from trillm.engine import GrammarSpec
 
 
 class Generic(ToolFormat):

@@ -1,0 +1,73 @@
+"""The generation routes (chat, completions, responses): one path for all three, which
+validates, checks limits, then replies or streams (``GenerationEndpoint`` holds what differs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+from quart import Blueprint, Response
+
+from trillm.api import completions
+from trillm.api.app_state import AppState, app_state, json_response
+from trillm.api.endpoint import GenerationEndpoint
+from trillm.api.input_limits import check_counts
+from trillm.api.submission import check_prompt, with_grammar
+
+generation_routes = Blueprint("generation", __name__)
+
+
+def sse_response(events: Any) -> Response:
+    response = Response(
+        events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    response.timeout = None  # Quart's 60 s response timeout would cut long streams
+    return response
+
+
+def prepare(state: AppState, endpoint: GenerationEndpoint, body: Any) -> tuple[Any, list[list[int]]]:
+    """Validate, template and tokenize; in a worker thread (a big input costs seconds of CPU)."""
+    engine = state.engine
+    check_counts(body, engine.max_model_len)  # 100,000 messages: refused before validating them
+    req = endpoint.parse(body)
+    req = attrs.evolve(req, common=req.common.capped(state.server.default_max_tokens))
+    state.check_model(req.common.model)
+    state.check_serving()
+    req = endpoint.bind(engine, req, state.context)
+    engine.check_params(req.common.params)
+    return req, endpoint.prompt_ids(engine, req)
+
+
+async def generation(endpoint: GenerationEndpoint) -> Response:
+    """The one path of every generation endpoint: validate, check limits, then reply or stream."""
+    state = app_state()
+    engine = state.engine
+    body = await state.json_body(endpoint.schema)
+    state.drain.check()  # after reading the body, so the connection stays usable for the client's next request
+    req, prompts = await state.preparer.run(lambda: prepare(state, endpoint, body))
+    for ids in prompts:
+        check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
+    if req.common.grammar is not None:
+        req = await with_grammar(engine, req)
+    deadline = trio.current_time() + state.server.timeout_seconds
+    if not req.common.stream:
+        return json_response(await endpoint.complete(engine, state.model_name, req, prompts, deadline))
+    # Before the stream starts, so a full queue is a real 503 rather than an error event in a 200 stream.
+    engine.check_capacity(len(prompts) * req.common.n)
+    return sse_response(endpoint.events(engine, state.model_name, req, prompts, deadline, state.ping_interval))
+
+
+@generation_routes.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    return await generation(app_state().chat_endpoint)
+
+
+@generation_routes.post("/v1/completions")
+async def completions_endpoint() -> Response:
+    return await generation(completions.ENDPOINT)
+
+
+@generation_routes.post("/v1/responses")
+async def responses_endpoint() -> Response:
+    return await generation(app_state().responses_endpoint)
