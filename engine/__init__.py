@@ -72,8 +72,8 @@ if TYPE_CHECKING:
     from trillm.engine.execution.parallel.channel import StepChannel as StepChannel
     from trillm.engine.execution.parallel.topology import Topology as Topology
     from trillm.engine.execution.parallel.topology import join_group as join_group
-    from trillm.engine.execution.shape import LlamaShape as LlamaShape
     from trillm.engine.execution.sampler import LOGPROB_FLOOR as LOGPROB_FLOOR
+    from trillm.engine.execution.shape import LlamaShape as LlamaShape
     from trillm.engine.mailbox import OutputMailbox as OutputMailbox
     from trillm.engine.outputs import EngineStats as EngineStats
     from trillm.engine.outputs import RequestOutput as RequestOutput
@@ -93,13 +93,13 @@ if TYPE_CHECKING:
     from trillm.engine.settings import overrides_from as overrides_from
     from trillm.engine.settings import setting as setting
     from trillm.engine.settings import settings_of as settings_of
+    from trillm.engine.step import StepInputs as StepInputs
     from trillm.engine.structured.compiler import CompiledGrammar as CompiledGrammar
     from trillm.engine.structured.compiler import GrammarCompiler as GrammarCompiler
     from trillm.engine.structured.spec import GrammarCompilerBusy as GrammarCompilerBusy
     from trillm.engine.structured.spec import GrammarError as GrammarError
     from trillm.engine.structured.spec import GrammarSpec as GrammarSpec
     from trillm.engine.structured.spec import ThinkingMode as ThinkingMode
-    from trillm.engine.step import StepInputs as StepInputs
 
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
