@@ -66,10 +66,23 @@ class Memory:
 # -- one request of each traffic type -----------------------------------------------------------
 
 
+async def post(http: Any, path: str, body: dict[str, Any], tries: int = 6) -> None:
+    """POST and check the answer, retrying a 503 after its ``Retry-After`` as the OpenAI SDKs do
+    (a busy machine's grammar compiler answers "busy, retry", not a failure)."""
+    for _ in range(tries - 1):
+        response = await http.post(path, json=body)
+        if response.status_code != 503:
+            break
+        await trio.sleep(min(float(response.headers.get("retry-after", 1)), 5.0))
+    else:
+        response = await http.post(path, json=body)
+    response.raise_for_status()
+
+
 async def chat(http: Any) -> None:
     """A non-streamed chat that completes."""
     body = {"model": MODEL, "messages": prompt(), "max_tokens": 8, "temperature": 0.8}
-    (await http.post("/v1/chat/completions", json=body)).raise_for_status()
+    await post(http, "/v1/chat/completions", body)
 
 
 async def chat_aborted(http: Any) -> None:
@@ -95,7 +108,7 @@ async def completions_n2(http: Any) -> None:
     """A completion with two choices."""
     prompt = f"Request {next(_fresh)}: the sea is"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 2, "temperature": 0.8}
-    (await http.post("/v1/completions", json=body)).raise_for_status()
+    await post(http, "/v1/completions", body)
 
 
 async def json_schema(http: Any) -> None:
@@ -108,14 +121,14 @@ async def json_schema(http: Any) -> None:
         "max_tokens": 16,
         "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}},
     }
-    (await http.post("/v1/chat/completions", json=body)).raise_for_status()
+    await post(http, "/v1/chat/completions", body)
 
 
 async def tool_call(http: Any) -> None:
     """A chat that must call a tool (a grammar from the tool's schema, then the parser)."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 24, "tools": [WEATHER_TOOL], "tool_choice": "required"}
-    (await http.post("/v1/chat/completions", json=body)).raise_for_status()
+    await post(http, "/v1/chat/completions", body)
 
 
 async def long_prompt(http: Any, num_words: int = LONG_WORDS) -> None:
@@ -123,7 +136,7 @@ async def long_prompt(http: Any, num_words: int = LONG_WORDS) -> None:
     then a short decode."""
     words = " ".join(f"w{(next(_fresh) * 7919 + i) % 1000}" for i in range(num_words))
     body = {"model": MODEL, "prompt": words, "max_tokens": 4}
-    (await http.post("/v1/completions", json=body)).raise_for_status()
+    await post(http, "/v1/completions", body)
 
 
 KINDS: dict[str, Callable[[Any], Awaitable[None]]] = {

@@ -55,7 +55,11 @@ class Ranks:
         return [(p.name, p.exitcode) for p in self.processes if not p.is_alive()]
 
     def join(self, timeout: float) -> None:
+        """Stop waiting for the spawned ranks, then leave the group this process joined: a later
+        engine in the same process (an offline ``LLM``, a test) joins a new one."""
         join_or_kill(self.processes, timeout)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @attrs.frozen
