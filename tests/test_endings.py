@@ -23,6 +23,7 @@ from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.output_router import OutputRouter
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.telemetry import NullObserver
 
 NUM_PAGES = 64
 
@@ -32,20 +33,11 @@ def tokenizer():
     return load_tokenizer(EngineConfig())[0]
 
 
-class Recorder:
+class Recorder(NullObserver):
     """An ``EngineObserver`` that keeps the finish reasons it hears."""
 
     def __init__(self) -> None:
         self.reasons: list[str] = []
-
-    def queue_time(self, seconds: float, priority: int = 0) -> None:
-        pass
-
-    def first_token(self, seconds: float, priority: int = 0) -> None:
-        pass
-
-    def inter_token(self, seconds: float) -> None:
-        pass
 
     def finished(self, reason: str, seconds: float) -> None:
         self.reasons.append(reason)
