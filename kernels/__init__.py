@@ -1,9 +1,9 @@
 """Kernels for the model's hot spots, each as Triton and as a plain-torch reference.
 
-A ``Kernels`` record is one complete set; ``select_kernels`` picks a set: Triton where
-it can run (CUDA, or the CPU under ``TRITON_INTERPRET=1`` for tests), the reference
-elsewhere or when asked. The engine does not choose here: its backend registry
-(``trillm.engine.execution.backends``) wraps a set in a ``KernelBackend``. The CPU C
+A ``Kernels`` record is one complete set; ``select_kernels`` builds the set it is asked
+for (Triton runs on CUDA, or on the CPU under ``TRITON_INTERPRET=1`` for tests). Which
+set runs where is chosen once, by the engine's backend registry
+(``trillm.engine.execution.backends``), which wraps a set in a ``KernelBackend``. The CPU C
 kernels (``cpu_*.py``) are not a set; the engine's ``CpuBackend`` calls them directly.
 
 This file imports only the standard library at its top: a Python started in the repository
