@@ -13,6 +13,7 @@ from trillm.api.front_door import current_request_id
 from trillm.api.gateway import EngineHandle
 from trillm.api.schemas.generation import CommonFields
 from trillm.engine import (
+    ChoiceTotals,
     GrammarCompilerBusy,
     GrammarError,
     OutputMailbox,
@@ -159,25 +160,21 @@ async def collect(
     aborted on the way out and its pages freed. A call the server ended
     early (shutdown) is a 503; one past its deadline a 504.
     """
-    texts = list(prefixes)
-    logprobs: list[list[TokenLogprobs]] = [[] for _ in texts]
-    prompt_logprobs: list[tuple[TokenLogprobs, ...]] = [() for _ in texts]
-    last: dict[int, RequestOutput] = {}
+    totals = ChoiceTotals.starting(prefixes)
     try:
         with outputs:
             while (out := await receive_until(outputs, deadline)) is not None:
-                texts[out.index] += out.text
-                logprobs[out.index] += out.logprobs
-                if out.prompt_logprobs is not None:
-                    prompt_logprobs[out.index] = out.prompt_logprobs
-                last[out.index] = out
+                totals.add(out)
     except RequestTimedOut:
         raise timeout_error() from None
     finally:
         abort_all(engine, request_ids)
+    last = totals.last
     for index, out in sorted(last.items()):
         if out.finish_reason == "error" and out.error:  # the request's own fault (its grammar's dead end)
             raise ApiError(f"choice {index}: {out.error}", code="invalid_grammar")
-    if len(last) != len(texts) or any(o.finish_reason in ("abort", "error") for o in last.values()):
+    n = len(prefixes)
+    if len(last) != n or any(o.finish_reason in ("abort", "error") for o in last.values()):
         raise ApiError("the server stopped this request before it finished", 503, code="request_aborted")
-    return Collected(texts, logprobs, [last[i] for i in range(len(texts))], prompt_logprobs)
+    prompt_logprobs = [p or () for p in totals.prompt_logprobs]
+    return Collected(totals.texts, totals.logprobs, [last[i] for i in range(n)], prompt_logprobs)

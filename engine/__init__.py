@@ -25,7 +25,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "scheduling.telemetry": ("EngineObserver",),
     # What a request asks for and what it gets back.
     "sampling_params": ("SamplingParams", "MAX_PRIORITY", "SEED_MIN", "SEED_MAX", "choice_params"),
-    "outputs": ("RequestOutput", "EngineStats", "TokenLogprobs"),
+    "outputs": ("RequestOutput", "EngineStats", "TokenLogprobs", "ChoiceTotals"),
     "execution.sampler": ("LOGPROB_FLOOR",),
     "mailbox": ("OutputMailbox",),
     # Why a request or the engine says no.
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from trillm.engine.execution.sampler import LOGPROB_FLOOR as LOGPROB_FLOOR
     from trillm.engine.execution.shape import LlamaShape as LlamaShape
     from trillm.engine.mailbox import OutputMailbox as OutputMailbox
+    from trillm.engine.outputs import ChoiceTotals as ChoiceTotals
     from trillm.engine.outputs import EngineStats as EngineStats
     from trillm.engine.outputs import RequestOutput as RequestOutput
     from trillm.engine.outputs import TokenLogprobs as TokenLogprobs

@@ -33,6 +33,31 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what ended it, when the request is at fault
 
 
+@attrs.define
+class ChoiceTotals:
+    """Each choice of one call summed from its ``RequestOutput`` deltas: what a reply that is not
+    streamed is made of (the server's ``collect``, the offline ``LLM``'s results)."""
+
+    texts: list[str]  # each starts from its prefix (an echoed prompt, or "")
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs]]
+    prompt_logprobs: list[tuple[TokenLogprobs, ...] | None]
+    last: dict[int, RequestOutput]  # the newest output of each choice heard from
+
+    @classmethod
+    def starting(cls, prefixes: list[str]) -> ChoiceTotals:
+        n = len(prefixes)
+        return cls(list(prefixes), [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, {})
+
+    def add(self, out: RequestOutput) -> None:
+        self.texts[out.index] += out.text
+        self.token_ids[out.index] += out.token_ids
+        self.logprobs[out.index] += out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[out.index] = out.prompt_logprobs
+        self.last[out.index] = out
+
+
 @attrs.frozen
 class EngineStats:
     num_running: int

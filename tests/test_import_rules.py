@@ -5,6 +5,7 @@ fails here rather than in a newcomer's head."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,6 +20,7 @@ def module_name(path: Path) -> str:
     return ".".join(["trillm", *parts])
 
 
+@functools.cache
 def sources() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
@@ -49,6 +51,7 @@ def imports_in(source: str, name: str, is_package: bool, modules: set[str]) -> s
     return {m for m in found if m in modules and m != name}
 
 
+@functools.cache
 def graph() -> dict[str, set[str]]:
     files = sources()
     names = set(files)

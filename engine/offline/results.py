@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import attrs
 
+from trillm.engine.outputs import ChoiceTotals, TokenLogprobs
 from trillm.engine.outputs import RequestOutput as EngineOutput
-from trillm.engine.outputs import TokenLogprobs
 
 
 @attrs.frozen
@@ -43,48 +43,40 @@ class RequestOutput:
 
 @attrs.define
 class Gathered:
-    """One prompt's choices so far, summed from the engine's deltas."""
+    """One prompt's choices so far, summed from the engine's deltas (``ChoiceTotals``, as the
+    server's non-streaming reply sums them)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     n: int
     want_logprobs: bool
-    texts: list[list[str]] = attrs.field(init=False)
-    token_ids: list[list[int]] = attrs.field(init=False)
-    logprobs: list[list[TokenLogprobs]] = attrs.field(init=False)
-    last: dict[int, EngineOutput] = attrs.field(init=False, factory=dict)
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    totals: ChoiceTotals = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.texts = [[] for _ in range(self.n)]
-        self.token_ids = [[] for _ in range(self.n)]
-        self.logprobs = [[] for _ in range(self.n)]
+        self.totals = ChoiceTotals.starting([""] * self.n)
 
     def add(self, out: EngineOutput) -> None:
-        self.texts[out.index].append(out.text)
-        self.token_ids[out.index] += out.token_ids
-        self.logprobs[out.index] += out.logprobs
-        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
-            self.prompt_logprobs = out.prompt_logprobs
-        self.last[out.index] = out
+        self.totals.add(out)
 
     def result(self) -> RequestOutput:
         """The finished total; a choice the engine never answered ends as "abort"."""
+        totals = self.totals
         outputs = []
         for j in range(self.n):
-            last = self.last.get(j)
+            last = totals.last.get(j)
             outputs.append(
                 CompletionOutput(
                     j,
-                    "".join(self.texts[j]),
-                    tuple(self.token_ids[j]),
+                    totals.texts[j],
+                    tuple(totals.token_ids[j]),
                     last.finish_reason if last is not None else "abort",
-                    tuple(self.logprobs[j]) if self.want_logprobs else None,
+                    tuple(totals.logprobs[j]) if self.want_logprobs else None,
                     last.error if last is not None else None,
                 )
             )
-        cached = max((o.num_cached_tokens for o in self.last.values()), default=0)
+        cached = max((o.num_cached_tokens for o in totals.last.values()), default=0)
+        prompt_logprobs = next((p for p in totals.prompt_logprobs if p is not None), None)
         return RequestOutput(
-            self.request_id, self.prompt, tuple(self.prompt_token_ids), tuple(outputs), self.prompt_logprobs, cached
+            self.request_id, self.prompt, tuple(self.prompt_token_ids), tuple(outputs), prompt_logprobs, cached
         )
