@@ -22,7 +22,7 @@ from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.offline.params import SamplingParams
 from trillm.engine.offline.results import Gathered, RequestOutput
 from trillm.engine.sampling_params import SamplingParams as EngineSamplingParams
-from trillm.engine.structured import CompiledGrammar, GrammarSpec
+from trillm.engine.structured import CompiledGrammar
 
 SETTLE_SECONDS = 10.0  # how long a cancelled batch waits for the engine to have freed its requests
 
@@ -83,15 +83,10 @@ class Batch:
     async def _requests(self, prompt: Prompt) -> list[tuple[list[int], EngineSamplingParams]]:
         choices = prompt.params.choices()
         spec = prompt.params.grammar_spec()
-        if spec is not None:
-            grammar = await self._compile(spec)
+        if spec is not None:  # the engine's compiler caches by spec: one schema compiles once a batch
+            grammar: CompiledGrammar = await self.engine.compile_grammar(spec)
             choices = [attrs.evolve(p, grammar=grammar) for p in choices]
         return [(prompt.ids, p) for p in choices]
-
-    async def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The engine's compiler caches by spec: a batch with one schema compiles it once."""
-        grammar: CompiledGrammar = await self.engine.compile_grammar(spec)
-        return grammar
 
     async def _submit(self, reqs: list[tuple[list[int], EngineSamplingParams]]) -> tuple[list[str], OutputMailbox]:
         while True:
