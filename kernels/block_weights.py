@@ -25,6 +25,8 @@ import attrs
 import torch
 
 BLOCK = 32
+PROBE_ROWS = 16  # a matrix whose first rows are not of a form is not: one cheap pass says so
+CHUNK_BLOCKS = 1 << 14  # blocks a pass takes at once: its scratch (2 MiB each) stays in cache
 
 
 @attrs.frozen
@@ -94,7 +96,7 @@ def _scale_candidates(span: torch.Tensor, levels: int) -> list[torch.Tensor]:
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor | None:
-    if w.dim() != 2 or w.shape[1] % BLOCK or w.dtype != torch.float32 or not bool(w.isfinite().all()):
+    if w.dim() != 2 or w.shape[1] % BLOCK or w.dtype != torch.float32:
         return None
     return w.reshape(-1, BLOCK)
 
@@ -110,19 +112,41 @@ def _solve(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per block [B, 32]: (d [B], q [B, 32]) with d * q + offset == blocks exactly, or None.
 
-    Each candidate scale is tried only on the blocks no earlier candidate solved. When
-    the likeliest one solves under half of them the matrix is not of this form (e.g.
-    Q8_0 weights tried as Q4_1), and the rest are not tried: that costs only speed.
+    The likeliest scale is tried on every block at once, in place (a load packs every
+    projection, so this pass is most of a start-up); each later candidate only on the blocks
+    no earlier one solved. When the likeliest one solves under half of them the matrix is not
+    of this form (e.g. Q8_0 weights tried as Q4_1), and the rest are not tried: that costs
+    only speed. A non-finite value makes its block's ``span`` non-finite (max and min carry
+    NaN and infinity), so checking the spans checks every value.
     """
-    d_out = torch.zeros(blocks.shape[0], dtype=torch.float32)
-    q_out = torch.zeros(blocks.shape, dtype=q_dtype)
-    todo = torch.nonzero(span > 0).squeeze(1)  # zero-span blocks are d = 0, q = 0
-    for i, d_all in enumerate(_scale_candidates(span, levels)):
-        if todo.numel() == 0 or (i == 1 and 2 * todo.numel() > blocks.shape[0]):
+    if not bool(torch.isfinite(span).all()) or not bool(torch.isfinite(offset).all()):
+        return None
+    candidates = _scale_candidates(span, levels)
+    solvable = span > 0  # zero-span blocks are d = 0, q = 0 (their values all equal the offset)
+    d_out = torch.where(solvable, candidates[0], 0.0)
+    divisor = torch.where(solvable, candidates[0], 1.0)
+    q_out = torch.empty(blocks.shape, dtype=q_dtype)
+    exact = torch.empty(blocks.shape[0], dtype=torch.bool)
+    rows = min(blocks.shape[0], CHUNK_BLOCKS)
+    q, rebuilt = torch.empty(rows, BLOCK), torch.empty(rows, BLOCK)  # reused: no page faults per chunk
+    for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+        part = slice(start, start + CHUNK_BLOCKS)
+        w, n = blocks[part], blocks[part].shape[0]
+        off, d = offset[part].unsqueeze(1), d_out[part].unsqueeze(1)
+        qc, rc = q[:n], rebuilt[:n]
+        torch.sub(w, off, out=qc).div_(divisor[part].unsqueeze(1)).round_().clamp_(lowest, highest)
+        torch.mul(qc, d, out=rc).add_(off)  # two roundings, as dequantize
+        exact[part] = torch.eq(rc, w).all(1)
+        q_out[part] = qc
+    todo = torch.nonzero(~exact).squeeze(1)
+    if 2 * todo.numel() > blocks.shape[0]:
+        return None
+    for d_all in candidates[1:]:
+        if todo.numel() == 0:
             break
         w, d, off = blocks[todo], d_all[todo].unsqueeze(1), offset[todo].unsqueeze(1)
         q = torch.round((w - off) / d).clamp_(lowest, highest)
-        exact = ((d * q + off) == w).all(1)  # two torch ops: two roundings, as dequantize
+        exact = ((d * q + off) == w).all(1)
         done = todo[exact]
         d_out[done] = d_all[done]
         q_out[done] = q[exact].to(q_dtype)
@@ -137,7 +161,7 @@ def pack_q4_1(w: torch.Tensor) -> Q4_1Weight | None:
     has q = 15, which bounds d to a few float16 candidates, each verified per block.
     """
     blocks = _blocks(w)
-    if blocks is None:
+    if blocks is None or (w.shape[0] > PROBE_ROWS and pack_q4_1(w[:PROBE_ROWS]) is None):
         return None
     m = blocks.amin(1)
     solved = _solve(blocks, m, blocks.amax(1) - m, 15, 0, 15, torch.int32)
@@ -155,9 +179,10 @@ def pack_q8_0(w: torch.Tensor) -> Q8_0Weight | None:
     to a few float16 candidates, each verified per block.
     """
     blocks = _blocks(w)
-    if blocks is None:
+    if blocks is None or (w.shape[0] > PROBE_ROWS and pack_q8_0(w[:PROBE_ROWS]) is None):
         return None
-    solved = _solve(blocks, torch.zeros(blocks.shape[0]), blocks.abs().amax(1), 127, -128, 127, torch.int8)
+    largest = torch.maximum(blocks.amax(1), -blocks.amin(1))  # |w| without a copy of w
+    solved = _solve(blocks, torch.zeros(blocks.shape[0]), largest, 127, -128, 127, torch.int8)
     if solved is None:
         return None
     d, q = solved

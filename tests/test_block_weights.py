@@ -112,3 +112,14 @@ def test_weight_format_is_checked(tmp_path):
         load_model(EngineConfig(model=str(config), load_format="dummy", dtype="float32", weight_format="blocks"))
     with pytest.raises(ValueError, match="float32"):
         load_model(EngineConfig(model=str(config), load_format="dummy", dtype="bfloat16", weight_format="blocks"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_value_past_the_probed_rows_or_not_finite_keeps_a_large_matrix_dense(bad):
+    w = q4_1_matrix(64, 64)  # more rows than the packers probe first
+    assert pack_q4_1(w) is not None
+    w[50, 3] = w[50, 3] + 1e-4  # the probe passes; the whole matrix must not
+    assert pack_exact(w) is None
+    w = q8_0_matrix(64, 64)
+    w[50, 3] = bad
+    assert pack_exact(w) is None

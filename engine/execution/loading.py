@@ -37,6 +37,25 @@ def eos_ids_of(folder: Path, config: dict[str, Any], tokenizer: Any) -> frozense
     return frozenset(ids)
 
 
+GENERIC_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def read_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer. ``AutoTokenizer`` first reads the model's config to choose a class,
+    which imports transformers' model registry (~3 s of every start); a folder that names the
+    generic class it would choose (a ``tokenizer.json`` with ``TokenizersBackend``, as converted
+    GGUF files and most checkpoints have) is read by that class directly."""
+    settings = folder / "tokenizer_config.json"
+    named = json.loads(settings.read_text()).get("tokenizer_class") if settings.exists() else None
+    if named in GENERIC_TOKENIZERS and (folder / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
 def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoice:
     """The dtype ``config`` serves its model in (``dtype_choice``); resolves the model first."""
     cpu_build.use_cache_dir(config.cache_path)  # the probe may build the block kernels
@@ -122,8 +141,6 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     joined, ``launch.py``) this rank's shard, checked to be the same model on every rank. The
     backend is chosen here, from the one registry (``backends.create_backend``), and handed to
     the model."""
-    from transformers import AutoTokenizer
-
     config, folder, model_config, device = plan.config, plan.folder, plan.model_config, plan.device
     dtype = plan.dtype.dtype
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
@@ -144,7 +161,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
             f"projections of {config.model} are exact Q4_1/Q8_0 blocks"
         )
     tokenizer_folder = _tokenizer_folder(config, folder)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tokenizer = read_tokenizer(tokenizer_folder)
     log.info(
         "loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s",
         config.model,
@@ -169,10 +186,8 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
 def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str, Any]]:
     """The tokenizer, EOS ids and ``config.json`` of ``config.model``, without its weights: what a
     front end of several replicas needs (each replica loads the model itself)."""
-    from transformers import AutoTokenizer
-
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
     tokenizer_folder = _tokenizer_folder(config, folder)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tokenizer = read_tokenizer(tokenizer_folder)
     return tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer), model_config
