@@ -101,6 +101,23 @@ def _blocks(w: torch.Tensor) -> torch.Tensor | None:
     return w.reshape(-1, BLOCK)
 
 
+def _try_scale(
+    w: torch.Tensor,
+    off: torch.Tensor,
+    d: torch.Tensor,
+    divisor: torch.Tensor,
+    lowest: int,
+    highest: int,
+    q: torch.Tensor,
+    rebuilt: torch.Tensor,
+) -> torch.Tensor:
+    """Which blocks of ``w`` are ``d * q + off`` exactly, q written into ``q`` (``rebuilt``: scratch).
+    ``divisor`` is ``d`` but where ``d`` is 0 (a zero-span block, whose q is 0)."""
+    torch.sub(w, off, out=q).div_(divisor).round_().clamp_(lowest, highest)
+    torch.mul(q, d, out=rebuilt).add_(off)  # two torch ops: two roundings, as dequantize
+    return torch.eq(rebuilt, w).all(1)
+
+
 def _solve(
     blocks: torch.Tensor,
     offset: torch.Tensor,
@@ -119,7 +136,7 @@ def _solve(
     only speed. A non-finite value makes its block's ``span`` non-finite (max and min carry
     NaN and infinity), so checking the spans checks every value.
     """
-    if not bool(torch.isfinite(span).all()) or not bool(torch.isfinite(offset).all()):
+    if not bool(torch.isfinite(span).all()):
         return None
     candidates = _scale_candidates(span, levels)
     solvable = span > 0  # zero-span blocks are d = 0, q = 0 (their values all equal the offset)
@@ -131,13 +148,11 @@ def _solve(
     q, rebuilt = torch.empty(rows, BLOCK), torch.empty(rows, BLOCK)  # reused: no page faults per chunk
     for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
         part = slice(start, start + CHUNK_BLOCKS)
-        w, n = blocks[part], blocks[part].shape[0]
-        off, d = offset[part].unsqueeze(1), d_out[part].unsqueeze(1)
-        qc, rc = q[:n], rebuilt[:n]
-        torch.sub(w, off, out=qc).div_(divisor[part].unsqueeze(1)).round_().clamp_(lowest, highest)
-        torch.mul(qc, d, out=rc).add_(off)  # two roundings, as dequantize
-        exact[part] = torch.eq(rc, w).all(1)
-        q_out[part] = qc
+        w = blocks[part]
+        n = w.shape[0]
+        off, d, div = offset[part].unsqueeze(1), d_out[part].unsqueeze(1), divisor[part].unsqueeze(1)
+        exact[part] = _try_scale(w, off, d, div, lowest, highest, q[:n], rebuilt[:n])
+        q_out[part] = q[:n]
     todo = torch.nonzero(~exact).squeeze(1)
     if 2 * todo.numel() > blocks.shape[0]:
         return None
@@ -145,8 +160,8 @@ def _solve(
         if todo.numel() == 0:
             break
         w, d, off = blocks[todo], d_all[todo].unsqueeze(1), offset[todo].unsqueeze(1)
-        q = torch.round((w - off) / d).clamp_(lowest, highest)
-        exact = ((d * q + off) == w).all(1)
+        q = torch.empty_like(w)
+        exact = _try_scale(w, off, d, d, lowest, highest, q, torch.empty_like(w))
         done = todo[exact]
         d_out[done] = d_all[done]
         q_out[done] = q[exact].to(q_dtype)
