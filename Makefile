@@ -20,17 +20,27 @@ $(STAMP): pyproject.toml
 	else \
 	  $(PY) -m pip install -q torch==2.13.0 || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
-	# instructor (for the tool-call tests) pins jiter<0.15, which openai>=3.4 outgrew;
-	# without its deps it runs on the newer jiter (its other deps are in the dev extras).
-	$(PY) -m pip install -q --no-deps 'instructor>=1.17,<2'
+	# The rest through uv when it installs (parallel, ~4x faster than pip here), else pip.
+	# uv keeps the torch just installed: 2.13.0 satisfies the project's range.
+	if $(PY) -m pip install -q 'uv>=0.5,<1' && $(VENV)/bin/uv --version >/dev/null 2>&1; then \
+	  $(VENV)/bin/uv pip install -q --python $(PY) -e '.[dev]' && \
+	  $(VENV)/bin/uv pip install -q --python $(PY) --no-deps 'instructor>=1.17,<2'; \
+	else \
+	  $(PY) -m pip install -q -e '.[dev]' && \
+	  $(PY) -m pip install -q --no-deps 'instructor>=1.17,<2'; \
+	fi
+	# (instructor, for the tool-call tests, pins jiter<0.15, which openai>=3.4 outgrew;
+	# without its deps it runs on the newer jiter: its other deps are in the dev extras.)
 	touch $(STAMP)
 
 serve: install
 	$(VENV)/bin/trillm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# One pytest worker per core (pytest-xdist), a file's tests on one worker (module fixtures
+# start once); `make test PYTEST_ARGS=` runs them in one process.
+PYTEST_ARGS ?= -n auto --dist loadfile
 test: install lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # ruff (lint, import order, format) and mypy over the package. mypy reads the
 # installed names (trillm.api, ...) from a tree of links, since the folders

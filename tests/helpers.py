@@ -6,6 +6,7 @@ helpers from here, never from each other.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import trio
@@ -29,6 +30,8 @@ async def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
 
 def make_engine(model_parts, **overrides: Any) -> Engine:
     settings: dict[str, Any] = dict(dtype="float32", num_pages=256, page_size=16, max_num_seqs=32, max_batch_tokens=256)
+    if os.environ.get("TRILLM_NUM_THREADS"):  # this worker's share of the cores (conftest.py)
+        settings["num_threads"] = int(os.environ["TRILLM_NUM_THREADS"])
     settings.update(overrides)
     return Engine(EngineConfig(**settings), *model_parts)
 

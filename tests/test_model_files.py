@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,14 @@ import pytest
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem
-from trillm.engine.execution.model_source import DEFAULT_ALIAS, _is_ready, default_gguf, fetch_default_gguf
+from trillm.engine.execution.model_source import (
+    DEFAULT_ALIAS,
+    _is_ready,
+    default_gguf,
+    entry_lock,
+    fetch_default_gguf,
+    resolve_model,
+)
 
 SERVE = [sys.executable, "-m", "trillm.api.cli", "serve"]
 
@@ -89,6 +97,23 @@ def test_regression_a_truncated_download_is_fetched_again(tmp_path, capsys):
     assert cut.stat().st_size == whole.stat().st_size
     check_gguf(cut)
     assert f"{cut} is truncated or damaged: fetching it again" in capsys.readouterr().err
+
+
+def test_regression_processes_starting_at_once_take_turns_preparing_the_default_model(model_dir, tmp_path):
+    """On a new machine two processes (replicas, workers of a parallel test run) downloaded and
+    converted into the same temporary folders at once; the second now waits for the one preparing
+    the entry and finds it ready, fetching nothing."""
+    entry = tmp_path / DEFAULT_ALIAS
+    found: list[Path] = []
+    second = threading.Thread(target=lambda: found.append(resolve_model(DEFAULT_ALIAS, tmp_path)))
+    with entry_lock(entry):
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting for the lock
+        shutil.copytree(model_dir, entry)  # what the first one's preparation leaves
+    second.join(60)
+    assert found == [entry]
+    assert not (tmp_path / "downloads").exists()
 
 
 def test_regression_a_truncated_gguf_given_by_path_is_one_line_naming_it(tmp_path):

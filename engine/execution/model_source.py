@@ -5,17 +5,23 @@ safetensors + tokenizer under the cache folder (the ``cache_dir`` setting, defau
 ``~/.cache/trillm``), so later starts only read safetensors. A cache entry whose
 files no longer match their record is rebuilt, and a truncated download fetched
 again (``file_checks``); a damaged GGUF given by path is refused in one line.
+Processes that start at once on a new machine (a replica set, a parallel test run)
+take turns through a lock file per entry: one downloads and converts, the others wait
+and find the entry ready.
 """
 
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem, write_marker
@@ -41,7 +47,11 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        return _convert_gguf(path, cache_dir / f"gguf-{path.stem}-{digest}")
+        target = cache_dir / f"gguf-{path.stem}-{digest}"
+        if _is_ready(target):
+            return target
+        with entry_lock(target):
+            return _convert_gguf(path, target)
     raise FileNotFoundError(
         f"model {model!r} is neither the alias {DEFAULT_ALIAS!r}, a folder with config.json, nor a .gguf file"
     )
@@ -64,25 +74,43 @@ def _is_ready(target: Path) -> bool:
     return False
 
 
+@contextmanager
+def entry_lock(target: Path) -> Iterator[None]:
+    """Hold ``target``'s lock file (beside it) while the block runs: another process, or
+    another thread, preparing the same entry waits here. The lock is the kernel's, so a
+    holder that dies lets go; the file itself stays (removing it would race a waiter)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _prepare_default(cache_dir: Path) -> Path:
     target = cache_dir / DEFAULT_ALIAS
     if _is_ready(target):
         return target
-    return _convert_gguf(fetch_default_gguf(cache_dir), target, checked=True)
+    with entry_lock(target):
+        if _is_ready(target):  # another process made it while this one waited
+            return target
+        return _convert_gguf(fetch_default_gguf(cache_dir), target, checked=True)
 
 
 def fetch_default_gguf(cache_dir: Path) -> Path:
     """The default model's GGUF in the download cache, whole: one that is truncated or damaged
     (a download cut short) is fetched again, rather than failing every start."""
     gguf = default_gguf(cache_dir)
-    if gguf.exists():
-        try:
-            check_gguf(gguf)
-        except DamagedModelFile:
-            _say(f"{gguf} is truncated or damaged: fetching it again")
-            gguf.unlink()
-    if not gguf.exists():
-        _download_default(gguf)  # checked there
+    with entry_lock(gguf):
+        if gguf.exists():
+            try:
+                check_gguf(gguf)
+            except DamagedModelFile:
+                _say(f"{gguf} is truncated or damaged: fetching it again")
+                gguf.unlink()
+        if not gguf.exists():
+            _download_default(gguf)  # checked there
     return gguf
 
 
