@@ -6,16 +6,10 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-# Under pytest-xdist (``make test`` runs one worker per core) the workers share the cores:
-# each worker's forward passes, and the servers it starts (they read TRILLM_NUM_THREADS), take
-# its share, so no two OpenMP teams spin for one core. Set before torch reads it at import.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    _SHARE = str(max(1, (os.cpu_count() or 1) // _WORKERS))
-    os.environ.setdefault("TRILLM_NUM_THREADS", _SHARE)
-    os.environ.setdefault("OMP_NUM_THREADS", _SHARE)
+import tests.cores  # noqa: F401  (first: a parallel run's share of the cores, before torch)
 
-import torch  # noqa: E402
+# isort: split
+import torch
 
 # Without a GPU, Triton kernels run in its interpreter; it must be chosen
 # before any kernel module is imported (``triton.jit`` reads it then).
