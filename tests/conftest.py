@@ -79,3 +79,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.model)
         if "server" in used:
             item.add_marker(pytest.mark.e2e)
+    # Files holding ``slow`` tests first (each file's own order kept): a parallel run hands out
+    # whole files in this order, so the long ones start at once rather than trail at the end.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

@@ -24,7 +24,7 @@ from trillm.bench.prometheus import scrape
 from trillm.bench.run import wait_healthy
 from trillm.engine.processes import free_port
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a subprocess server under minutes of load
 
 # A prompt of ~1,200 tokens: prefilled in three chunks, it frees multi-MiB attention and MLP buffers,
 # which is what raised the threshold before the fix (a 7,700-token one costs a minute here).

@@ -27,6 +27,8 @@ from trillm.engine.execution.model_source import (
     resolve_model,
 )
 
+pytestmark = pytest.mark.slow  # subprocess servers, and the default model fetched again
+
 SERVE = [sys.executable, "-m", "trillm.api.cli", "serve"]
 
 

@@ -153,6 +153,7 @@ def _rank_body(rank: int, size: int, port: int, failures: mp.Queue) -> None:
         raise
 
 
+@pytest.mark.slow  # rank processes
 @pytest.mark.parametrize("size", [2])  # uneven groups (2 + 1) and vocabulary (51 + 50); 3 ranks: the partition
 def test_sharded_layers_match_the_whole_ones_over_gloo(size):
     context = mp.get_context("spawn")
@@ -176,6 +177,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow  # rank processes
 async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_parts, tokenizer):
     """The same prompts through ``--tp 2`` and ``--tp 1`` (overlap on, one prefilled in chunks): the
     same greedy tokens, logprobs within float tolerance; cancelled requests free every page on rank
