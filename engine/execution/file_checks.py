@@ -105,16 +105,14 @@ def entry_problem(folder: Path) -> str | None:
 
 def check_gguf(path: Path) -> None:
     """Refuse a GGUF file that is truncated or unreadable (``DamagedModelFile`` naming it)."""
-    from gguf import GGUFReader
+    from trillm.engine.execution.gguf_header import GGUFFormatError, read_header
 
     size = path.stat().st_size
     try:
-        reader = GGUFReader(path)
-        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as exc:  # gguf fails in many ways on a cut file (reshape, struct, index)
+        end = read_header(path).end
+    except (GGUFFormatError, OSError) as exc:
         raise DamagedModelFile(
-            f"{path} is not a complete GGUF file ({size} bytes; {type(exc).__name__}: {exc}): "
-            "it is truncated or damaged; download it again"
+            f"{path} is not a complete GGUF file ({size} bytes; {exc}): it is truncated or damaged; download it again"
         ) from None
     if end > size:
         raise DamagedModelFile(
