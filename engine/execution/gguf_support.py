@@ -1,0 +1,121 @@
+"""Whether trillm can serve a GGUF file, decided from its header before any heavy work.
+
+A file trillm cannot serve used to be dequantized whole into a float32 cache first (1.07 GB
+for Gemma 3 270M) and only then refused with a traceback. Every refusal here is one line
+naming the file and what is wrong: the architecture, a tensor's type (naming the tensor),
+a missing tensor, or the memory the float32 conversion needs (until k-quants stay in their
+blocks, issue 21).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trillm.engine.execution.gguf_header import GGUFHeader
+
+# general.architecture values of the families ``shape.LlamaShape`` serves (Mistral's GGUF files say "llama")
+SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Tensor types read today (the legacy and k-quant blocks, and plain floats); the IQ types are not yet.
+READ_TYPES = frozenset(
+    {
+        "F32",
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+    }
+)
+LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class UnsupportedModel(ValueError):
+    """A model file trillm cannot serve; the message is one line that says why."""
+
+
+def type_name(kind: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
+
+
+def float32_bytes(header: GGUFHeader) -> int:
+    """What the file's weights take dequantized to float32 (the conversion cache, and memory while converting)."""
+    total = 0
+    for tensor in header.tensors:
+        count = 1
+        for d in tensor.dims:
+            count *= d
+        total += 4 * count
+    return total
+
+
+def available_memory() -> int | None:
+    """MemAvailable of ``/proc/meminfo`` in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_servable(header: GGUFHeader, available: int | None = None) -> None:
+    """Raise ``UnsupportedModel`` unless ``header``'s file can be converted and served here.
+    ``available``: bytes of memory free (default: this machine's MemAvailable)."""
+    path = header.path
+    arch = header.metadata.get("general.architecture")
+    if arch not in SERVED_ARCHITECTURES:
+        served = ", ".join(SERVED_ARCHITECTURES)
+        raise UnsupportedModel(f"{path}: architecture {arch!r} is not served yet; trillm serves GGUF files of {served}")
+    for tensor in header.tensors:
+        name = type_name(tensor.type)
+        if name not in READ_TYPES:
+            raise UnsupportedModel(
+                f"{path}: tensor {tensor.name} is {name}, which trillm does not read yet "
+                f"(it reads {', '.join(sorted(READ_TYPES))})"
+            )
+    layers = header.metadata.get(f"{arch}.block_count")
+    if not isinstance(layers, int) or layers < 1:
+        raise UnsupportedModel(f"{path}: no {arch}.block_count in its metadata")
+    present = {t.name for t in header.tensors}
+    wanted = ["token_embd.weight", "output_norm.weight"]
+    wanted += [f"blk.{i}.{part}.weight" for i in range(layers) for part in LAYER_TENSORS]
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UnsupportedModel(f"{path}: tensor {missing[0]}{more} missing for a {layers}-layer {arch} model")
+    need = float32_bytes(header)
+    free = available_memory() if available is None else available
+    if free is not None and need > free:
+        raise UnsupportedModel(
+            f"{path}: its weights dequantized to float32 (as trillm converts GGUF files until k-quants stay "
+            f"in their blocks) take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory is available"
+        )
+
+
+def check_disk(header: GGUFHeader, target: Path) -> None:
+    """Refuse (one line) a conversion whose float32 cache would not fit on ``target``'s disk."""
+    folder = target.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stats = os.statvfs(folder)
+    free = stats.f_bavail * stats.f_frsize
+    need = float32_bytes(header)
+    if need > free:
+        raise UnsupportedModel(
+            f"{header.path}: its float32 conversion in {folder} takes {need / 2**30:.1f} GiB; "
+            f"{free / 2**30:.1f} GiB of disk is free there (--cache-dir chooses another place)"
+        )

@@ -1,0 +1,85 @@
+"""A GGUF file trillm cannot serve is refused from its header, in one line, before any work:
+the issue's Gemma 3 file was first dequantized whole to a 1.07 GB float32 cache, then refused
+with a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_support import LAYER_TENSORS, UnsupportedModel, check_servable, float32_bytes
+from trillm.engine.execution.model_source import resolve_model
+
+HIDDEN, LAYERS = 64, 2
+
+
+def write_model(
+    path: Path, arch: str = "llama", odd_type: GGMLQuantizationType | None = None, skip: str | None = None
+) -> Path:
+    """A tiny model's header and tensors (zeros): ``odd_type`` for blk.1.ffn_down, ``skip`` left out."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_embedding_length(HIDDEN)
+    names = ["token_embd.weight", "output_norm.weight"]
+    names += [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in LAYER_TENSORS]
+    for name in names:
+        if name == skip:
+            continue
+        if name == "blk.1.ffn_down.weight" and odd_type is not None:
+            block, size = GGML_QUANT_SIZES[odd_type]
+            raw = np.zeros((HIDDEN, HIDDEN // block * size), dtype=np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=odd_type)
+        else:
+            writer.add_tensor(name, np.zeros((HIDDEN,) if "norm" in name else (HIDDEN, HIDDEN), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def refusal(path: Path, available: int | None = 1 << 40) -> str:
+    with pytest.raises(UnsupportedModel) as refused:
+        check_servable(read_header(path), available)
+    message = str(refused.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def test_a_served_architecture_with_read_types_passes(tmp_path):
+    check_servable(read_header(write_model(tmp_path / "ok.gguf")), available=1 << 40)
+    check_servable(read_header(write_model(tmp_path / "q6k.gguf", odd_type=GGMLQuantizationType.Q6_K)), 1 << 40)
+
+
+def test_regression_gemma3_is_refused_by_its_architecture(tmp_path):
+    assert "architecture 'gemma3' is not served yet" in refusal(write_model(tmp_path / "g.gguf", arch="gemma3"))
+
+
+def test_an_iq_tensor_is_refused_naming_the_tensor_and_its_type(tmp_path):
+    path = write_model(tmp_path / "iq.gguf", odd_type=GGMLQuantizationType.IQ4_XS)
+    assert "tensor blk.1.ffn_down.weight is IQ4_XS, which trillm does not read yet" in refusal(path)
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    path = write_model(tmp_path / "cut.gguf", skip="blk.1.attn_k.weight")
+    assert "tensor blk.1.attn_k.weight missing for a 2-layer llama model" in refusal(path)
+
+
+def test_a_model_whose_float32_conversion_does_not_fit_in_memory_is_refused(tmp_path):
+    header = read_header(write_model(tmp_path / "big.gguf"))
+    need = float32_bytes(header)
+    assert need == 4 * (HIDDEN * HIDDEN + HIDDEN + LAYERS * (2 * HIDDEN + 7 * HIDDEN * HIDDEN))
+    check_servable(header, available=need)
+    assert "GiB of memory is available" in refusal(header.path, available=need - 1)
+
+
+def test_resolving_an_unservable_file_converts_nothing(tmp_path):
+    path = write_model(tmp_path / "g.gguf", arch="gemma3")
+    cache = tmp_path / "cache"
+    with pytest.raises(UnsupportedModel, match="gemma3"):
+        resolve_model(str(path), cache)
+    assert not any(p.suffix != ".lock" for p in cache.rglob("*") if p.is_file())  # no conversion was begun
