@@ -79,7 +79,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.model)
         if "server" in used:
             item.add_marker(pytest.mark.e2e)
-    # Files holding ``slow`` tests first (each file's own order kept): a parallel run hands out
-    # whole files in this order, so the long ones start at once rather than trail at the end.
+    # Files holding ``slow`` tests first (each file's own order kept): under ``--dist worksteal``
+    # the first worker starts on them at once, and the other takes half of what is left once
+    # it runs dry, rather than one long file trailing at the end.
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)

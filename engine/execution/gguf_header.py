@@ -76,9 +76,6 @@ class GGUFHeader:
         """Where the last tensor's bytes end: past the file's size, the file is truncated."""
         return max((t.offset + t.nbytes for t in self.tensors), default=self.data_offset)
 
-    def tensor(self, name: str) -> TensorInfo | None:
-        return next((t for t in self.tensors if t.name == name), None)
-
 
 class _Cursor:
     def __init__(self, buffer: Any) -> None:
