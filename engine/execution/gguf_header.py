@@ -16,6 +16,7 @@ u32 type and u64 offset from the start of the data, which begins at the next mul
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -127,8 +128,7 @@ def _tensor_nbytes(dims: tuple[int, ...], kind: int) -> int:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ValueError, KeyError):
         raise GGUFFormatError(f"unknown tensor type {kind}") from None
-    elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    return elements // block * size
+    return math.prod(dims) // block * size
 
 
 def read_header(path: Path) -> GGUFHeader:

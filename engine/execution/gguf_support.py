@@ -9,6 +9,7 @@ blocks, issue 21).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -52,13 +53,7 @@ def type_name(kind: int) -> str:
 
 def float32_bytes(header: GGUFHeader) -> int:
     """What the file's weights take dequantized to float32 (the conversion cache, and memory while converting)."""
-    total = 0
-    for tensor in header.tensors:
-        count = 1
-        for d in tensor.dims:
-            count *= d
-        total += 4 * count
-    return total
+    return sum(4 * math.prod(tensor.dims) for tensor in header.tensors)
 
 
 def available_memory() -> int | None:

