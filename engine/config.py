@@ -33,7 +33,9 @@ class EngineConfig:
     """
 
     model: str = setting(
-        "smollm2-135m-instruct", "alias, Hugging Face folder (config.json + safetensors + tokenizer), or `.gguf` file"
+        "smollm2-135m-instruct",
+        "alias, Hugging Face folder (config.json + safetensors + tokenizer), or `.gguf` file (served as it is: "
+        "config, tokenizer and chat template from the file, weights kept in its blocks)",
     )
     dtype: str = setting(
         "auto",

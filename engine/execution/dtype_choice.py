@@ -18,6 +18,7 @@ made in two steps, and the start-up log says which and why:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.kernels import cpu_matmul
 from trillm.kernels.block_weights import pack_exact
 
@@ -96,28 +98,40 @@ def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
     return (block_bytes, weights) if weights else None
 
 
+def gguf_first_layer_bytes(header: GGUFHeader) -> tuple[int, int] | None:
+    """``first_layer_bytes`` of a GGUF file read as it is: its blocks' bytes, from the header."""
+    block_bytes = weights = 0
+    for tensor in header.tensors:
+        if tensor.name.startswith("blk.0.") and len(tensor.dims) == 2:
+            block_bytes += tensor.nbytes
+            weights += math.prod(tensor.dims)
+    return (block_bytes, weights) if weights else None
+
+
 def choose_dtype(
     config: EngineConfig,
     device: torch.device,
-    folder: Path | None,
+    folder: Path | GGUFHeader | None,
     model_config: dict[str, Any],
     seconds: Callable[[int, int, int, torch.dtype], float] | None = None,
 ) -> DtypeChoice:
     """The dtype ``config.dtype`` names, or for ``auto`` the one a decode step runs fastest in.
 
-    ``folder``: the checkpoint (None for random dummy weights). ``seconds``: the matmul
+    ``folder``: the checkpoint, or a GGUF file's header (None for random dummy weights). ``seconds``: the matmul
     timer, ``matmul_seconds`` by default (tests fake it to answer as an AMX machine would)."""
     if config.dtype != "auto":
         return DtypeChoice(torch.bfloat16 if config.dtype == "bfloat16" else torch.float32, "asked for")
     if device.type == "cuda":
         return DtypeChoice(torch.bfloat16, "auto on CUDA")
     if folder is not None and _block_path_applies(config, device):
-        probed = first_layer_bytes(folder)
+        gguf = isinstance(folder, GGUFHeader)
+        probed = gguf_first_layer_bytes(folder) if isinstance(folder, GGUFHeader) else first_layer_bytes(folder)
         if probed is not None and probed[0] < 2 * probed[1]:
             block_bytes, weights = probed
             return DtypeChoice(
                 torch.float32,
-                f"auto: the projections are exact GGUF blocks ({block_bytes / weights:.2f} bytes a weight "
+                f"auto: the projections are {'the file' if gguf else 'exact GGUF'} blocks "
+                f"({block_bytes / weights:.2f} bytes a weight "
                 "in layer 0, against 2 in bfloat16): float32 keeps them for decode "
                 "(--dtype bfloat16 trades them for faster prefill where this CPU has AMX)",
             )

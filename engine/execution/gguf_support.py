@@ -68,8 +68,9 @@ def available_memory() -> int | None:
     return None
 
 
-def check_servable(header: GGUFHeader, available: int | None = None) -> None:
-    """Raise ``UnsupportedModel`` unless ``header``'s file can be converted and served here.
+def check_servable(header: GGUFHeader, available: int | None = None, native: bool = False) -> None:
+    """Raise ``UnsupportedModel`` unless ``header``'s file can be served here: converted to float32
+    first (the default model), or with ``native`` as it is, in its blocks (``gguf_model``).
     ``available``: bytes of memory free (default: this machine's MemAvailable)."""
     path = header.path
     arch = header.metadata.get("general.architecture")
@@ -93,12 +94,12 @@ def check_servable(header: GGUFHeader, available: int | None = None) -> None:
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UnsupportedModel(f"{path}: tensor {missing[0]}{more} missing for a {layers}-layer {arch} model")
-    need = float32_bytes(header)
+    need = header.file_size if native else float32_bytes(header)
     free = available_memory() if available is None else available
     if free is not None and need > free:
+        held = "in their blocks" if native else "dequantized to float32 (as the default model is converted)"
         raise UnsupportedModel(
-            f"{path}: its weights dequantized to float32 (as trillm converts GGUF files until k-quants stay "
-            f"in their blocks) take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory is available"
+            f"{path}: its weights {held} take {need / 2**30:.1f} GiB; {free / 2**30:.1f} GiB of memory is available"
         )
 
 

@@ -1,8 +1,9 @@
 """The math every backend shares: decoder-layer weights, projections and RMSNorm.
 
-A projection is dense and transposed, [in, out], or exact GGUF blocks, [out, in]
-(``kernels/block_weights.py``); ``project`` runs either, so the model and each
-backend's layer loop never ask which.
+A projection is dense and transposed, [in, out]; exact GGUF blocks, [out, in]
+(``kernels/block_weights.py``); a GGUF file's own blocks, [out, in] (``kernels/gguf_blocks.py``);
+or several of these side by side (``Stacked``: Q, K and V of different block types).
+``project`` runs each, so the model and each backend's layer loop never ask which.
 """
 
 from __future__ import annotations
@@ -14,11 +15,30 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from trillm.kernels import cpu_matmul
-from trillm.kernels.block_weights import BlockWeight, pack_exact
+from trillm.kernels import cpu_gguf, cpu_matmul
+from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight, pack_exact
+from trillm.kernels.block_weights import dequantize as dequantize_blocks
+from trillm.kernels.gguf_blocks import GGUFWeight
 
-# A projection: dense and transposed, [in, out], or exact GGUF blocks, [out, in].
-Weight: TypeAlias = torch.Tensor | BlockWeight
+
+@attrs.frozen
+class Stacked:
+    """Projections whose outputs sit side by side ([out_1 + out_2 + ..., in]): a fused Q/K/V or
+    gate/up whose parts a GGUF file keeps in different block types."""
+
+    parts: tuple[Weight, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(_out_features(p) for p in self.parts), _in_features(self.parts[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(p) for p in self.parts)
+
+
+# A projection: dense and transposed, [in, out]; blocks, [out, in]; or several side by side.
+Weight: TypeAlias = torch.Tensor | BlockWeight | GGUFWeight | Stacked
 # Sums a row-parallel projection's partial outputs over the ranks, in place.
 Reduce: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 # An RMSNorm over the last dimension: (x, weight, eps) -> normed x of x's shape.
@@ -58,12 +78,76 @@ def make_weight(weight: torch.Tensor, blocks: bool) -> Weight:
     return packed if packed is not None else transposed(weight)
 
 
+def _out_features(w: Weight) -> int:
+    return w.shape[1] if isinstance(w, torch.Tensor) else w.shape[0]
+
+
+def _in_features(w: Weight) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else w.shape[1]
+
+
+def _nbytes(w: Weight) -> int:
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
+
+
+def weight_bytes(w: Weight) -> int:
+    """What one pass over ``w`` reads."""
+    return _nbytes(w)
+
+
+def fuse(parts: list[torch.Tensor | Weight], blocks: bool) -> Weight:
+    """Matrices [out_i, in] as one projection of their stacked outputs. Dense ones are
+    concatenated and made a weight (``make_weight``); ones already in blocks are joined row-wise
+    where they share a layout, else kept side by side (``Stacked``)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return make_weight(torch.cat(parts), blocks)  # type: ignore[arg-type]
+    first = parts[0]
+    if isinstance(first, GGUFWeight) and all(isinstance(p, GGUFWeight) and p.kind == first.kind for p in parts):
+        return GGUFWeight(first.kind, torch.cat([p.data for p in parts]), first.K)  # type: ignore[union-attr]
+    if all(isinstance(p, Q4_1Weight) for p in parts):
+        return Q4_1Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
+    if all(isinstance(p, Q8_0Weight) for p in parts):
+        return Q8_0Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d")))
+    return Stacked(tuple(make_weight(p, False) if isinstance(p, torch.Tensor) else p for p in parts))
+
+
+def embed_rows(table: torch.Tensor | Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table, dense or in blocks (only those rows decoded)."""
+    if isinstance(table, torch.Tensor):
+        return table[ids]
+    if isinstance(table, GGUFWeight):
+        return cpu_gguf.embedding(table, ids)
+    if isinstance(table, Q4_1Weight):
+        return dequantize_blocks(Q4_1Weight(table.qs[ids], table.d[ids], table.m[ids]))
+    if isinstance(table, Q8_0Weight):
+        return dequantize_blocks(Q8_0Weight(table.qs[ids], table.d[ids]))
+    raise TypeError(f"an embedding cannot be a {type(table).__name__}")
+
+
 def project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W (+ bias)`` for either form of ``W``."""
+    """``x @ W (+ bias)`` for every form of ``W``."""
     if isinstance(w, torch.Tensor):
         return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
-    out = cpu_matmul.matmul(x, w)
+    if isinstance(w, Stacked):
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        start = 0
+        for part in w.parts:
+            stop = start + _out_features(part)
+            _project_into(x, part, out[:, start:stop])
+            start = stop
+    else:
+        out = cpu_gguf.matmul(x, w) if isinstance(w, GGUFWeight) else cpu_matmul.matmul(x, w)
     return out if bias is None else out.add_(bias)
+
+
+def _project_into(x: torch.Tensor, w: Weight, out: torch.Tensor) -> None:
+    """``out[:] = x @ W``, ``out`` a column slice of a wider output."""
+    if isinstance(w, GGUFWeight):
+        cpu_gguf.matmul(x, w, out=out)
+    elif isinstance(w, (Q4_1Weight, Q8_0Weight)):
+        cpu_matmul.matmul(x, w, out=out)
+    else:
+        out.copy_(project(x, w))
 
 
 def project_add(h: torch.Tensor, x: torch.Tensor, w: Weight, reduce: Reduce | None = None) -> torch.Tensor:
@@ -75,6 +159,10 @@ def project_add(h: torch.Tensor, x: torch.Tensor, w: Weight, reduce: Reduce | No
         return h.add_(reduce(project(x, w)))
     if isinstance(w, torch.Tensor):
         return torch.addmm(h, x, w)
+    if isinstance(w, GGUFWeight):
+        return cpu_gguf.matmul(x, w, out=h, accumulate=True)
+    if isinstance(w, Stacked):
+        return h.add_(project(x, w))
     return cpu_matmul.matmul(x, w, out=h, accumulate=True)
 
 

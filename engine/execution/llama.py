@@ -15,12 +15,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache
 from trillm.engine.execution.file_checks import check_finite, cure_for
-from trillm.engine.execution.layers import LayerWeights, Weight, make_weight, project
+from trillm.engine.execution.gguf_header import GGUFHeader
+from trillm.engine.execution.gguf_model import gguf_weights
+from trillm.engine.execution.layers import LayerWeights, Weight, embed_rows, fuse, make_weight, project, weight_bytes
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
@@ -67,13 +70,14 @@ def dummy_weights(
     return w
 
 
-def fingerprint(weights: dict[str, torch.Tensor]) -> str:
+def fingerprint(weights: dict[str, Any]) -> str:
     """What must be equal on every tensor-parallel rank: the tensors' names, shapes and dtypes,
     and a sample of their values (reading a whole 70B checkpoint again would cost minutes)."""
     digest = hashlib.sha256()
     for name in sorted(weights):
-        t = weights[name]
-        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        w = weights[name]
+        t = w if isinstance(w, torch.Tensor) else next(iter(attrs.astuple(w, recurse=False)))
+        digest.update(f"{name}:{type(w).__name__}:{tuple(w.shape)}:{t.dtype}".encode())
         digest.update(t.reshape(-1)[:64].float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
@@ -85,7 +89,7 @@ class LlamaModel:
     def __init__(
         self,
         shape: LlamaShape,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Any],
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str = "cpu",
@@ -112,10 +116,11 @@ class LlamaModel:
             )
         if block_weights and not self.backend.supports_block_weights:
             raise ValueError("block weights run on the CPU fast path in float32 only")
-        w = {k: v.to(self.device, dtype) for k, v in weights.items()}
+        # Tensors move to the device and dtype; weights a GGUF file keeps in blocks stay as they are.
+        w = {k: v.to(self.device, dtype) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
-        self.lm_head = make_weight(head, block_weights)
+        self.lm_head = make_weight(head, block_weights) if isinstance(head, torch.Tensor) else head
         self.final_norm = w["model.norm.weight"]
         self.layers: list[LayerWeights] = []
         for i in range(shape.num_layers):
@@ -127,17 +132,12 @@ class LlamaModel:
             self.layers.append(
                 LayerWeights(
                     input_norm=w[p + "input_layernorm.weight"],
-                    qkv=make_weight(
-                        torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                        block_weights,
-                    ),
+                    qkv=fuse([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]], block_weights),
                     qkv_bias=bias,
-                    o_proj=make_weight(w[a + "o_proj.weight"], block_weights),
+                    o_proj=fuse([w[a + "o_proj.weight"]], block_weights),
                     post_norm=w[p + "post_attention_layernorm.weight"],
-                    gate_up=make_weight(
-                        torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), block_weights
-                    ),
-                    down=make_weight(w[p + "mlp.down_proj.weight"], block_weights),
+                    gate_up=fuse([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], block_weights),
+                    down=fuse([w[p + "mlp.down_proj.weight"]], block_weights),
                     q_norm=w[a + "q_norm.weight"] if shape.qk_norm else None,
                     k_norm=w[a + "k_norm.weight"] if shape.qk_norm else None,
                 )
@@ -155,9 +155,7 @@ class LlamaModel:
     @property
     def projection_bytes(self) -> int:
         """Bytes of projection weights a decode step reads: the floor of its memory traffic."""
-        return sum(
-            p.numel() * p.element_size() if isinstance(p, torch.Tensor) else p.nbytes for p in self.projections()
-        )
+        return sum(weight_bytes(p) for p in self.projections())
 
     @property
     def num_block_weights(self) -> int:
@@ -193,7 +191,7 @@ class LlamaModel:
     def sharded(
         cls,
         shape: LlamaShape,
-        weights: Callable[[LlamaShape], dict[str, torch.Tensor]],
+        weights: Callable[[LlamaShape], dict[str, Any]],
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str,
@@ -242,6 +240,35 @@ class LlamaModel:
         shape = LlamaShape.from_config(config)
         return cls.sharded(shape, read, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, torch.Tensor):
+            return self.tp.embed(self.embed, ids)
+        return embed_rows(self.embed, ids)  # in blocks: one process, decoded row by row
+
+    @classmethod
+    def from_gguf(
+        cls,
+        header: GGUFHeader,
+        config: dict[str, Any],
+        dtype: torch.dtype,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        *,
+        backend: Backend,
+        block_weights: bool = False,
+        tp: TensorParallel = SINGLE,
+    ) -> LlamaModel:
+        """The model of a GGUF file, its matrices kept in the file's blocks with ``block_weights``
+        (in one process: tensor-parallel ranks cut dense weights, and keep what is exactly Q4_1 or
+        Q8_0 in those blocks), else decoded to ``dtype``."""
+        in_blocks = block_weights and tp.part is None
+        shape = LlamaShape.from_config(config)
+
+        def read(shape: LlamaShape) -> dict[str, Any]:
+            return gguf_weights(header, in_blocks)
+
+        return cls.sharded(shape, read, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
@@ -255,7 +282,5 @@ class LlamaModel:
 
         ``bound``: what the backend's ``bind`` made for this ``kv_cache``, if the caller
         keeps it (the runner does; on the CPU path, the C layer loop of decode steps)."""
-        h = self.backend.run_layers(
-            self, self.tp.embed(self.embed, input_ids), positions, kv_cache, meta, logits_rows, bound
-        )
+        h = self.backend.run_layers(self, self._embed(input_ids), positions, kv_cache, meta, logits_rows, bound)
         return self.tp.gather_vocab(project(h, self.lm_head).float())

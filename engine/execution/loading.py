@@ -14,8 +14,10 @@ import torch
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import Backend, create_backend
 from trillm.engine.execution.dtype_choice import DtypeChoice, block_weights_wanted, choose_dtype
+from trillm.engine.execution.file_checks import check_gguf
+from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.llama import LlamaModel
-from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
+from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.topology import check_same_model
 from trillm.kernels import cpu_build, cpu_matmul
@@ -61,7 +63,21 @@ def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoic
     cpu_build.use_cache_dir(config.cache_path)  # the probe may build the block kernels
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
-    return choose_dtype(config, device, None if config.load_format == "dummy" else folder, model_config)
+    return choose_dtype(config, device, _weights_source(config, folder), model_config)
+
+
+def _gguf_header(config: EngineConfig) -> GGUFHeader | None:
+    """The header of the GGUF file ``config.model`` names, whose weights are read from it as they are."""
+    path = gguf_file(config.model) if config.load_format != "dummy" else None
+    return check_gguf(path) if path is not None else None
+
+
+def _weights_source(config: EngineConfig, folder: Path) -> Path | GGUFHeader | None:
+    """Where the weights are read from, for the dtype probe: a checkpoint folder, a GGUF file's
+    header, or None for random dummy weights."""
+    if config.load_format == "dummy":
+        return None
+    return _gguf_header(config) or folder
 
 
 def choose_device(config: EngineConfig) -> torch.device:
@@ -125,6 +141,7 @@ class LoadPlan:
     model_config: dict[str, Any]
     device: torch.device
     dtype: DtypeChoice
+    gguf: GGUFHeader | None = None  # the weights are this GGUF file's, read as they are (``gguf_model``)
 
 
 def plan_load(config: EngineConfig) -> LoadPlan:
@@ -138,10 +155,12 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     folder = _model_folder(config)
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)
-    dtype_choice = choose_dtype(config, device, None if config.load_format == "dummy" else folder, model_config)
+    source = _weights_source(config, folder)
+    dtype_choice = choose_dtype(config, device, source, model_config)
     if config.dtype == "auto":  # a dtype asked for needs no reason
         log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
-    return LoadPlan(config, folder, model_config, device, dtype_choice)
+    gguf = source if isinstance(source, GGUFHeader) else None
+    return LoadPlan(config, folder, model_config, device, dtype_choice, gguf)
 
 
 def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaModel, Any, frozenset[int]]:
@@ -156,6 +175,10 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     blocks = _use_block_weights(config, backend)
     if config.load_format == "dummy":
         model = LlamaModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
+    elif plan.gguf is not None:
+        model = LlamaModel.from_gguf(
+            plan.gguf, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
+        )
     else:
         model = LlamaModel.load(
             folder, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
@@ -166,7 +189,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     if config.weight_format == "blocks" and model.num_block_weights < len(model.projections()):
         raise ValueError(
             f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
-            f"projections of {config.model} are exact Q4_1/Q8_0 blocks"
+            f"projections of {config.model} are in blocks (exact Q4_1/Q8_0 blocks or a GGUF file's own)"
         )
     tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
     log.info(

@@ -1,8 +1,10 @@
 """Find model weights: an alias, a Hugging Face folder, or a GGUF file.
 
-GGUF files are dequantized once through ``transformers`` and cached as
-safetensors + tokenizer under the cache folder (the ``cache_dir`` setting, default
-``~/.cache/trillm``), so later starts only read safetensors. A cache entry whose
+A GGUF file given by path is served as it is (``gguf_model``): what is cached for it under
+the cache folder (the ``cache_dir`` setting, default ``~/.cache/trillm``) is its tokenizer and
+its config.json, read from the file's metadata once (``gguf_folder``). The default model's
+GGUF is still dequantized once through ``transformers`` and cached as safetensors +
+tokenizer, the form the test suite compares against ``transformers``. A cache entry whose
 files no longer match their record is rebuilt, and a truncated download fetched
 again (``file_checks``); a damaged GGUF given by path is refused in one line.
 Processes that start at once on a new machine (a replica set, a parallel test run)
@@ -25,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem, write_marker
+from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_support import check_disk, check_servable
 
 DEFAULT_ALIAS = "smollm2-135m-instruct"
@@ -47,11 +50,58 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
             raise FileNotFoundError(f"{path} has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        return _prepared(cache_dir / f"gguf-{path.stem}-{digest}", lambda: path)
+        return gguf_folder(path, cache_dir)
     raise FileNotFoundError(
         f"model {model!r} is neither the alias {DEFAULT_ALIAS!r}, a folder with config.json, nor a .gguf file"
     )
+
+
+def gguf_file(model: str) -> Path | None:
+    """The GGUF file ``model`` names, served natively (None: an alias or a folder)."""
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def gguf_folder(path: Path, cache_dir: Path) -> Path:
+    """A folder with ``path``'s config.json and tokenizer, written once from its metadata: what the
+    rest of the engine (and a front end of replicas) reads beside the weights. Keyed by the file's
+    path, size and mtime, so a replaced file gets a fresh one; the file is checked first (damage,
+    architecture, tensor types, memory: one line each)."""
+    header = check_gguf(path)
+    check_servable(header, native=True)
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_FOLDER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    target = cache_dir / "gguf" / f"{path.stem}-{digest}"
+    if _is_ready(target):
+        return target
+    with entry_lock(target):
+        if not _is_ready(target):
+            _write_gguf_folder(header, target)
+    return target
+
+
+GGUF_FOLDER_VERSION = 1  # raised when what ``_write_gguf_folder`` writes changes
+
+
+def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    from trillm.engine.execution.gguf_model import gguf_config
+
+    path = header.path
+    _say(f"reading the tokenizer of {path.name} (once) ...")
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "config.json").write_text(json.dumps(gguf_config(header), indent=1))
+    write_marker(tmp, path)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
 
 
 def default_gguf(cache_dir: Path) -> Path:

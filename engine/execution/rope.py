@@ -18,6 +18,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         return inv.float()
     if kind == "linear":
         return (inv / float(scaling["factor"])).float()
+    if kind == "freq_factors":  # GGUF files of Llama 3.1+: llama.cpp's per-pair divisors (rope_freqs)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float64)
+        if factors.shape != inv.shape:
+            raise ValueError(f"rope freq_factors hold {factors.numel()} values for {inv.numel()} frequencies")
+        return (inv / factors).float()
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))

@@ -1,0 +1,178 @@
+"""A GGUF file served as it is: its config from the metadata, its weights from the mapped file.
+
+No float32 detour and no conversion cache: the header says what the model is
+(``gguf_config``, in the config.json names the rest of the engine reads), and each matrix is
+taken from a memory map of the file, kept in its blocks (``kernels/gguf_blocks``) where the
+backend runs them, or decoded to the served dtype where it does not (``--weight-format dense``,
+bfloat16, a GPU, or tensor parallelism for now). Only the tokenizer is written once, to the
+cache folder (``gguf_tokenizer``), since building it from the metadata takes seconds.
+
+The names here are the HF checkpoint's (``model.layers.0.self_attn.q_proj.weight``), so the
+model is built as from any checkpoint. Llama-architecture files hold Q and K with each head's
+rows interleaved for llama.cpp's rotary layout; rows are put back in HF's order (a row
+permutation, exact in blocks: a block never spans rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from trillm.engine.execution.gguf_header import GGUFHeader, TensorInfo
+from trillm.kernels import cpu_gguf
+from trillm.kernels.block_weights import BlockWeight
+from trillm.kernels.gguf_blocks import BY_ID, GGUFWeight, from_bytes, reference_dequantize, repacked
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Architectures whose converter interleaved Q/K rows per head (llama.cpp's convert_hf_to_gguf)
+PERMUTED_QK = frozenset({"llama", "mistral"})
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The checkpoint name of a GGUF tensor (None: one the model does not use, e.g. ``rope_freqs``)."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def gguf_config(header: GGUFHeader) -> dict[str, Any]:
+    """The model's config.json, from the file's metadata (what ``LlamaShape.from_config`` reads)."""
+    meta = header.metadata
+    arch = meta["general.architecture"]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    tensors = {t.name: t for t in header.tensors}
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = tensors["token_embd.weight"].dims[1]
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+    }
+    for key, token in (("bos_token_id", "bos"), ("eos_token_id", "eos")):
+        value = meta.get(f"tokenizer.ggml.{token}_token_id")
+        if isinstance(value, int):
+            config[key] = value
+    scaling = _rope_scaling(header, arch)
+    if scaling:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
+    meta = header.metadata
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind not in (None, "none", "linear"):
+        from trillm.engine.execution.gguf_support import UnsupportedModel
+
+        raise UnsupportedModel(f"{header.path}: rope scaling {kind!r} is not served yet")
+    freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1+: llama.cpp keeps the per-frequency divisors as a tensor
+        return {"rope_type": "freq_factors", "factors": _dense(header, freqs).tolist()}
+    return None
+
+
+def _mapped(header: GGUFHeader) -> np.ndarray:
+    """The file, mapped copy-on-write: torch wants writable arrays, and pages never written stay the file's."""
+    return np.memmap(header.path, dtype=np.uint8, mode="c")
+
+
+def _raw(file: np.ndarray, info: TensorInfo) -> np.ndarray:
+    return file[info.offset : info.offset + info.nbytes]
+
+
+def _dense(header: GGUFHeader, info: TensorInfo, file: np.ndarray | None = None) -> torch.Tensor:
+    """A tensor decoded to float32, in the file's order (a matrix is [N, K])."""
+    file = _mapped(header) if file is None else file
+    raw = _raw(file, info)
+    shape = tuple(reversed(info.dims))
+    if info.type == 0:  # F32
+        return torch.from_numpy(raw.view(np.float32).reshape(shape))
+    weight = from_bytes(BY_ID[info.type], raw, shape[0] if len(shape) == 2 else 1, info.dims[0])
+    values = cpu_gguf.dequantize(weight) if cpu_gguf.available() else reference_dequantize(weight)
+    return values.reshape(shape)
+
+
+def _unpermute_rows(heads: int, rows: int) -> torch.Tensor:
+    """For each HF row, the GGUF row holding it: GGUF keeps each head's rows as (pair, half), HF as (half, pair)."""
+    d = rows // heads
+    index = torch.arange(rows).view(heads, d // 2, 2).transpose(1, 2)
+    return index.reshape(rows)
+
+
+Tensorish = torch.Tensor | GGUFWeight | BlockWeight
+
+
+def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
+    """The checkpoint-named weights of ``header``'s file. With ``blocks``, every matrix stays in the
+    file's blocks (``GGUFWeight``, or repacked into ``block_weights``' layouts where that is
+    exact); else each is decoded to float32. Vectors (norms, biases) are float32 tensors."""
+    arch = header.metadata["general.architecture"]
+    config = gguf_config(header)
+    file = _mapped(header)
+    out: dict[str, Tensorish] = {}
+    for info in header.tensors:
+        name = hf_name(info.name)
+        if name is None:
+            continue
+        order = None
+        if arch in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            order = _unpermute_rows(heads, info.dims[1])
+        if blocks and len(info.dims) == 2 and info.type in BY_ID:
+            weight = from_bytes(BY_ID[info.type], _raw(file, info), info.dims[1], info.dims[0])
+            if order is not None:
+                weight = GGUFWeight(weight.kind, weight.data[order], weight.K)
+            out[name] = repacked(weight)
+        else:
+            dense = _dense(header, info, file)
+            out[name] = dense[order] if order is not None else dense
+    return out

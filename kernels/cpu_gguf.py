@@ -1,0 +1,158 @@
+"""Matmul, embedding rows and dequantize for ``GGUFWeight`` (the file's blocks): ``cpu_gguf.c`` via ctypes.
+
+``matmul(x, w)`` is ``x @ dequantize(w).T`` without the float32 matrix. Up to ``GEMM_ROWS`` rows
+of x, the C kernel decodes a few weight rows at a time into a per-thread buffer and takes their
+dot products (decode steps: bound by the bytes of the weight). From there on, panels of
+``PANEL`` weight rows are decoded and multiplied with torch's GEMM: the decode is paid once per
+panel for every row of x (prefill). Float32 CPU tensors only; the GIL is released in C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from trillm.kernels import cpu_build
+from trillm.kernels.gguf_blocks import GGUFWeight
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES: dict[str, list] = {
+    "trillm_gguf_matmul": [_P, _I64, _INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _INT, _INT],
+    "trillm_gguf_rows": [_INT, _P, _I64, _I64, _P, _I64, _P, _INT],
+    "trillm_gguf_dequantize": [_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _INT],
+    "trillm_gguf_known": [_INT],
+}
+# The decoders round as gguf's numpy reference does: no fused multiply-add.
+_KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
+available = _KERNEL.available
+_F32, _CPU = torch.float32, torch.device("cpu")
+_ACCUMULATE = 1
+GEMM_ROWS = 8  # rows of x from which the panel + GEMM path is faster (measured, bench/gguf_kernels.py)
+PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-sized
+
+
+def _threads(num_threads: int | None) -> int:
+    return max(1, num_threads if num_threads is not None else torch.get_num_threads())
+
+
+def _check(weight: GGUFWeight) -> None:
+    data = weight.data
+    if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_cpu or data.stride(1) != 1:
+        raise ValueError("a GGUFWeight holds uint8 CPU rows [N, row_bytes] with unit stride")
+
+
+def dequantize(
+    weight: GGUFWeight, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows ``start:stop`` as float32 [rows, K] (into ``out`` when given, any row stride)."""
+    _check(weight)
+    N, K = weight.shape
+    stop = N if stop is None else stop
+    if not 0 <= start <= stop <= N:
+        raise ValueError(f"rows {start}:{stop} of a weight of {N}")
+    rows = stop - start
+    if out is None:
+        out = torch.empty(rows, K, dtype=_F32, device=_CPU)
+    if out.shape != (rows, K) or out.dtype is not _F32 or (K > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be float32 [{rows}, {K}] with unit column stride")
+    if rows and K:
+        data = weight.data
+        rc = _KERNEL.functions()[2](
+            weight.kind.id,
+            data.data_ptr(),
+            data.stride(0),
+            K,
+            start,
+            rows,
+            out.data_ptr(),
+            out.stride(0),
+            _threads(None),
+        )
+        if rc:
+            raise ValueError(f"cpu_gguf cannot decode {weight.kind.name}")
+    return out
+
+
+def embedding(weight: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), K]: the rows ``ids`` names, decoded (an embedding lookup)."""
+    _check(weight)
+    N, K = weight.shape
+    flat = ids.reshape(-1).to(device=_CPU, dtype=torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= N):
+        raise IndexError(f"a token id is outside the embedding's {N} rows")
+    out = torch.empty(flat.numel(), K, dtype=_F32, device=_CPU)
+    if flat.numel():
+        data = weight.data
+        rc = _KERNEL.functions()[1](
+            weight.kind.id,
+            data.data_ptr(),
+            data.stride(0),
+            K,
+            flat.data_ptr(),
+            flat.numel(),
+            out.data_ptr(),
+            _threads(None),
+        )
+        if rc:
+            raise ValueError(f"cpu_gguf cannot decode {weight.kind.name}")
+    return out.view(*ids.shape, K)
+
+
+def matmul(
+    x: torch.Tensor,
+    weight: GGUFWeight,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """y[M, N] = x[M, K] @ dequantize(weight).T; with accumulate=True, out += that (out given).
+
+    x: float32 CPU [M, K] (other layouts are copied). out: float32 CPU [M, N] with unit column
+    stride (written in place; allocated when None); it must not overlap x."""
+    _check(weight)
+    N, K = weight.shape
+    if x.dtype is not _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"x must be float32 CPU [M, {K}], got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M = x.shape[0]
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True adds into out, so out must be given")
+        out = torch.empty(M, N, dtype=_F32, device=_CPU)
+    elif out.dtype is not _F32 or not out.is_cpu or out.shape != (M, N) or (N > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be float32 CPU [{M}, {N}] with unit column stride")
+    if not (M and N):
+        return out
+    if M >= GEMM_ROWS:
+        panel = torch.empty(min(PANEL, N), K, dtype=_F32, device=_CPU)
+        for start in range(0, N, PANEL):
+            stop = min(start + PANEL, N)
+            w = dequantize(weight, start, stop, panel[: stop - start])
+            part = out[:, start:stop]
+            if accumulate:
+                part.addmm_(x, w.t())
+            else:
+                torch.mm(x, w.t(), out=part) if part.is_contiguous() else part.copy_(torch.mm(x, w.t()))
+        return out
+    data = weight.data
+    rc = _KERNEL.functions()[0](
+        x.data_ptr(),
+        x.stride(0),
+        weight.kind.id,
+        data.data_ptr(),
+        data.stride(0),
+        N,
+        K,
+        out.data_ptr(),
+        out.stride(0),
+        M,
+        _ACCUMULATE if accumulate else 0,
+        _threads(num_threads),
+    )
+    if rc == 1:
+        raise MemoryError("the GGUF matmul could not allocate its scratch buffer")
+    if rc:
+        raise ValueError(f"cpu_gguf cannot decode {weight.kind.name}")
+    return out

@@ -1,0 +1,135 @@
+"""The GGUF block kernels (``kernels/cpu_gguf``) against ``gguf``'s own decoders, type by type.
+
+Every type trillm keeps in its blocks is decoded by C exactly as ``gguf.quants.dequantize``
+decodes it (value for value: the C rounds as numpy does), on random blocks whose scales are
+sane float16 values and whose quant bits are random. The matmul is that matrix times x, by the
+per-row path (decode sizes) and the panel + GEMM path (prefill sizes), into column slices.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trillm.engine.execution.layers import Stacked, embed_rows, fuse, project, project_add
+from trillm.kernels import cpu_gguf
+from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight
+from trillm.kernels.block_weights import dequantize as dequantize_blocks
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize, repacked, row_bytes
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs a C compiler")
+
+# byte offsets of each type's float16 scale fields within a block
+SCALE_FIELDS = {
+    "Q4_0": (0,),
+    "Q5_0": (0,),
+    "Q8_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q6_K": (208,),
+}
+
+
+def random_weight(name: str, N: int, K: int, seed: int = 0) -> GGUFWeight:
+    """Random valid rows: random quant bits, float16 scales in [-0.05, 0.05] (plain values for F16/BF16)."""
+    kind = BLOCK_TYPES[name]
+    rng = np.random.default_rng(seed)
+    if name == "F16":
+        raw = rng.standard_normal((N, K)).astype(np.float16).view(np.uint8)
+    elif name == "BF16":
+        raw = (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        raw = rng.integers(0, 256, size=(N, row_bytes(kind, K)), dtype=np.uint8)
+        blocks = raw.reshape(N, -1, kind.bytes)
+        for offset in SCALE_FIELDS[name]:
+            scales = rng.uniform(-0.05, 0.05, size=blocks.shape[:2]).astype(np.float16)
+            blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(raw).reshape(N, -1)), K)
+
+
+TYPES = sorted(BLOCK_TYPES)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_each_type_decodes_exactly_as_gguf_does(name):
+    weight = random_weight(name, 7, 512)
+    expected = reference_dequantize(weight)
+    assert torch.equal(cpu_gguf.dequantize(weight), expected)
+    assert torch.equal(cpu_gguf.dequantize(weight, 2, 5), expected[2:5])
+    ids = torch.tensor([[6, 0], [3, 3]])
+    assert torch.equal(cpu_gguf.embedding(weight, ids), expected[ids])
+    with pytest.raises(IndexError):
+        cpu_gguf.embedding(weight, torch.tensor([7]))
+
+
+def test_float16_specials_decode_as_torch_does():
+    values = torch.tensor(
+        [0.0, -0.0, 6e-8, -6.1e-5, 65504.0, float("inf"), -float("inf"), 1.5] * 2, dtype=torch.float16
+    )
+    weight = GGUFWeight(BLOCK_TYPES["F16"], values.view(torch.uint8).view(1, -1), 16)
+    assert torch.equal(cpu_gguf.dequantize(weight), values.float().view(1, -1))
+    nan = GGUFWeight(BLOCK_TYPES["F16"], torch.full((1, 16), float("nan"), dtype=torch.float16).view(torch.uint8), 16)
+    assert cpu_gguf.dequantize(nan).isnan().all()
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("M", [1, 3, cpu_gguf.GEMM_ROWS + 5])
+def test_matmul_equals_the_decoded_matrix_times_x(name, M):
+    N, K = 300, 512  # N past one panel of the GEMM path and not a multiple of the row group
+    weight = random_weight(name, N, K, seed=M)
+    dense = reference_dequantize(weight)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+    expected = x @ dense.T
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(cpu_gguf.matmul(x, weight), expected, atol=2e-6 * scale * K**0.5, rtol=1e-5)
+    wide = torch.randn(M, N + 40)  # into a column slice, adding to what is there
+    before = wide.clone()
+    cpu_gguf.matmul(x, weight, out=wide[:, 20 : 20 + N], accumulate=True)
+    torch.testing.assert_close(wide[:, 20 : 20 + N], before[:, 20 : 20 + N] + expected, atol=1e-3 * scale, rtol=1e-5)
+    assert torch.equal(wide[:, :20], before[:, :20]) and torch.equal(wide[:, 20 + N :], before[:, 20 + N :])
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_legacy_types_repack_exactly_into_the_fast_layouts(name):
+    weight = random_weight(name, 9, 256)
+    packed = repacked(weight)
+    assert isinstance(packed, Q8_0Weight if name == "Q8_0" else Q4_1Weight)
+    assert torch.equal(dequantize_blocks(packed), reference_dequantize(weight))
+    ids = torch.tensor([8, 1, 1])
+    assert torch.equal(embed_rows(packed, ids), reference_dequantize(weight)[ids])
+
+
+def test_projections_of_mixed_types_stack_and_equal_their_concatenation():
+    """A Q4_K_M file keeps Q and K in Q4_K and V in Q6_K: fused, they stay side by side."""
+    q, k, v = random_weight("Q4_K", 64, 256, 1), random_weight("Q4_K", 32, 256, 2), random_weight("Q6_K", 32, 256, 3)
+    fused = fuse([q, k, v], blocks=True)
+    assert isinstance(fused, Stacked) and fused.shape == (128, 256)
+    assert fused.nbytes == q.nbytes + k.nbytes + v.nbytes
+    same = fuse([q, k], blocks=True)
+    assert isinstance(same, GGUFWeight) and same.shape == (96, 256)
+    legacy = fuse([repacked(random_weight("Q8_0", 32, 256, 4)), repacked(random_weight("Q8_0", 16, 256, 5))], True)
+    assert isinstance(legacy, Q8_0Weight) and legacy.shape == (48, 256)
+    dense = torch.cat([reference_dequantize(w) for w in (q, k, v)])
+    for M in (1, 12):
+        x = torch.randn(M, 256)
+        bias = torch.randn(128)
+        torch.testing.assert_close(project(x, fused, bias), x @ dense.T + bias, atol=1e-4, rtol=1e-5)
+        h = torch.randn(M, 128)
+        torch.testing.assert_close(project_add(h.clone(), x, fused), h + x @ dense.T, atol=1e-4, rtol=1e-5)
+
+
+def test_bad_arguments_are_refused():
+    weight = random_weight("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_gguf.matmul(torch.randn(1, 256, dtype=torch.float64), weight)
+    with pytest.raises(ValueError):
+        cpu_gguf.matmul(torch.randn(1, 128), weight)
+    with pytest.raises(ValueError, match="out must be given"):
+        cpu_gguf.matmul(torch.randn(1, 256), weight, accumulate=True)
+    with pytest.raises(ValueError, match="whole blocks"):
+        row_bytes(BLOCK_TYPES["Q4_K"], 300)

@@ -1,0 +1,93 @@
+"""A GGUF file given by path is served as it is: config from its metadata, weights from the mapped file.
+
+The default model's own file, loaded natively, must be the same model as its float32 conversion
+(which ``test_model_correctness`` holds to ``transformers``): the same config numbers, the same
+tokenizer and chat template, every projection the same values (Q/K rows put back in HF's order),
+and the same greedy answers through a real server and the ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import attrs
+import openai
+import pytest
+import torch
+
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.layers import embed_rows
+from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model_source import default_gguf, fetch_default_gguf
+from trillm.engine.execution.rope import inverse_frequencies
+from trillm.engine.execution.shape import LlamaShape
+from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize
+
+from tests.server import running_server
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def native_parts(model_dir):
+    gguf = fetch_default_gguf(EngineConfig().cache_path)
+    return load_model(EngineConfig(model=str(gguf), dtype="float32"))
+
+
+def test_the_config_from_the_metadata_is_the_checkpoints(model_dir):
+    import json
+
+    gguf = default_gguf(EngineConfig().cache_path)
+    from_file = gguf_config(read_header(gguf))
+    converted = json.loads((model_dir / "config.json").read_text())
+    mine, theirs = LlamaShape.from_config(from_file), LlamaShape.from_config(converted)
+    assert attrs.evolve(mine, rope_scaling=None) == attrs.evolve(theirs, rope_scaling=None)
+    assert torch.equal(
+        inverse_frequencies(64, 1e5, mine.rope_scaling), inverse_frequencies(64, 1e5, theirs.rope_scaling)
+    )
+    assert from_file["eos_token_id"] == converted["eos_token_id"]
+
+
+def test_every_weight_equals_the_float32_conversion(native_parts, model_parts):
+    native, converted = native_parts[0], model_parts[0]
+    assert native.num_block_weights == len(native.projections()) == converted.num_block_weights
+    assert isinstance(native.embed, Q8_0Weight)  # the tied embedding stays in its blocks: rows decoded on lookup
+    ids = torch.arange(0, native.shape.vocab_size, 97)
+    assert torch.equal(embed_rows(native.embed, ids), converted.embed[ids])
+    for mine, theirs in zip(native.projections(), converted.projections()):
+        assert isinstance(mine, (Q4_1Weight, Q8_0Weight))
+        assert torch.equal(dequantize(mine), dequantize(theirs))  # type: ignore[arg-type]
+    for mine_layer, their_layer in zip(native.layers, converted.layers):
+        assert torch.equal(mine_layer.input_norm, their_layer.input_norm)
+        assert torch.equal(mine_layer.post_norm, their_layer.post_norm)
+    assert torch.equal(native.final_norm, converted.final_norm)
+    assert torch.equal(native.cos, converted.cos)
+
+
+def test_the_tokenizer_and_template_come_from_the_file(native_parts, model_parts):
+    mine, theirs = native_parts[1], model_parts[1]
+    text = "The capital of France is Paris. 1, 2, 3 — ünïcode!"
+    assert mine(text)["input_ids"] == theirs(text)["input_ids"]
+    messages = [{"role": "user", "content": "Hi"}]
+    assert mine.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert native_parts[2] == model_parts[2]
+
+
+async def test_greedy_answers_through_the_server_equal_the_converted_models(native_parts, model_parts):
+    answers = []
+    for parts in (native_parts, model_parts):
+        async with running_server(parts) as srv:
+            client = openai.AsyncOpenAI(base_url=srv.base_url, api_key="x")
+            served = (await client.models.list()).data[0].id
+            chat = await client.chat.completions.create(
+                model=served,
+                messages=[{"role": "user", "content": "Name three colours."}],
+                max_tokens=24,
+                temperature=0,
+            )
+            text = await client.completions.create(model=served, prompt="1, 2, 3,", max_tokens=16, temperature=0)
+            answers.append((chat.choices[0].message.content, text.choices[0].text))
+    assert answers[0] == answers[1]
+    assert all(answers[0])
