@@ -133,3 +133,17 @@ def test_bad_arguments_are_refused():
         cpu_gguf.matmul(torch.randn(1, 256), weight, accumulate=True)
     with pytest.raises(ValueError, match="whole blocks"):
         row_bytes(BLOCK_TYPES["Q4_K"], 300)
+
+
+@pytest.mark.parametrize(("name", "bound"), [("Q4_K", 0.12), ("Q5_K", 0.06), ("Q6_K", 0.03)])
+def test_our_k_quant_encoders_write_blocks_gguf_decodes_close_to_the_input(name, bound):
+    """``bench/gguf_files`` encodes k-quants (``gguf`` only decodes them); its blocks, read back by
+    ``gguf``'s decoder, hold the matrix within the type's resolution (mean error / mean |w|)."""
+    from trillm.bench.gguf_files import encode
+
+    w = np.random.default_rng(5).standard_normal((16, 512)).astype(np.float32) * 0.02
+    raw = encode(w, name)
+    assert raw.shape == (16, row_bytes(BLOCK_TYPES[name], 512))
+    back = reference_dequantize(GGUFWeight(BLOCK_TYPES[name], torch.from_numpy(raw), 512)).numpy()
+    error = np.abs(back - w).mean() / np.abs(w).mean()
+    assert error < bound, error

@@ -76,7 +76,8 @@ def fingerprint(weights: dict[str, Any]) -> str:
     digest = hashlib.sha256()
     for name in sorted(weights):
         w = weights[name]
-        t = w if isinstance(w, torch.Tensor) else next(iter(attrs.astuple(w, recurse=False)))
+        fields = (w,) if isinstance(w, torch.Tensor) else attrs.astuple(w, recurse=False)
+        t = next(f for f in fields if isinstance(f, torch.Tensor))  # of blocks: their first tensor
         digest.update(f"{name}:{type(w).__name__}:{tuple(w.shape)}:{t.dtype}".encode())
         digest.update(t.reshape(-1)[:64].float().cpu().numpy().tobytes())
     return digest.hexdigest()

@@ -1,0 +1,83 @@
+"""GGUF files of every kept type, written from SmolLM2's real weights, served as ``transformers`` reads them.
+
+``bench/gguf_files`` requantizes the default model's file, each matrix into the next type (k-quant
+encoders of our own; rows of 576 values are not whole k-quant super-blocks, so as llama.cpp does
+those fall back to Q5_0 / Q5_1 / Q8_0, and the 1,536-wide FFN-down matrices carry the k-quants).
+``transformers`` loads the same file dequantized to float32 through ``gguf``'s decoders; our
+model keeps it in its blocks.
+Teacher-forced over a few hundred tokens of text, the next-token argmax must agree at >= 99 %
+of positions and the true token's log-probability differ by <= 0.01 on average: the same
+values, so only float32 summation order differs (the issue's bar for a lossy path is 95 % / 0.05).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trillm.bench.gguf_files import MIXED_CYCLE, requantize
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.execution.model_source import fetch_default_gguf
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.kernels import cpu_gguf
+from trillm.kernels.gguf_blocks import BY_ID
+
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.skipif(not cpu_gguf.available(), reason="C compiler")]
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Books, which had "
+    "been copied by hand for centuries, could now be made in hundreds of identical copies, and within fifty "
+    "years presses were at work in more than two hundred cities across Europe. The effects were felt far "
+    "beyond the workshop: scholars could compare the same text in different places, errors were corrected "
+    "in later editions rather than multiplied by each copyist, and ideas travelled faster than ever before. "
+    "def mean(values):\n    return sum(values) / len(values)\n\nprint(mean([1, 2, 3, 4]))\n"
+)
+
+
+def _all_logits(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill of ``ids``."""
+    sched = Scheduler(PageAllocator(256), 4, 1, 4096)
+    runner = ModelRunner(model, 256, 4)
+    seq = Sequence("t", ids, SamplingParams(max_tokens=1, temperature=0), 4096, frozenset())
+    sched.add(seq)
+    inputs = runner.prepare(sched.schedule())
+    rows = torch.arange(len(ids))
+    with torch.inference_mode():
+        return model.forward(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta, rows)
+
+
+def test_a_file_of_every_type_agrees_with_transformers_reading_it(tokenizer, tmp_path):
+    """One file, each matrix the next type (``mixed``), so Q, K and V of one layer differ too."""
+    path = tmp_path / "smollm2-mixed.gguf"
+    requantize(fetch_default_gguf(EngineConfig().cache_path), path, "mixed")
+    header = read_header(path)
+    kinds = {BY_ID[t.type].name for t in header.tensors if t.type in BY_ID}
+    assert kinds == set(MIXED_CYCLE)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    config = gguf_config(header)
+    ours = LlamaModel.from_gguf(header, config, torch.float32, 1024, backend=cpu, block_weights=True)
+    assert ours.num_block_weights == len(ours.projections())
+    assert ours.projection_bytes < 0.45 * ours.shape.dense_projection_bytes(torch.float32)
+    ids = tokenizer(TEXT)["input_ids"]
+    assert len(ids) >= 140
+    mine = _all_logits(ours, ids)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    agree = (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    target = torch.tensor(ids[1:])
+    lp_mine = mine[:-1].log_softmax(-1).gather(1, target[:, None])
+    lp_theirs = theirs[:-1].log_softmax(-1).gather(1, target[:, None])
+    delta = (lp_mine - lp_theirs).abs().mean().item()
+    print(f"{sorted(kinds)}: agreement {agree:.4f}, mean |d logprob| {delta:.5f}")
+    assert agree >= 0.99 and delta <= 0.01
