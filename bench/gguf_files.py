@@ -147,8 +147,19 @@ SCHEMES: dict[str, Callable[[str, int], str]] = {
 }
 
 
-def requantize(src: Path, dst: Path, scheme: str) -> None:
-    """``src``'s matrices decoded and encoded again by ``scheme``; vectors and metadata copied."""
+VOCABULARY_KEYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.scores",
+)
+
+
+def requantize(src: Path, dst: Path, scheme: str, layers: int | None = None, vocabulary: bool = True) -> None:
+    """``src``'s matrices decoded and encoded again by ``scheme``; vectors and metadata copied.
+    ``layers``: keep only the first ones (a smaller model of the same kind, for tests).
+    ``vocabulary=False`` leaves the tokenizer's vocabulary and merges out (a file for weights
+    only: readers parse its header in milliseconds instead of seconds)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize
 
@@ -157,12 +168,14 @@ def requantize(src: Path, dst: Path, scheme: str) -> None:
     arch = str(reader.fields["general.architecture"].contents())
     writer = GGUFWriter(dst, arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith("GGUF.") or key == "general.architecture" or (not vocabulary and key in VOCABULARY_KEYS):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
-    for index, tensor in enumerate(reader.tensors):
+        value = layers if key == f"{arch}.block_count" and layers is not None else field.contents()
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    kept = [t for t in reader.tensors if layers is None or not _layer_at_or_past(t.name, layers)]
+    for index, tensor in enumerate(kept):
         shape = tuple(int(d) for d in reversed(tensor.shape))  # row-major
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
         if len(shape) != 2:
@@ -179,13 +192,19 @@ def requantize(src: Path, dst: Path, scheme: str) -> None:
     writer.close()
 
 
+def _layer_at_or_past(name: str, layers: int) -> bool:
+    parts = name.split(".")
+    return parts[0] == "blk" and int(parts[1]) >= layers
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--scheme", choices=sorted(SCHEMES), default="q4_k_m")
+    parser.add_argument("--layers", type=int, default=None, help="keep only the first LAYERS layers")
     args = parser.parse_args()
-    requantize(args.src, args.dst, args.scheme)
+    requantize(args.src, args.dst, args.scheme, args.layers)
     print(f"wrote {args.dst} ({args.dst.stat().st_size / 2**20:.1f} MiB)")
 
 

@@ -27,6 +27,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 #include "cpu_common.h" /* INLINE, MIN, tree_sum */
 
 /* ggml's type ids (GGMLQuantizationType) */
@@ -128,34 +132,65 @@ static void q8_0(const uint8_t *b, float *restrict y)
         y[j] = d * (float)qs[j];
 }
 
+/* The k-quants in two passes the compiler vectorises: the quants of the 256 values into
+ * bytes (each run of 32 reads contiguous bytes with one shift), then per sub-block the
+ * scale (and minimum) applied, rounding as the reference does. */
+
+/* y[s * n + l] = dl[s] * t[s * n + l] - ml[s] (ml NULL: no minimum) for sub-blocks of n. */
+INLINE void scale_u8(const uint8_t *restrict t, const float *dl, const float *ml, int subs, int n, float *restrict y)
+{
+    for (int s = 0; s < subs; s++)
+        for (int l = 0; l < n; l++)
+            y[s * n + l] = dl[s] * (float)t[s * n + l] - ml[s];
+}
+
+INLINE void scale_i8(const int8_t *restrict t, const float *dl, int subs, int n, float *restrict y)
+{
+    for (int s = 0; s < subs; s++)
+        for (int l = 0; l < n; l++)
+            y[s * n + l] = dl[s] * (float)t[s * n + l];
+}
+
+/* Q2_K and Q3_K's 2-bit quants: value 128 g + 32 j + l is byte 32 g + l of qs, bits 2 j. */
+INLINE void two_bit(const uint8_t *restrict qs, uint8_t *restrict t)
+{
+    for (int g = 0; g < 2; g++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++)
+                t[128 * g + 32 * j + l] = (qs[32 * g + l] >> (2 * j)) & 3;
+}
+
 static void q2_k(const uint8_t *b, float *restrict y)
 {
-    const uint8_t *scales = b, *qs = b + 16;
+    const uint8_t *scales = b;
     const float d = f16(b + 80), dmin = f16(b + 82);
-    for (int s = 0; s < 16; s++) { /* sub-block s: bytes (s / 8) * 32 + (s % 2) * 16 .., bits 2 * ((s / 2) % 4) */
-        const float dl = d * (float)(scales[s] & 15), ml = dmin * (float)(scales[s] >> 4);
-        const uint8_t *q = qs + (s / 8) * 32 + (s % 2) * 16;
-        const int shift = 2 * ((s / 2) % 4);
-        for (int l = 0; l < 16; l++)
-            y[16 * s + l] = dl * (float)((q[l] >> shift) & 3) - ml;
+    uint8_t t[256];
+    float dl[16], ml[16];
+    two_bit(b + 16, t);
+    for (int s = 0; s < 16; s++) {
+        dl[s] = d * (float)(scales[s] & 15);
+        ml[s] = dmin * (float)(scales[s] >> 4);
     }
+    scale_u8(t, dl, ml, 16, 16, y);
 }
 
 static void q3_k(const uint8_t *b, float *restrict y)
 {
-    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    const uint8_t *hmask = b, *sc = b + 96;
     const float d = f16(b + 108);
+    uint8_t u[256];
+    int8_t t[256];
+    float dl[16];
+    two_bit(b + 32, u);
+    for (int v0 = 0; v0 < 256; v0 += 32) /* the high bit of value v is bit v / 32 of hmask[v % 32]; 0 takes 4 off */
+        for (int l = 0; l < 32; l++)
+            t[v0 + l] = (int8_t)(u[v0 + l] - 4 + 4 * ((hmask[l] >> (v0 / 32)) & 1));
     for (int s = 0; s < 16; s++) {
         const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
         const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-        const float dl = d * (float)((low | high << 4) - 32);
-        for (int l = 0; l < 16; l++) {
-            const int v = 16 * s + l, group = v / 32; /* 32 values share a shift and a bit of hmask */
-            const int q = (qs[(v / 128) * 32 + v % 32] >> (2 * (group % 4))) & 3;
-            const int h = (hmask[v % 32] >> group) & 1;
-            y[v] = dl * (float)(q - (h ? 0 : 4));
-        }
+        dl[s] = d * (float)((low | high << 4) - 32);
     }
+    scale_i8(t, dl, 16, 16, y);
 }
 
 /* The 6-bit scale and minimum of sub-block j (0..7) of Q4_K and Q5_K. */
@@ -170,34 +205,42 @@ INLINE void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn)
     }
 }
 
-static void q4_k(const uint8_t *b, float *restrict y)
+/* Q4_K and Q5_K's scales and minimums, and their low nibbles: value 64 g + l is byte 32 g + l's
+ * low nibble, 64 g + 32 + l its high one. */
+INLINE void k4_common(const uint8_t *b, const uint8_t *qs, uint8_t *restrict t, float *dl, float *ml)
 {
     const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t *scales = b + 4, *qs = b + 16;
     for (int s = 0; s < 8; s++) {
         int sc, mn;
-        scale_min_k4(scales, s, &sc, &mn);
-        const float dl = d * (float)sc, ml = dmin * (float)mn;
-        const uint8_t *q = qs + (s / 2) * 32;
-        const int shift = 4 * (s % 2);
-        for (int l = 0; l < 32; l++)
-            y[32 * s + l] = dl * (float)((q[l] >> shift) & 15) - ml;
+        scale_min_k4(b + 4, s, &sc, &mn);
+        dl[s] = d * (float)sc;
+        ml[s] = dmin * (float)mn;
     }
+    for (int g = 0; g < 4; g++)
+        for (int l = 0; l < 32; l++) {
+            t[64 * g + l] = qs[32 * g + l] & 15;
+            t[64 * g + 32 + l] = qs[32 * g + l] >> 4;
+        }
+}
+
+static void q4_k(const uint8_t *b, float *restrict y)
+{
+    uint8_t t[256];
+    float dl[8], ml[8];
+    k4_common(b, b + 16, t, dl, ml);
+    scale_u8(t, dl, ml, 8, 32, y);
 }
 
 static void q5_k(const uint8_t *b, float *restrict y)
 {
-    const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + 48;
-    for (int s = 0; s < 8; s++) {
-        int sc, mn;
-        scale_min_k4(scales, s, &sc, &mn);
-        const float dl = d * (float)sc, ml = dmin * (float)mn;
-        const uint8_t *q = qs + (s / 2) * 32;
-        const int shift = 4 * (s % 2);
+    const uint8_t *qh = b + 16;
+    uint8_t t[256];
+    float dl[8], ml[8];
+    k4_common(b, b + 48, t, dl, ml);
+    for (int s = 0; s < 8; s++) /* the fifth bit of value 32 s + l is bit s of qh[l] */
         for (int l = 0; l < 32; l++)
-            y[32 * s + l] = dl * (float)(((q[l] >> shift) & 15) | ((qh[l] >> s) & 1) << 4) - ml;
-    }
+            t[32 * s + l] |= ((qh[l] >> s) & 1) << 4;
+    scale_u8(t, dl, ml, 8, 32, y);
 }
 
 static void q6_k(const uint8_t *b, float *restrict y)
@@ -205,15 +248,20 @@ static void q6_k(const uint8_t *b, float *restrict y)
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
     const float d = f16(b + 208);
-    for (int s = 0; s < 16; s++) {
-        const float dl = d * (float)scales[s];
-        for (int l = 0; l < 16; l++) {
-            const int v = 16 * s + l, half = v / 128, w = v % 128;
-            const int low = (ql[half * 64 + w % 64] >> (4 * (w / 64))) & 15;
-            const int high = (qh[half * 32 + w % 32] >> (2 * (w / 32))) & 3;
-            y[v] = dl * (float)((low | high << 4) - 32);
+    int8_t t[256];
+    float dl[16];
+    for (int h = 0; h < 2; h++) /* value 128 h + 32 j + l: nibble j / 2 of ql[64 h + 32 (j % 2) + l], bits 2 j of qh[32 h + l] */
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *lo = ql + 64 * h, *hi = qh + 32 * h;
+            int8_t *o = t + 128 * h;
+            o[l] = (int8_t)(((lo[l] & 15) | (hi[l] & 3) << 4) - 32);
+            o[32 + l] = (int8_t)(((lo[32 + l] & 15) | ((hi[l] >> 2) & 3) << 4) - 32);
+            o[64 + l] = (int8_t)(((lo[l] >> 4) | ((hi[l] >> 4) & 3) << 4) - 32);
+            o[96 + l] = (int8_t)(((lo[32 + l] >> 4) | ((hi[l] >> 6) & 3) << 4) - 32);
         }
-    }
+    for (int s = 0; s < 16; s++)
+        dl[s] = d * (float)scales[s];
+    scale_i8(t, dl, 16, 16, y);
 }
 
 typedef void (*BlockDecoder)(const uint8_t *, float *restrict);
@@ -244,7 +292,12 @@ static BlockType block_type(int type)
 static void decode_row(int type, BlockType bt, const uint8_t *row, int64_t K, float *restrict y)
 {
     if (type == F16) {
-        for (int64_t k = 0; k < K; k++)
+        int64_t k = 0;
+#if defined(__F16C__) /* 8 at a time in hardware (the same values: the conversion is exact) */
+        for (; k + 8 <= K; k += 8)
+            _mm256_storeu_ps(y + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k))));
+#endif
+        for (; k < K; k++)
             y[k] = f16(row + 2 * k);
     } else if (type == BF16) {
         for (int64_t k = 0; k < K; k++)

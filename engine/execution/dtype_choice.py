@@ -62,20 +62,22 @@ def matmul_seconds(rows: int, width: int, out: int, dtype: torch.dtype) -> float
     return min(times[2:])
 
 
-def block_weights_wanted(config: EngineConfig, possible: bool) -> bool:
+def block_weights_wanted(config: EngineConfig, possible: bool, gguf: bool = False) -> bool:
     """Whether to keep exact GGUF blocks, where a backend that can run them (``possible``) would.
 
     Random dummy weights never are blocks. ``auto`` takes them only where the block matmul
     has its SIMD paths, AVX-512 or AVX2 + FMA (``cpu_matmul.simd()``): its plain-C fallback
-    is correct but slower than MKL on dense float32."""
+    is correct but slower than MKL on dense float32. A GGUF file read as it is (``gguf``) stays in
+    its blocks wherever they run: decoded, it would take 2-7x the file's memory."""
     if not possible or config.weight_format == "dense" or config.load_format == "dummy":
         return False
-    return config.weight_format == "blocks" or cpu_matmul.simd() != "plain"
+    return config.weight_format == "blocks" or gguf or cpu_matmul.simd() != "plain"
 
 
-def _block_path_applies(config: EngineConfig, device: torch.device) -> bool:
+def _block_path_applies(config: EngineConfig, device: torch.device, gguf: bool) -> bool:
     """Whether float32 would keep exact GGUF blocks (what loading decides in float32)."""
-    return block_weights_wanted(config, create_backend(config.kernels, device, torch.float32).supports_block_weights)
+    possible = create_backend(config.kernels, device, torch.float32).supports_block_weights
+    return block_weights_wanted(config, possible, gguf)
 
 
 def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
@@ -123,8 +125,8 @@ def choose_dtype(
         return DtypeChoice(torch.bfloat16 if config.dtype == "bfloat16" else torch.float32, "asked for")
     if device.type == "cuda":
         return DtypeChoice(torch.bfloat16, "auto on CUDA")
-    if folder is not None and _block_path_applies(config, device):
-        gguf = isinstance(folder, GGUFHeader)
+    gguf = isinstance(folder, GGUFHeader)
+    if folder is not None and _block_path_applies(config, device, gguf):
         probed = gguf_first_layer_bytes(folder) if isinstance(folder, GGUFHeader) else first_layer_bytes(folder)
         if probed is not None and probed[0] < 2 * probed[1]:
             block_bytes, weights = probed

@@ -120,15 +120,15 @@ def _tokenizer_and_eos(config: EngineConfig, folder: Path, model_config: dict[st
     return tokenizer, eos_ids_of(tokenizer_folder, model_config, tokenizer)
 
 
-def _use_block_weights(config: EngineConfig, backend: Backend) -> bool:
+def _use_block_weights(config: EngineConfig, backend: Backend, gguf: bool) -> bool:
     """Whether to look for exact GGUF blocks in the weights (``dtype_choice.block_weights_wanted``);
     refuses ``--weight-format blocks`` where ``backend`` cannot run them."""
     possible = backend.supports_block_weights
     if config.weight_format == "blocks" and not possible:
         raise ValueError("weight_format blocks runs on the CPU fast path in float32 with a C compiler only")
-    if config.weight_format == "auto" and possible and cpu_matmul.simd() == "plain":
+    if config.weight_format == "auto" and possible and cpu_matmul.simd() == "plain" and not gguf:
         log.info("neither AVX-512 nor AVX2: the projections stay dense float32 (--weight-format blocks forces blocks)")
-    return block_weights_wanted(config, possible)
+    return block_weights_wanted(config, possible, gguf)
 
 
 @attrs.frozen
@@ -172,7 +172,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     dtype = plan.dtype.dtype
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     backend = create_backend(config.kernels, device, dtype)
-    blocks = _use_block_weights(config, backend)
+    blocks = _use_block_weights(config, backend, plan.gguf is not None)
     if config.load_format == "dummy":
         model = LlamaModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
     elif plan.gguf is not None:

@@ -67,8 +67,11 @@ def gguf_folder(path: Path, cache_dir: Path) -> Path:
     rest of the engine (and a front end of replicas) reads beside the weights. Keyed by the file's
     path, size and mtime, so a replaced file gets a fresh one; the file is checked first (damage,
     architecture, tensor types, memory: one line each)."""
+    from trillm.engine.execution.gguf_model import gguf_config
+
     header = check_gguf(path)
     check_servable(header, native=True)
+    gguf_config(header)  # what the metadata cannot say (a rope scaling not served) refuses here, before work
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_FOLDER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
