@@ -1,10 +1,13 @@
 """Matmul, embedding rows and dequantize for ``GGUFWeight`` (the file's blocks): ``cpu_gguf.c`` via ctypes.
 
-``matmul(x, w)`` is ``x @ dequantize(w).T`` without the float32 matrix. Up to ``GEMM_ROWS`` rows
-of x, the C kernel decodes a few weight rows at a time into a per-thread buffer and takes their
-dot products (decode steps: bound by the bytes of the weight). From there on, panels of
-``PANEL`` weight rows are decoded and multiplied with torch's GEMM: the decode is paid once per
-panel for every row of x (prefill). Float32 CPU tensors only; the GIL is released in C.
+``matmul(x, w)`` is ``x @ dequantize(w).T`` without the float32 matrix. Below ``GEMM_ROWS`` rows
+of x (decode steps, bound by the bytes of the weight), x is quantized to int16 per 32 values
+(llama.cpp's activations are int8: 256x coarser) and each block is unpacked once and dotted in
+integers with every row, its scales applied once per sub-block: the result is within
+``ACTIVATION_ERROR`` of the float one, relative to ``|x| @ |W|.T``. ``exact=True`` (and F16 /
+BF16 weights) decodes weight rows to float32 instead. From ``GEMM_ROWS`` rows on (prefill),
+panels of ``PANEL`` weight rows are decoded and multiplied with torch's GEMM, in float32. Float32
+CPU tensors only; the GIL is released in C.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ _SIGNATURES: dict[str, list] = {
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
 available = _KERNEL.available
 _F32, _CPU = torch.float32, torch.device("cpu")
-_ACCUMULATE = 1
-GEMM_ROWS = 8  # rows of x from which the panel + GEMM path is faster (measured, bench/gguf_kernels.py)
+_ACCUMULATE, _EXACT = 1, 2
+GEMM_ROWS = 8  # rows of x from which the panel + GEMM path runs (at most the C kernel's MAX_INT8_ROWS)
+ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
 PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-sized
 
 
@@ -105,8 +109,10 @@ def matmul(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     num_threads: int | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] @ dequantize(weight).T; with accumulate=True, out += that (out given).
+    ``exact``: float32 activations at every size (else int16 below ``GEMM_ROWS`` rows).
 
     x: float32 CPU [M, K] (other layouts are copied). out: float32 CPU [M, N] with unit column
     stride (written in place; allocated when None); it must not overlap x."""
@@ -148,7 +154,7 @@ def matmul(
         out.data_ptr(),
         out.stride(0),
         M,
-        _ACCUMULATE if accumulate else 0,
+        (_ACCUMULATE if accumulate else 0) | (_EXACT if exact else 0),
         _threads(num_threads),
     )
     if rc == 1:

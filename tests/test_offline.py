@@ -154,11 +154,19 @@ def test_ctrl_c_cancels_and_frees_every_page(llm):
             time.sleep(0.01)
         signal.raise_signal(signal.SIGINT)
 
+    # Python's own handler, as in a user's session: a pytest-xdist worker's may have been changed
+    # by a test before this one (twice seen in full parallel runs; never alone), and SIGINT ignored
+    # would let the generate run to its end.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Thread(target=interrupt)
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(["Tell me a story.", "Write a poem.", "List fruits."], long, use_tqdm=False)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["Tell me a story.", "Write a poem.", "List fruits."], long, use_tqdm=False)
+        timer.join()
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    print(f"SIGINT handler this test found: {inherited!r}")
     stats = llm.stats()
     assert stats.generation_tokens_total < started + 3 * 400  # it was cut short
     assert idle(llm), stats
