@@ -1,5 +1,9 @@
 /* GGUF weights in the blocks the file holds them in: decoders and a matmul.
  *
+ * Longer than our ~400-line guide on purpose: one unpacker per type and the three paths
+ * that share them (decode to float32, integer dot products, panels); split, a type's
+ * layout and the paths that read it would be in two places.
+ *
  * A weight is the file's bytes, [N rows x row_bytes], each row K values in blocks of
  * 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) or 256 (Q2_K .. Q6_K), or F16 / BF16 values.
  * Each block decoder computes what gguf-py's reference dequantizer computes, rounding
@@ -344,33 +348,7 @@ static int known(int type, BlockType bt)
     return type == F16 || type == BF16 || bt.unpack != NULL;
 }
 
-static float *scratch(size_t floats)
-{
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        cap = 0;
-        if (posix_memalign((void **)&buf, 64, floats * sizeof(float)))
-            return buf = NULL;
-        cap = floats;
-    }
-    return buf;
-}
 
-/* a . b with 16 partial sums added as a tree (K % 16 == 0 for every type: blocks of 32 or 256,
- * and F16 / BF16 rows the caller pads). */
-static float dot(const float *restrict a, const float *restrict b, int64_t K)
-{
-    float part[16] = {0};
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16)
-        for (int l = 0; l < 16; l++)
-            part[l] += a[k + l] * b[k + l];
-    for (int l = 0; k < K; k++, l++)
-        part[l] += a[k] * b[k];
-    return tree_sum(part, 16);
-}
 
 /* out[M, rows n0..n1) (+)= x[M, K] . W[n0..n1)^T, ROWS weight rows decoded at a time. */
 static int rows_of(int type, BlockType bt, const uint8_t *w, int64_t row_bytes, int64_t K, const float *x,
@@ -385,7 +363,7 @@ static int rows_of(int type, BlockType bt, const uint8_t *w, int64_t row_bytes, 
             decode_row(type, bt, w + (n + j) * row_bytes, K, buf + j * K);
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < rows; j++) {
-                const float s = dot(x + i * ldx, buf + j * K, K);
+                const float s = dot16(x + i * ldx, buf + j * K, K);
                 float *o = out + i * ldo + n + j;
                 *o = accumulate ? *o + s : s;
             }

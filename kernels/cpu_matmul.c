@@ -67,21 +67,6 @@ static Weight weight(const WeightLayout *w)
     return (Weight){w->qs, w->d, w->m, w->N, w->K, w->K / 32, w->m ? w->K / 2 : w->K};
 }
 
-/* A per-thread buffer kept between calls: the OpenMP team (torch's) lives on, and a fresh
- * malloc of a few hundred KB would be an mmap with page faults on every call. */
-static float *scratch(size_t floats)
-{
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        cap = 0;
-        if (posix_memalign((void **)&buf, 64, floats * sizeof(float)))
-            return buf = NULL;
-        cap = floats;
-    }
-    return buf;
-}
 
 /* ---- plain C ---- */
 
@@ -103,15 +88,6 @@ static void decode_row(const Weight *W, int64_t n, float *restrict w)
     }
 }
 
-/* a . b with 16 partial sums (see sum_squares in cpu_ops.c for why). */
-static float dot(const float *restrict a, const float *restrict b, int64_t K)
-{
-    float part[16] = {0};
-    for (int64_t k = 0; k < K; k += 16) /* K % 32 == 0 */
-        for (int l = 0; l < 16; l++)
-            part[l] += a[k + l] * b[k + l];
-    return tree_sum(part, 16);
-}
 
 static void plain_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,
                        int64_t n0, int64_t n1, int accumulate, float *buf)
@@ -122,7 +98,7 @@ static void plain_rows(const Weight *W, const float *x, int64_t ldx, float *out,
             decode_row(W, n + j, buf + j * W->K);
         for (int64_t i = 0; i < M; i++)
             for (int64_t j = 0; j < rows; j++) {
-                const float s = dot(x + i * ldx, buf + j * W->K, W->K);
+                const float s = dot16(x + i * ldx, buf + j * W->K, W->K);
                 float *o = out + i * ldo + n + j;
                 *o = accumulate ? *o + s : s;
             }

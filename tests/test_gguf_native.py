@@ -91,3 +91,24 @@ async def test_greedy_answers_through_the_server_equal_the_converted_models(nati
             answers.append((chat.choices[0].message.content, text.choices[0].text))
     assert answers[0] == answers[1]
     assert all(answers[0])
+
+
+def test_a_file_with_a_damaged_norm_is_refused_naming_the_tensor(tmp_path):
+    import shutil
+
+    import numpy as np
+
+    from trillm.engine.execution.backends import create_backend
+    from trillm.engine.execution.file_checks import DamagedModelFile
+    from trillm.engine.execution.llama import LlamaModel
+
+    path = tmp_path / "damaged.gguf"
+    shutil.copy(default_gguf(EngineConfig().cache_path), path)
+    norm = next(t for t in read_header(path).tensors if t.name == "blk.3.ffn_norm.weight")
+    with open(path, "r+b") as f:
+        f.seek(norm.offset + 8)
+        f.write(np.array([np.nan], dtype=np.float32).tobytes())
+    header = read_header(path)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    with pytest.raises(DamagedModelFile, match=r"damaged.gguf is damaged: tensor blk.3.ffn_norm.weight holds NaN"):
+        LlamaModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=True)

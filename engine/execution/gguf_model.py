@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trillm.engine.execution.file_checks import check_finite
 from trillm.engine.execution.gguf_header import GGUFHeader, TensorInfo
 from trillm.kernels import cpu_gguf
 from trillm.kernels.block_weights import BlockWeight
@@ -154,7 +155,9 @@ Tensorish = torch.Tensor | GGUFWeight | BlockWeight
 def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
     """The checkpoint-named weights of ``header``'s file. With ``blocks``, every matrix stays in the
     file's blocks (``GGUFWeight``, or repacked into ``block_weights``' layouts where that is
-    exact); else each is decoded to float32. Vectors (norms, biases) are float32 tensors."""
+    exact); else each is decoded to float32. Vectors (norms, biases) are float32 tensors. What is
+    decoded is checked to be finite (a damaged file is refused, ``file_checks``); blocks are not
+    read here (a mapped page is read when the model first runs it)."""
     arch = header.metadata["general.architecture"]
     config = gguf_config(header)
     file = _mapped(header)
@@ -174,5 +177,6 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
             out[name] = repacked(weight)
         else:
             dense = _dense(header, info, file)
+            check_finite(header.path, info.name, dense, "replace it with an intact copy")
             out[name] = dense[order] if order is not None else dense
     return out
