@@ -135,7 +135,8 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) 
 def _baseline(
     model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int, config: dict[str, Any] | None = None
 ) -> RunResult:
-    """transformers ``generate``; with ``config`` (dummy weights) a randomly initialised model of that shape."""
+    """transformers ``generate``; with ``config`` (dummy weights) a randomly initialised model of that shape.
+    ``model_dir``: what ``from_pretrained`` takes, (a folder, its keywords: ``gguf_file`` for a GGUF file)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -144,7 +145,8 @@ def _baseline(
         if config is not None:
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype).eval()
         else:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            folder, extra = model_dir
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **extra).eval()
     model = model.to(device)
     batch = torch.tensor(prompts_ids, device=device)
     kwargs = dict(
@@ -184,8 +186,10 @@ def run_bench(args: argparse.Namespace) -> None:
         EngineConfig,
         LlamaShape,
         choose_model_dtype,
+        converted_default,
         default_gguf,
         from_env,
+        gguf_file,
         overrides_from,
         resolve_model,
     )
@@ -196,6 +200,13 @@ def run_bench(args: argparse.Namespace) -> None:
     config_path = Path(base.model) / "config.json" if Path(base.model).is_dir() else Path(base.model)
     cache = base.cache_path
     model_dir = resolve_model(DEFAULT_ALIAS if dummy else base.model, cache)
+    # What transformers loads for the baseline: the GGUF file itself (the alias's as its conversion), or the folder.
+    gguf = None if dummy else gguf_file(base.model, cache)
+    baseline_source: Any = (model_dir, {})
+    if base.model == DEFAULT_ALIAS and not dummy:
+        baseline_source = (converted_default(cache), {})
+    elif gguf is not None:
+        baseline_source = (gguf.parent, {"gguf_file": gguf.name})
     model_config = json.loads((config_path if dummy else model_dir / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -290,7 +301,7 @@ def run_bench(args: argparse.Namespace) -> None:
             ids = [tokenizer(p)["input_ids"][: args.prompt_len - 8] for p in prompts[:level]]
             width = min(len(i) for i in ids)
             result = _baseline(
-                model_dir, dtype, [i[:width] for i in ids], args.output_len, model_config if dummy else None
+                baseline_source, dtype, [i[:width] for i in ids], args.output_len, model_config if dummy else None
             )
             print(f"[bench] {result.label} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
             baselines[level] = result

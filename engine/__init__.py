@@ -34,7 +34,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "structured.spec": ("GrammarSpec", "GrammarError", "GrammarCompilerBusy", "ThinkingMode"),
     "structured.compiler": ("GrammarCompiler", "CompiledGrammar"),
     # Model files: where a model comes from, its shape, its dtype, loading it.
-    "execution.model_source": ("DEFAULT_ALIAS", "resolve_model", "default_gguf"),
+    "execution.model_source": ("DEFAULT_ALIAS", "resolve_model", "default_gguf", "gguf_file", "converted_default"),
     "execution.shape": ("LlamaShape",),
     "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of"),
     # Settings declared once: flags, variables, --help and the README's table derive from them.
@@ -67,7 +67,9 @@ if TYPE_CHECKING:
     from trillm.engine.execution.loading import load_model as load_model
     from trillm.engine.execution.loading import load_tokenizer as load_tokenizer
     from trillm.engine.execution.model_source import DEFAULT_ALIAS as DEFAULT_ALIAS
+    from trillm.engine.execution.model_source import converted_default as converted_default
     from trillm.engine.execution.model_source import default_gguf as default_gguf
+    from trillm.engine.execution.model_source import gguf_file as gguf_file
     from trillm.engine.execution.model_source import resolve_model as resolve_model
     from trillm.engine.execution.parallel.channel import StepChannel as StepChannel
     from trillm.engine.execution.parallel.topology import Topology as Topology

@@ -172,7 +172,7 @@ class EngineConfig:
     )
     cache_dir: str = setting(
         str(cpu_build.DEFAULT_CACHE_DIR),
-        "where converted weights and the compiled CPU kernels live",
+        "where downloads, GGUF files' tokenizers and the compiled CPU kernels live",
         doc_default="`~/.cache/trillm`",
     )
 

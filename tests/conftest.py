@@ -21,14 +21,16 @@ import trio
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine, load_model
-from trillm.engine.execution.model_source import DEFAULT_ALIAS, resolve_model
+from trillm.engine.execution.model_source import converted_default
 
 from tests.helpers import all_tasks, make_engine, wait_idle
 
 
 @pytest.fixture(scope="session")
 def model_dir():
-    return resolve_model(DEFAULT_ALIAS, EngineConfig().cache_path)
+    """The default model as a float32 safetensors checkpoint (``converted_default``): what
+    ``transformers`` loads as the reference for the model the engine serves from the GGUF file."""
+    return converted_default(EngineConfig().cache_path)
 
 
 @pytest.fixture(scope="session")

@@ -96,11 +96,14 @@ def test_default_model_packs_every_projection_exactly(model_parts, model_dir):
 
 @pytest.mark.parametrize("simd, blocks", [("plain", False), ("avx2", True)])
 def test_auto_takes_blocks_only_with_a_simd_path(monkeypatch, model_dir, simd, blocks):
-    """The plain-C block matmul is slower than MKL, so ``auto`` does not pick it; the AVX2
-    paths beat MKL's AVX2 GEMM at decode sizes, so it does (see docs/benchmarks.md)."""
+    """A checkpoint's exact blocks: the plain-C block matmul is slower than MKL, so ``auto`` does
+    not pick it; the AVX2 paths beat MKL's AVX2 GEMM at decode sizes, so it does (see
+    docs/benchmarks.md). A GGUF file keeps its blocks either way: decoded, it takes 4-7x the memory."""
     monkeypatch.setattr(cpu_matmul, "simd", lambda: simd)
-    model, _, _ = load_model(EngineConfig(dtype="float32"))
+    model, _, _ = load_model(EngineConfig(model=str(model_dir), dtype="float32"))
     assert (model.num_block_weights > 0) == blocks
+    from_file, _, _ = load_model(EngineConfig(dtype="float32"))  # the alias: its GGUF file
+    assert from_file.num_block_weights == len(from_file.projections())
 
 
 def test_weight_format_is_checked(tmp_path):

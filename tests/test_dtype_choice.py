@@ -34,9 +34,10 @@ def block_path_here() -> bool:
 
 @pytest.fixture
 def default_model() -> tuple[EngineConfig, object, dict]:
+    """The default model as loading sees it: its GGUF file's header is where its weights are."""
     config = EngineConfig()
     folder = loading._model_folder(config)
-    return config, folder, loading.json.loads((folder / "config.json").read_text())
+    return config, loading._weights_source(config, folder), loading.json.loads((folder / "config.json").read_text())
 
 
 def test_auto_keeps_blocks_on_an_amx_cpu(default_model) -> None:
@@ -44,9 +45,9 @@ def test_auto_keeps_blocks_on_an_amx_cpu(default_model) -> None:
     choice = dtype_choice.choose_dtype(config, torch.device("cpu"), folder, model_config, amx_like)
     if block_path_here():
         assert choice.dtype == torch.float32
-        assert "exact GGUF blocks" in choice.reason
-        # Q4_1 is 0.75 bytes a weight (scales included): the reason says what it read.
-        assert "0.75 bytes a weight" in choice.reason
+        assert "the GGUF file's blocks" in choice.reason
+        # Q4_1 in the file is 0.625 bytes a weight (float16 scales included): the reason says what it read.
+        assert "0.62 bytes a weight" in choice.reason
     else:  # no block path to keep: the decode-shaped probe decides
         assert choice.dtype == torch.bfloat16
 
@@ -86,7 +87,7 @@ def test_the_default_model_loads_in_blocks_on_an_amx_cpu(monkeypatch, caplog) ->
     if block_path_here():
         assert model.dtype == torch.float32
         assert model.num_block_weights == len(model.projections())
-        assert said[0].startswith("dtype float32: auto: the projections are exact GGUF blocks")
+        assert said[0].startswith("dtype float32: auto: the projections are the GGUF file's blocks")
     else:
         assert model.dtype == torch.bfloat16 and said[0].startswith("dtype bfloat16: auto: dense weights")
 

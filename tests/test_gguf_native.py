@@ -1,9 +1,10 @@
-"""A GGUF file given by path is served as it is: config from its metadata, weights from the mapped file.
+"""A GGUF file is served as it is: config from its metadata, weights from the mapped file.
 
-The default model's own file, loaded natively, must be the same model as its float32 conversion
-(which ``test_model_correctness`` holds to ``transformers``): the same config numbers, the same
-tokenizer and chat template, every projection the same values (Q/K rows put back in HF's order),
-and the same greedy answers through a real server and the ``openai`` client.
+The default model (the alias, whose GGUF file is read as it is, as any ``.gguf`` path is) must
+be the same model as its float32 conversion, the checkpoint ``test_model_correctness`` holds to
+``transformers``: the same config numbers, the same tokenizer and chat template, every
+projection the same values (Q/K rows put back in HF's order), and the same greedy answers
+through a real server and the ``openai`` client.
 """
 
 from __future__ import annotations
@@ -29,9 +30,22 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def native_parts(model_dir):
+def native_parts(model_parts):
+    """The alias's model: its GGUF file read as it is (the suite's shared ``model_parts``)."""
+    return model_parts
+
+
+@pytest.fixture(scope="module")
+def converted_parts(model_dir):
+    """The same model from its float32 safetensors conversion, a checkpoint folder."""
+    return load_model(EngineConfig(model=str(model_dir), dtype="float32"))
+
+
+def test_the_alias_is_read_as_any_gguf_path_is(native_parts):
     gguf = fetch_default_gguf(EngineConfig().cache_path)
-    return load_model(EngineConfig(model=str(gguf), dtype="float32"))
+    by_path = load_model(EngineConfig(model=str(gguf), dtype="float32"))[0]
+    for mine, theirs in zip(native_parts[0].projections(), by_path.projections()):
+        assert torch.equal(dequantize(mine), dequantize(theirs))  # type: ignore[arg-type]
 
 
 def test_the_config_from_the_metadata_is_the_checkpoints(model_dir):
@@ -48,8 +62,8 @@ def test_the_config_from_the_metadata_is_the_checkpoints(model_dir):
     assert from_file["eos_token_id"] == converted["eos_token_id"]
 
 
-def test_every_weight_equals_the_float32_conversion(native_parts, model_parts):
-    native, converted = native_parts[0], model_parts[0]
+def test_every_weight_equals_the_float32_conversion(native_parts, converted_parts):
+    native, converted = native_parts[0], converted_parts[0]
     assert native.num_block_weights == len(native.projections()) == converted.num_block_weights
     assert isinstance(native.embed, Q8_0Weight)  # the tied embedding stays in its blocks: rows decoded on lookup
     ids = torch.arange(0, native.shape.vocab_size, 97)
@@ -64,20 +78,20 @@ def test_every_weight_equals_the_float32_conversion(native_parts, model_parts):
     assert torch.equal(native.cos, converted.cos)
 
 
-def test_the_tokenizer_and_template_come_from_the_file(native_parts, model_parts):
-    mine, theirs = native_parts[1], model_parts[1]
+def test_the_tokenizer_and_template_come_from_the_file(native_parts, converted_parts):
+    mine, theirs = native_parts[1], converted_parts[1]
     text = "The capital of France is Paris. 1, 2, 3 — ünïcode!"
     assert mine(text)["input_ids"] == theirs(text)["input_ids"]
     messages = [{"role": "user", "content": "Hi"}]
     assert mine.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     )
-    assert native_parts[2] == model_parts[2]
+    assert native_parts[2] == converted_parts[2]
 
 
-async def test_greedy_answers_through_the_server_equal_the_converted_models(native_parts, model_parts):
+async def test_greedy_answers_through_the_server_equal_the_converted_models(native_parts, converted_parts):
     answers = []
-    for parts in (native_parts, model_parts):
+    for parts in (native_parts, converted_parts):
         async with running_server(parts) as srv:
             client = openai.AsyncOpenAI(base_url=srv.base_url, api_key="x")
             served = (await client.models.list()).data[0].id

@@ -21,10 +21,10 @@ from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, ch
 from trillm.engine.execution.model_source import (
     DEFAULT_ALIAS,
     _is_ready,
+    converted_default,
     default_gguf,
     entry_lock,
     fetch_default_gguf,
-    resolve_model,
 )
 
 pytestmark = pytest.mark.slow  # subprocess servers, and the default model fetched again
@@ -81,7 +81,10 @@ def test_regression_damage_that_kept_size_and_mtime_is_refused_at_start_in_one_l
     weights = cache_copy / DEFAULT_ALIAS / "model.safetensors"
     _damage(weights, keep_mtime=True)
     assert entry_problem(weights.parent) is None
-    line, _ = _serve_fails("--cache-dir", str(cache_copy), "--port", "0", "--dtype", "float32")
+    # The converted entry served as the checkpoint folder it is (the alias reads its GGUF file).
+    line, _ = _serve_fails(
+        "--model", str(weights.parent), "--cache-dir", str(cache_copy), "--port", "0", "--dtype", "float32"
+    )
     assert f"{weights} is damaged: tensor" in line and "NaN" in line
     assert f"delete {weights.parent} and start again to rebuild it" in line
 
@@ -107,7 +110,7 @@ def test_regression_processes_starting_at_once_take_turns_preparing_the_default_
     the entry and finds it ready, fetching nothing."""
     entry = tmp_path / DEFAULT_ALIAS
     found: list[Path] = []
-    second = threading.Thread(target=lambda: found.append(resolve_model(DEFAULT_ALIAS, tmp_path)))
+    second = threading.Thread(target=lambda: found.append(converted_default(tmp_path)))
     with entry_lock(entry):
         second.start()
         second.join(0.5)

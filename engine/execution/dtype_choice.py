@@ -130,9 +130,10 @@ def choose_dtype(
         probed = gguf_first_layer_bytes(folder) if isinstance(folder, GGUFHeader) else first_layer_bytes(folder)
         if probed is not None and probed[0] < 2 * probed[1]:
             block_bytes, weights = probed
+            held = "the GGUF file's" if gguf else "exact GGUF"
             return DtypeChoice(
                 torch.float32,
-                f"auto: the projections are {'the file' if gguf else 'exact GGUF'} blocks "
+                f"auto: the projections are {held} blocks "
                 f"({block_bytes / weights:.2f} bytes a weight "
                 "in layer 0, against 2 in bfloat16): float32 keeps them for decode "
                 "(--dtype bfloat16 trades them for faster prefill where this CPU has AMX)",

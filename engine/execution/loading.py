@@ -68,7 +68,7 @@ def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoic
 
 def _gguf_header(config: EngineConfig) -> GGUFHeader | None:
     """The header of the GGUF file ``config.model`` names, whose weights are read from it as they are."""
-    path = gguf_file(config.model) if config.load_format != "dummy" else None
+    path = gguf_file(config.model, config.cache_path) if config.load_format != "dummy" else None
     return check_gguf(path) if path is not None else None
 
 

@@ -1,10 +1,10 @@
 """Find model weights: an alias, a Hugging Face folder, or a GGUF file.
 
-A GGUF file given by path is served as it is (``gguf_model``): what is cached for it under
-the cache folder (the ``cache_dir`` setting, default ``~/.cache/trillm``) is its tokenizer and
-its config.json, read from the file's metadata once (``gguf_folder``). The default model's
-GGUF is still dequantized once through ``transformers`` and cached as safetensors +
-tokenizer, the form the test suite compares against ``transformers``. A cache entry whose
+A GGUF file, given by path or the alias's, is served as it is (``gguf_model``): what is cached
+for it under the cache folder (the ``cache_dir`` setting, default ``~/.cache/trillm``) is its
+tokenizer and its config.json, read from the file's metadata once (``gguf_folder``). The default
+model can also be dequantized once through ``transformers`` into float32 safetensors
+(``converted_default``): the checkpoint the tests hold the served model to. A cache entry whose
 files no longer match their record is rebuilt, and a truncated download fetched
 again (``file_checks``); a damaged GGUF given by path is refused in one line.
 Processes that start at once on a new machine (a replica set, a parallel test run)
@@ -40,10 +40,11 @@ def _say(message: str) -> None:
 
 
 def resolve_model(model: str, cache_dir: Path) -> Path:
-    """Return a local HF-style folder (config.json, safetensors, tokenizer) for ``model``;
-    downloads and conversions go under ``cache_dir``."""
+    """Return a local HF-style folder for ``model``: a checkpoint's own (config.json, safetensors,
+    tokenizer), or for a GGUF file (the alias's included) its config.json and tokenizer, whose
+    weights are read from the file itself (``gguf_file``); downloads go under ``cache_dir``."""
     if model == DEFAULT_ALIAS:
-        return _prepare_default(cache_dir)
+        return gguf_folder(fetch_default_gguf(cache_dir), cache_dir)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -56,8 +57,11 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
     )
 
 
-def gguf_file(model: str) -> Path | None:
-    """The GGUF file ``model`` names, served natively (None: an alias or a folder)."""
+def gguf_file(model: str, cache_dir: Path) -> Path | None:
+    """The GGUF file ``model`` names, served as it is: a ``.gguf`` path, or the alias's file
+    (fetched into ``cache_dir`` if need be); None for a checkpoint folder."""
+    if model == DEFAULT_ALIAS:
+        return fetch_default_gguf(cache_dir)
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -149,7 +153,10 @@ def _prepared(target: Path, gguf: Callable[[], Path]) -> Path:
     return target
 
 
-def _prepare_default(cache_dir: Path) -> Path:
+def converted_default(cache_dir: Path) -> Path:
+    """The default model dequantized once through ``transformers`` into float32 safetensors (a
+    checkpoint folder): not what is served, but what the tests hold the served model to, and
+    what a tool that loads the model into ``transformers`` reads."""
     return _prepared(cache_dir / DEFAULT_ALIAS, lambda: fetch_default_gguf(cache_dir))
 
 
