@@ -16,6 +16,7 @@ from trillm.engine.execution.backends import Backend, create_backend
 from trillm.engine.execution.dtype_choice import DtypeChoice, block_weights_wanted, choose_dtype
 from trillm.engine.execution.file_checks import check_gguf
 from trillm.engine.execution.gguf_header import GGUFHeader
+from trillm.engine.execution.gguf_model import gguf_config
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
@@ -156,6 +157,8 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     model_config = json.loads(_config_file(config, folder).read_text())
     device = choose_device(config)
     source = _weights_source(config, folder)
+    if isinstance(source, GGUFHeader):  # from the header itself, not the folder's copy (which may be older code's)
+        model_config = gguf_config(source)
     dtype_choice = choose_dtype(config, device, source, model_config)
     if config.dtype == "auto":  # a dtype asked for needs no reason
         log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
