@@ -203,7 +203,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
         backend.name,
         model.num_block_weights,
         len(model.projections()),
-        folder,
+        plan.gguf.path if plan.gguf is not None else folder,  # the weights' file, not the tokenizer's folder
     )
     return model, tokenizer, eos_ids
 
