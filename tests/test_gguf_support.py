@@ -83,3 +83,14 @@ def test_resolving_an_unservable_file_converts_nothing(tmp_path):
     with pytest.raises(UnsupportedModel, match="gemma3"):
         resolve_model(str(path), cache)
     assert not any(p.suffix != ".lock" for p in cache.rglob("*") if p.is_file())  # no conversion was begun
+
+
+def test_a_file_decoded_dense_that_does_not_fit_is_refused_before_decoding(tmp_path):
+    from trillm.engine.execution.gguf_support import check_decoded_fits
+
+    header = read_header(write_model(tmp_path / "dense.gguf"))
+    need = float32_bytes(header)
+    check_decoded_fits(header, 4, available=need)
+    with pytest.raises(UnsupportedModel, match="decoded to 32-bit floats take .* GiB of memory is available"):
+        check_decoded_fits(header, 4, available=need - 1)
+    check_decoded_fits(header, 2, available=need // 2)  # bfloat16: half

@@ -103,6 +103,19 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
         )
 
 
+def check_decoded_fits(header: GGUFHeader, dtype_bytes: int, available: int | None = None) -> None:
+    """Refuse (one line, before any tensor is decoded) a file whose weights decoded to a dense dtype of
+    ``dtype_bytes`` bytes (``--weight-format dense``, bfloat16, a GPU, tensor-parallel ranks) would not
+    fit in the memory available (``check_servable`` only knows the file's own size)."""
+    need = sum(dtype_bytes * math.prod(tensor.dims) for tensor in header.tensors)
+    free = available_memory() if available is None else available
+    if free is not None and need > free:
+        raise UnsupportedModel(
+            f"{header.path}: its weights decoded to {8 * dtype_bytes}-bit floats take {need / 2**30:.1f} GiB; "
+            f"{free / 2**30:.1f} GiB of memory is available (its blocks run on the CPU in float32)"
+        )
+
+
 def check_disk(header: GGUFHeader, target: Path) -> None:
     """Refuse (one line) a conversion whose float32 cache would not fit on ``target``'s disk."""
     folder = target.parent

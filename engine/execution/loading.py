@@ -17,6 +17,7 @@ from trillm.engine.execution.dtype_choice import DtypeChoice, block_weights_want
 from trillm.engine.execution.file_checks import check_gguf
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.gguf_support import check_decoded_fits
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
@@ -179,6 +180,8 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     if config.load_format == "dummy":
         model = LlamaModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
     elif plan.gguf is not None:
+        if not blocks or tp.size > 1:  # decoded at load: the file's size said nothing of that
+            check_decoded_fits(plan.gguf, max(4, dtype.itemsize))  # float32 first, then the dtype
         model = LlamaModel.from_gguf(
             plan.gguf, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
         )
