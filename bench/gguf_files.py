@@ -7,7 +7,9 @@ is that we serve what the file holds, checked against ``gguf``'s decoders.
 
     python -m trillm.bench.gguf_files SRC.gguf DST.gguf --scheme q4_k_m
 
-requantizes SRC (any type trillm reads) into DST with SRC's metadata (tokenizer, template).
+requantizes SRC (any type trillm reads) into DST with SRC's metadata (tokenizer, template);
+``--random llama-3.2-1b`` (or ``llama-3.1-8b``) writes random weights of that shape instead,
+with SRC's tokenizer: benchmark files of a real size.
 Schemes: ``q4_k_m`` (Q4_K, with V, FFN-down and the embedding in Q6_K, as llama.cpp's
 Q4_K_M mostly is), ``q4_k``, ``q5_k``, ``q6_k``, ``q8_0``, ``q4_0``; a matrix whose rows are not
 whole 256-value super-blocks gets llama.cpp's fallback type (``FALLBACK``).
@@ -192,6 +194,73 @@ def requantize(src: Path, dst: Path, scheme: str, layers: int | None = None, voc
     writer.close()
 
 
+# Llama shapes for benchmark files with random blocks (SmolLM2's vocabulary, so its tokenizer serves them)
+SHAPES: dict[str, dict[str, int | float]] = {
+    "llama-3.2-1b": {"hidden": 2048, "inter": 8192, "layers": 16, "heads": 32, "kv_heads": 8, "tied": 1},
+    "llama-3.1-8b": {"hidden": 4096, "inter": 14336, "layers": 32, "heads": 32, "kv_heads": 8, "tied": 0},
+}
+
+
+def random_model(src: Path, dst: Path, shape_name: str, scheme: str, seed: int = 0) -> None:
+    """A Llama-shaped file of random weights (normal, std 0.02; unit norms) encoded by ``scheme``,
+    with ``src``'s tokenizer and template: the memory traffic of a real model of that size, for
+    benchmarks (its text is noise)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    shape = SHAPES[shape_name]
+    hidden, inter, layers = int(shape["hidden"]), int(shape["inter"]), int(shape["layers"])
+    heads, kv_heads = int(shape["heads"]), int(shape["kv_heads"])
+    head_dim = hidden // heads
+    reader = GGUFReader(src)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+    writer = GGUFWriter(dst, "llama")
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "general.", "llama.")):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.add_name(f"random {shape_name} ({scheme})")
+    writer.add_context_length(8192)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(500000.0)
+    rng = np.random.default_rng(seed)
+    choose = SCHEMES[scheme]
+    matrices = [("token_embd.weight", vocab, hidden)]
+    if not shape["tied"]:
+        matrices.append(("output.weight", vocab, hidden))
+    for i in range(layers):
+        p = f"blk.{i}."
+        matrices += [
+            (p + "attn_q.weight", heads * head_dim, hidden),
+            (p + "attn_k.weight", kv_heads * head_dim, hidden),
+            (p + "attn_v.weight", kv_heads * head_dim, hidden),
+            (p + "attn_output.weight", hidden, heads * head_dim),
+            (p + "ffn_gate.weight", inter, hidden),
+            (p + "ffn_up.weight", inter, hidden),
+            (p + "ffn_down.weight", hidden, inter),
+        ]
+        for norm in ("attn_norm.weight", "ffn_norm.weight"):
+            writer.add_tensor(p + norm, np.ones(hidden, dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for index, (name, rows, cols) in enumerate(matrices):
+        target = choose(name, index)
+        if cols % QK_K and target in FALLBACK:
+            target = FALLBACK[target]
+        values = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float32)
+        raw = encode(values, target)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[target])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _layer_at_or_past(name: str, layers: int) -> bool:
     parts = name.split(".")
     return parts[0] == "blk" and int(parts[1]) >= layers
@@ -199,12 +268,16 @@ def _layer_at_or_past(name: str, layers: int) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("src", type=Path)
+    parser.add_argument("src", type=Path, help="a GGUF file: the weights to requantize, or with --random the tokenizer")
     parser.add_argument("dst", type=Path)
     parser.add_argument("--scheme", choices=sorted(SCHEMES), default="q4_k_m")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first LAYERS layers")
+    parser.add_argument("--random", choices=sorted(SHAPES), help="random weights of this Llama shape instead")
     args = parser.parse_args()
-    requantize(args.src, args.dst, args.scheme, args.layers)
+    if args.random:
+        random_model(args.src, args.dst, args.random, args.scheme)
+    else:
+        requantize(args.src, args.dst, args.scheme, args.layers)
     print(f"wrote {args.dst} ({args.dst.stat().st_size / 2**20:.1f} MiB)")
 
 
