@@ -102,6 +102,8 @@ def fuse(parts: list[torch.Tensor | Weight], blocks: bool) -> Weight:
     if all(isinstance(p, torch.Tensor) for p in parts):
         return make_weight(torch.cat(parts), blocks)  # type: ignore[arg-type]
     first = parts[0]
+    if len(parts) == 1:
+        return first  # as it is: a file's blocks stay mapped, not copied
     if isinstance(first, GGUFWeight) and all(isinstance(p, GGUFWeight) and p.kind == first.kind for p in parts):
         return GGUFWeight(first.kind, torch.cat([p.data for p in parts]), first.K)  # type: ignore[union-attr]
     if all(isinstance(p, Q4_1Weight) for p in parts):
