@@ -451,11 +451,6 @@ static void rows_int(BlockType bt, const uint8_t *w, int64_t row_bytes, int64_t 
     }
 }
 
-int trillm_gguf_known(int type)
-{
-    return known(type, block_type(type));
-}
-
 /* out[M, N] (+)= x[M, K] . W^T. Returns 0, 1 when a buffer could not be allocated, 2 for an
  * unknown type. */
 int trillm_gguf_matmul(const float *x, int64_t ldx, int type, const uint8_t *w, int64_t row_bytes, int64_t N,

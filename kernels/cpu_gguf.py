@@ -24,14 +24,13 @@ _SIGNATURES: dict[str, list] = {
     "trillm_gguf_matmul": [_P, _I64, _INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _INT, _INT],
     "trillm_gguf_rows": [_INT, _P, _I64, _I64, _P, _I64, _P, _INT],
     "trillm_gguf_dequantize": [_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _INT],
-    "trillm_gguf_known": [_INT],
 }
 # The decoders round as gguf's numpy reference does: no fused multiply-add.
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
 available = _KERNEL.available
 _F32, _CPU = torch.float32, torch.device("cpu")
 _ACCUMULATE, _EXACT = 1, 2
-GEMM_ROWS = 8  # rows of x from which the panel + GEMM path runs (at most the C kernel's MAX_INT8_ROWS)
+GEMM_ROWS = 8  # rows of x from which the panel + GEMM path runs (at most the C kernel's MAX_INT_ROWS)
 ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
 PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-sized
 

@@ -14,8 +14,6 @@ type is one entry here, one decoder in ``cpu_gguf.c`` and one case in its test.
 
 from __future__ import annotations
 
-import math
-
 import attrs
 import numpy as np
 import torch
@@ -68,10 +66,6 @@ class GGUFWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def rows(self, start: int, stop: int) -> GGUFWeight:
-        """Rows ``start:stop`` (a tensor-parallel column shard, or Q/K/V out of a fused matrix)."""
-        return GGUFWeight(self.kind, self.data[start:stop], self.K)
-
 
 def row_bytes(kind: BlockType, K: int) -> int:
     if K % kind.values:
@@ -116,8 +110,3 @@ def repacked(weight: GGUFWeight) -> BlockWeight | GGUFWeight:
     if kind.name == "Q4_1":
         return Q4_1Weight(qs=blocks[..., 4:].reshape(N, K // 2).contiguous(), d=d, m=_halves(blocks, 2))
     return Q4_1Weight(qs=blocks[..., 2:].reshape(N, K // 2).contiguous(), d=d, m=d * -8.0)
-
-
-def nbytes_of(kind: BlockType, shape: tuple[int, ...]) -> int:
-    """The bytes of a tensor of ``shape`` (GGUF order: K first) in ``kind``."""
-    return math.prod(shape) // kind.values * kind.bytes

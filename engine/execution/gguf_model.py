@@ -5,7 +5,7 @@ No float32 detour and no conversion cache: the header says what the model is
 taken from a memory map of the file, kept in its blocks (``kernels/gguf_blocks``) where the
 backend runs them, or decoded to the served dtype where it does not (``--weight-format dense``,
 bfloat16, a GPU, or tensor parallelism for now). Only the tokenizer is written once, to the
-cache folder (``gguf_tokenizer``), since building it from the metadata takes seconds.
+cache folder (``model_source.gguf_folder``), since building it from the metadata takes seconds.
 
 The names here are the HF checkpoint's (``model.layers.0.self_attn.q_proj.weight``), so the
 model is built as from any checkpoint. Llama-architecture files hold Q and K with each head's

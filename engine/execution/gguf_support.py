@@ -14,27 +14,12 @@ import os
 from pathlib import Path
 
 from trillm.engine.execution.gguf_header import GGUFHeader
+from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
 # general.architecture values of the families ``shape.LlamaShape`` serves (Mistral's GGUF files say "llama")
 SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# Tensor types read today (the legacy and k-quant blocks, and plain floats); the IQ types are not yet.
-READ_TYPES = frozenset(
-    {
-        "F32",
-        "F16",
-        "BF16",
-        "Q4_0",
-        "Q4_1",
-        "Q5_0",
-        "Q5_1",
-        "Q8_0",
-        "Q2_K",
-        "Q3_K",
-        "Q4_K",
-        "Q5_K",
-        "Q6_K",
-    }
-)
+# Tensor types read today: plain float32, and every type of the one table of blocks (the IQ types are not yet).
+READ_TYPES = frozenset({"F32", *BLOCK_TYPES})
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 
 

@@ -64,8 +64,8 @@ def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoic
     """The dtype ``config`` serves its model in (``dtype_choice``); resolves the model first."""
     cpu_build.use_cache_dir(config.cache_path)  # the probe may build the block kernels
     folder = _model_folder(config)
-    model_config = json.loads(_config_file(config, folder).read_text())
-    return choose_dtype(config, device, _weights_source(config, folder), model_config)
+    source = _weights_source(config, folder)
+    return choose_dtype(config, device, source, _model_config(config, folder, source))
 
 
 def _gguf_header(config: EngineConfig) -> GGUFHeader | None:
@@ -80,6 +80,14 @@ def _weights_source(config: EngineConfig, folder: Path) -> Path | GGUFHeader | N
     if config.load_format == "dummy":
         return None
     return _gguf_header(config) or folder
+
+
+def _model_config(config: EngineConfig, folder: Path, source: Path | GGUFHeader | None) -> dict[str, Any]:
+    """The model's config: a GGUF file's from its header (not the folder's copy of it, which older
+    code may have written), else the config.json."""
+    if isinstance(source, GGUFHeader):
+        return gguf_config(source)
+    return json.loads(_config_file(config, folder).read_text())
 
 
 def choose_device(config: EngineConfig) -> torch.device:
@@ -155,11 +163,9 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     torch.set_num_threads(1)
     cpu_build.use_cache_dir(config.cache_path)  # before anything asks whether a C kernel is available
     folder = _model_folder(config)
-    model_config = json.loads(_config_file(config, folder).read_text())
-    device = choose_device(config)
     source = _weights_source(config, folder)
-    if isinstance(source, GGUFHeader):  # from the header itself, not the folder's copy (which may be older code's)
-        model_config = gguf_config(source)
+    model_config = _model_config(config, folder, source)
+    device = choose_device(config)
     dtype_choice = choose_dtype(config, device, source, model_config)
     if config.dtype == "auto":  # a dtype asked for needs no reason
         log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
