@@ -23,17 +23,20 @@
  *   Q6_K  ql[128] qh[64] scales[16] d       16 of 16: (d * sc8) * ((q4 | q2 << 4) - 32)
  *
  * Decode-sized batches (up to 8 rows of x) quantize x to int16 per 32 values (llama.cpp uses
- * int8) and take integer dot products per sub-block, the block unpacked once for every row
- * (the scales applied once per sub-block); with EXACT, or for F16 / BF16, weight
- * rows are decoded to float32 into a per-thread buffer and dotted with x instead. Larger
+ * int8) and take integer dot products per sub-block, the scales applied once per sub-block; Q4_K,
+ * Q5_K and Q6_K have kernels of their own that read their blocks directly (on SIMD builds), the
+ * other types are unpacked to int8 once for every row of x. With EXACT, or for F16 / BF16,
+ * weight rows are decoded to float32 into a per-thread buffer and dotted with x instead. Larger
  * batches decode a panel of rows here and multiply it with torch's GEMM (cpu_gguf.py).
+ *
+ * What differs by instruction set (AVX2 / AVX-VNNI / AVX-512 VNNI, plain C) is in one section.
  */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -48,9 +51,52 @@ enum { ACCUMULATE = 1, EXACT = 2 }; /* flags of trillm_gguf_matmul; EXACT: float
 #define MAX_INT_ROWS 8 /* rows of x up to which activations go to int16 */
 #define PARALLEL_MIN_WORK (1 << 18)
 
+/* A block's values are w = dl[s] * q - ml[s] for sub-block s (ml 0 where the type has no
+ * minimum: x - 0 is x, so the rounding is the reference's; ``mins`` says whether any is kept).
+ * Every type's quants fit int8. */
+typedef struct {
+    int subs, n, mins; /* sub-blocks, values in each (subs * n values); 1 if the type has minimums */
+    float dl[16], ml[16];
+    int8_t q[256];
+} Unpacked;
+
+/* ==== What differs by instruction set: all of it is in this section ====
+ *
+ * AVX2 (+ FMA, F16C) and plain C. The helpers below unpack runs of 16 or 32 quants from a
+ * block's bit fields (each the same bytes on both paths, which the tests check value by value
+ * against gguf's decoders), and block_dot takes one unpacked block's dot product with one row of
+ * int16 activations. AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add in one
+ * instruction). */
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_SIMD 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SIMD_ID 3 /* cpu_gguf.py's names: plain, avx2, avxvnni, avx512vnni */
+#define MADD_ADD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#elif defined(__AVXVNNI__)
+#define SIMD_ID 2
+#define MADD_ADD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#else
+#define SIMD_ID 1
+#define MADD_ADD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+#else
+#define GGUF_SIMD 0
+#define SIMD_ID 0
+#endif
+
+/* The path this build runs (for the start-up log). */
+int trillm_gguf_simd(void)
+{
+    return SIMD_ID;
+}
+
 INLINE float f16(const uint8_t *p)
 {
     const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(__F16C__) /* the hardware conversion is exact, as the one below is */
+    return _cvtsh_ss(h);
+#else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) {
@@ -70,127 +116,12 @@ INLINE float f16(const uint8_t *p)
     float f;
     memcpy(&f, &bits, 4);
     return f;
+#endif
 }
-
-INLINE float bf16(const uint8_t *p)
-{
-    const uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* ---- one block each, unpacked: quants as int8 and per sub-block w = dl * q - ml ---- */
-
-/* A block's values are w = dl[s] * q - ml[s] for sub-block s (ml 0 where the type has no
- * minimum: x - 0 is x, so the rounding is the reference's). Every type's quants fit int8. */
-typedef struct {
-    int subs, n; /* sub-blocks, values in each: subs * n values */
-    float dl[16], ml[16];
-    int8_t q[256];
-} Unpacked;
 
 INLINE uint32_t u32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-INLINE void one_scale(Unpacked *U, int s, float d, float m) /* legacy types: block s of a group */
-{
-    U->dl[s] = d;
-    U->ml[s] = m;
-}
-
-static void q4_0(const uint8_t *b, Unpacked *U, int s)
-{
-    const uint8_t *qs = b + 2;
-    int8_t *q = U->q + 32 * s;
-    one_scale(U, s, f16(b), 0.0f);
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)((qs[j] & 15) - 8);
-        q[j + 16] = (int8_t)((qs[j] >> 4) - 8);
-    }
-}
-
-static void q4_1(const uint8_t *b, Unpacked *U, int s)
-{
-    const uint8_t *qs = b + 4;
-    int8_t *q = U->q + 32 * s;
-    one_scale(U, s, f16(b), -f16(b + 2)); /* d q + m as d q - (-m): the same float */
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(qs[j] & 15);
-        q[j + 16] = (int8_t)(qs[j] >> 4);
-    }
-}
-
-/* Q5_0 / Q5_1: value j's fifth bit is bit j of qh. */
-INLINE void five_bit(const uint8_t *qh_bytes, const uint8_t *qs, int offset, int8_t *restrict q)
-{
-    const uint32_t qh = u32(qh_bytes);
-    for (int j = 0; j < 16; j++) {
-        q[j] = (int8_t)(((qs[j] & 15) | (int)((qh >> j) & 1) << 4) - offset);
-        q[j + 16] = (int8_t)(((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4) - offset);
-    }
-}
-
-static void q5_0(const uint8_t *b, Unpacked *U, int s)
-{
-    one_scale(U, s, f16(b), 0.0f);
-    five_bit(b + 2, b + 6, 16, U->q + 32 * s);
-}
-
-static void q5_1(const uint8_t *b, Unpacked *U, int s)
-{
-    one_scale(U, s, f16(b), -f16(b + 2));
-    five_bit(b + 4, b + 8, 0, U->q + 32 * s);
-}
-
-static void q8_0(const uint8_t *b, Unpacked *U, int s)
-{
-    one_scale(U, s, f16(b), 0.0f);
-    memcpy(U->q + 32 * s, b + 2, 32);
-}
-
-/* The k-quants: each run of 32 quants reads contiguous bytes with one shift (vectorised). */
-
-/* Q2_K and Q3_K's 2-bit quants: value 128 g + 32 j + l is byte 32 g + l of qs, bits 2 j. */
-INLINE void two_bit(const uint8_t *restrict qs, int8_t *restrict q)
-{
-    for (int g = 0; g < 2; g++)
-        for (int j = 0; j < 4; j++)
-            for (int l = 0; l < 32; l++)
-                q[128 * g + 32 * j + l] = (int8_t)((qs[32 * g + l] >> (2 * j)) & 3);
-}
-
-static void q2_k(const uint8_t *b, Unpacked *U, int slot) /* slot: legacy blocks only */
-{
-    const uint8_t *scales = b;
-    const float d = f16(b + 80), dmin = f16(b + 82);
-    U->subs = 16;
-    U->n = 16;
-    two_bit(b + 16, U->q);
-    for (int s = 0; s < 16; s++) {
-        U->dl[s] = d * (float)(scales[s] & 15);
-        U->ml[s] = dmin * (float)(scales[s] >> 4);
-    }
-}
-
-static void q3_k(const uint8_t *b, Unpacked *U, int slot) /* slot: legacy blocks only */
-{
-    const uint8_t *hmask = b, *sc = b + 96;
-    const float d = f16(b + 108);
-    U->subs = 16;
-    U->n = 16;
-    two_bit(b + 32, U->q);
-    for (int v0 = 0; v0 < 256; v0 += 32) /* the high bit of value v is bit v / 32 of hmask[v % 32]; 0 takes 4 off */
-        for (int l = 0; l < 32; l++)
-            U->q[v0 + l] = (int8_t)(U->q[v0 + l] - 4 + 4 * ((hmask[l] >> (v0 / 32)) & 1));
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
-        const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-        U->dl[s] = d * (float)((low | high << 4) - 32);
-        U->ml[s] = 0.0f;
-    }
 }
 
 /* The 6-bit scale and minimum of sub-block j (0..7) of Q4_K and Q5_K. */
@@ -202,6 +133,475 @@ INLINE void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn)
     } else {
         *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
         *mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+#if GGUF_SIMD
+INLINE __m256i load32(const void *p)
+{
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+INLINE void store32(void *p, __m256i v)
+{
+    _mm256_storeu_si256((__m256i *)p, v);
+}
+
+INLINE __m256i shift_right(__m256i v, int bits) /* per byte, the bits that leave masked off by the caller */
+{
+    return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits));
+}
+#endif
+
+/* q[j] = (qs[j] & 15) - offset, q[j + 16] = (qs[j] >> 4) - offset, j < 16 (a legacy block) */
+INLINE void nibbles16(const uint8_t *restrict qs, int offset, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15), o = _mm_set1_epi8((char)offset);
+    _mm_storeu_si128((__m128i *)q, _mm_sub_epi8(_mm_and_si128(v, m), o));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), o));
+#else
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((qs[j] & 15) - offset);
+        q[j + 16] = (int8_t)((qs[j] >> 4) - offset);
+    }
+#endif
+}
+
+/* lo[l] = qs[l] & 15, hi[l] = qs[l] >> 4, l < 32 */
+INLINE void nibbles32(const uint8_t *restrict qs, int8_t *restrict lo, int8_t *restrict hi)
+{
+#if GGUF_SIMD
+    const __m256i v = load32(qs), m = _mm256_set1_epi8(15);
+    store32(lo, _mm256_and_si256(v, m));
+    store32(hi, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+#else
+    for (int l = 0; l < 32; l++) {
+        lo[l] = (int8_t)(qs[l] & 15);
+        hi[l] = (int8_t)(qs[l] >> 4);
+    }
+#endif
+}
+
+/* q[l] = ((src[l] >> shift) & 3) - offset, l < 32 */
+INLINE void crumbs32(const uint8_t *restrict src, int shift, int offset, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m256i v = _mm256_and_si256(shift_right(load32(src), shift), _mm256_set1_epi8(3));
+    store32(q, _mm256_sub_epi8(v, _mm256_set1_epi8((char)offset)));
+#else
+    for (int l = 0; l < 32; l++)
+        q[l] = (int8_t)(((src[l] >> shift) & 3) - offset);
+#endif
+}
+
+/* q[l] += value where bit ``bit`` of bytes[l] is set, l < 32 */
+INLINE void add_where_bit(const uint8_t *restrict bytes, int bit, int value, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m256i b = _mm256_set1_epi8((char)(1 << bit));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(bytes), b), b);
+    store32(q, _mm256_add_epi8(load32(q), _mm256_and_si256(set, _mm256_set1_epi8((char)value))));
+#else
+    for (int l = 0; l < 32; l++)
+        q[l] = (int8_t)(q[l] + ((bytes[l] >> bit) & 1) * value);
+#endif
+}
+
+/* q[j] += 16 where bit j of the 32-bit qh is set, j < 32 (Q5_0 / Q5_1's fifth bits) */
+INLINE void add_fifth_bits(uint32_t qh, int8_t *restrict q)
+{
+#if GGUF_SIMD /* byte j takes byte j / 8 of qh, then its own bit j % 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                     2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    store32(q, _mm256_add_epi8(load32(q), _mm256_and_si256(set, _mm256_set1_epi8(16))));
+#else
+    for (int j = 0; j < 32; j++)
+        q[j] = (int8_t)(q[j] + ((qh >> j) & 1) * 16);
+#endif
+}
+
+/* q[l] = ((lo[l] >> lo_shift) & 15 | ((hi[l] >> hi_shift) & 3) << 4) - 32, l < 32 (Q6_K) */
+INLINE void six_bit32(const uint8_t *restrict lo, int lo_shift, const uint8_t *restrict hi, int hi_shift,
+                      int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m256i l4 = _mm256_and_si256(shift_right(load32(lo), lo_shift), _mm256_set1_epi8(15));
+    const __m256i h2 = _mm256_and_si256(shift_right(load32(hi), hi_shift), _mm256_set1_epi8(3));
+    const __m256i v = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)); /* h2 < 4: nothing crosses a byte */
+    store32(q, _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
+#else
+    for (int l = 0; l < 32; l++)
+        q[l] = (int8_t)((((lo[l] >> lo_shift) & 15) | ((hi[l] >> hi_shift) & 3) << 4) - 32);
+#endif
+}
+
+/* The int16 activations of the rows of x (quantize_x): xq [M, K], and per row its scales per 32
+ * values (dx) and sums per 16 and per 32 values (s16, s32), which the minimums multiply. */
+typedef struct {
+    const int16_t *xq;
+    const float *dx, *s16, *s32;
+    int64_t M, K;
+} XRows;
+
+/* One row of x against one unpacked block adds sum_s dl[s] dx[s] (q_s . xq_s) - ml[s] sum(x_s) to
+ * its Acc; acc_total gives the row's sum. Each integer sum is exact (|q| <= 128, |xq| <= 32767, at
+ * most 32 products); the float sums run in a fixed order, so a result does not depend on the
+ * thread count. */
+#if GGUF_SIMD
+/* x's 32 values per run as the kernels read them: the even ones, then the odd ones. Pairs of
+ * bytes loaded as int16 lanes then give their even and odd weights with one shift each, in the
+ * lanes those activations are in; lanes 0-3 of a pair's products are values 0-15 of the run. */
+INLINE int x_position(int l)
+{
+    return (l & 1) ? 16 + l / 2 : l / 2;
+}
+
+typedef struct {
+    __m256 a0, a1, m; /* two chains of products (even and odd sub-blocks), and the minimums */
+} Acc;
+
+INLINE void acc_zero(Acc *a)
+{
+    a->a0 = a->a1 = a->m = _mm256_setzero_ps();
+}
+
+INLINE float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE float acc_total(const Acc *a)
+{
+    return hsum(_mm256_add_ps(a->a0, a->a1)) - hsum(a->m);
+}
+
+/* int16 lanes of 32 bytes of int8 quants: the even bytes and the odd ones, sign-extended */
+INLINE __m256i even_bytes(__m256i v)
+{
+    return _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+}
+
+/* The integer dot of a run of 32 (weights: even, odd lanes) with its activations: lanes 0-3 hold
+ * values 0-15's part, lanes 4-7 values 16-31's. */
+INLINE __m256 run_dot(__m256i even, __m256i odd, const int16_t *x)
+{
+    const __m256i p = _mm256_madd_epi16(even, load32(x));
+    return _mm256_cvtepi32_ps(MADD_ADD(p, odd, load32(x + 16)));
+}
+
+/* A scale per 16 values of a run: lanes 0-3 lo, 4-7 hi */
+INLINE __m256 halves(float lo, float hi)
+{
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(lo)), _mm_set1_ps(hi), 1);
+}
+
+INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, Acc *acc)
+{
+    const int16_t *xb = X->xq + i * X->K + k0;
+    const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
+    const int runs = U->subs * U->n / 32;
+    for (int r = 0; r < runs; r++) {
+        const __m256i v = load32(U->q + 32 * r);
+        const __m256 p = run_dot(even_bytes(v), _mm256_srai_epi16(v, 8), xb + 32 * r);
+        const __m256 sc = U->n == 32 ? _mm256_set1_ps(U->dl[r] * dx[r])
+                                     : halves(U->dl[2 * r] * dx[r], U->dl[2 * r + 1] * dx[r]);
+        if (r & 1)
+            acc->a1 = _mm256_fmadd_ps(p, sc, acc->a1);
+        else
+            acc->a0 = _mm256_fmadd_ps(p, sc, acc->a0);
+    }
+    if (!U->mins)
+        return;
+    const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16, *s32 = X->s32 + i * (X->K / 32) + k0 / 32;
+    if (U->n == 32 && U->subs == 8) {
+        acc->m = _mm256_fmadd_ps(_mm256_loadu_ps(U->ml), _mm256_loadu_ps(s32), acc->m);
+    } else if (U->n == 16) {
+        acc->m = _mm256_fmadd_ps(_mm256_loadu_ps(U->ml), _mm256_loadu_ps(s16), acc->m);
+        acc->m = _mm256_fmadd_ps(_mm256_loadu_ps(U->ml + 8), _mm256_loadu_ps(s16 + 8), acc->m);
+    } else {
+        float part[8] = {0};
+        for (int s = 0; s < U->subs; s++)
+            part[s] = U->ml[s] * s32[s];
+        acc->m = _mm256_add_ps(acc->m, _mm256_loadu_ps(part));
+    }
+}
+
+/* ---- kernels that read a type's blocks directly (no Unpacked), for every row of x at once ---- */
+
+/* Q4_K and Q5_K (qh NULL for Q4_K): byte l of a group of 32 holds values l (low nibble) and 32 + l
+ * (high); as int16 lanes, the even values are the low nibble of each lane's low byte. */
+INLINE void k4_direct(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t k0, Acc *acc)
+{
+    /* the 8 scales and 8 minimums of 6 bits (scale_min_k4), unpacked four at a time in 32-bit words */
+    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
+    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
+    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
+    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
+    const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+    float sc[8];
+    for (int64_t i = 0; i < X->M; i++)
+        acc[i].m = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + i * (X->K / 32) + k0 / 32), acc[i].m);
+    const __m256i low4 = _mm256_set1_epi16(15), bit = _mm256_set1_epi16(1);
+    const __m256i h = qh ? load32(qh) : _mm256_setzero_si256();
+    __m256i w[4][4]; /* per group of 64 values: even and odd of its first 32, even and odd of the next */
+    for (int g = 0; g < 4; g++) {
+        const __m256i v = load32(qs + 32 * g);
+        w[g][0] = _mm256_and_si256(v, low4);
+        w[g][1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+        w[g][2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        w[g][3] = _mm256_srli_epi16(v, 12);
+        if (qh) { /* the fifth bit of value 32 s + l is bit s of qh[l] */
+            const int s = 2 * g;
+            w[g][0] = _mm256_or_si256(w[g][0], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s), bit), 4));
+            w[g][1] = _mm256_or_si256(w[g][1], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 8 + s), bit), 4));
+            w[g][2] = _mm256_or_si256(w[g][2], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s + 1), bit), 4));
+            w[g][3] = _mm256_or_si256(w[g][3], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 9 + s), bit), 4));
+        }
+    }
+    for (int64_t i = 0; i < X->M; i++) {
+        const int16_t *x = X->xq + i * X->K + k0;
+        _mm256_storeu_ps(sc, _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + i * (X->K / 32) + k0 / 32)));
+        for (int g = 0; g < 4; g++) {
+            acc[i].a0 = _mm256_fmadd_ps(run_dot(w[g][0], w[g][1], x + 64 * g), _mm256_broadcast_ss(sc + 2 * g), acc[i].a0);
+            acc[i].a1 = _mm256_fmadd_ps(run_dot(w[g][2], w[g][3], x + 64 * g + 32), _mm256_broadcast_ss(sc + 2 * g + 1),
+                                        acc[i].a1);
+        }
+    }
+}
+
+INLINE void q4_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
+{
+    k4_direct(b, b + 16, NULL, X, k0, acc);
+}
+
+INLINE void q5_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
+{
+    k4_direct(b, b + 48, b + 16, X, k0, acc);
+}
+
+/* Q6_K: value 128 h + 32 j + l is nibble j / 2 of ql[64 h + 32 (j % 2) + l] with bits 2 j of
+ * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The scales multiply the
+ * quants in int16 (|q sc| <= 4096: four products of 4096 x 32767 fit int32) and the 32 is taken
+ * off as a minimum, 32 d sc times the sum of x. */
+INLINE void q6_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const float d = f16(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)scales);
+    const __m256 bias_lo = _mm256_mul_ps(_mm256_set1_ps(32.0f * d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+    const __m256 bias_hi =
+        _mm256_mul_ps(_mm256_set1_ps(32.0f * d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    for (int64_t i = 0; i < X->M; i++) {
+        const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16;
+        acc[i].m = _mm256_fmadd_ps(bias_lo, _mm256_loadu_ps(s16), acc[i].m);
+        acc[i].m = _mm256_fmadd_ps(bias_hi, _mm256_loadu_ps(s16 + 8), acc[i].m);
+    }
+    const __m256i low4 = _mm256_set1_epi16(15), bits45 = _mm256_set1_epi16(0x30);
+    __m256i w[8][2]; /* per run of 32: even and odd lanes, times their sub-block's scale */
+    for (int h = 0; h < 2; h++) {
+        const __m256i hv = load32(qh + 32 * h);
+        for (int j = 0; j < 4; j++) {
+            const int r = 4 * h + j, ls = 4 * (j / 2), hs = 2 * j;
+            const __m256i lo = load32(ql + 64 * h + 32 * (j % 2));
+            /* bits hs, hs + 1 of each byte to bits 4, 5 */
+            const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
+            const __m256i e = _mm256_or_si256(_mm256_and_si256(shift_right(lo, ls), low4), _mm256_and_si256(he, bits45));
+            const __m256i o =
+                _mm256_or_si256(_mm256_and_si256(shift_right(lo, 8 + ls), low4), _mm256_and_si256(shift_right(hv, 4 + hs), bits45));
+            /* lanes 0-7 are values 0-14 of the run (sub-block 2 r), lanes 8-15 sub-block 2 r + 1 */
+            const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * r + 1]), _mm_set1_epi16(scales[2 * r]));
+            w[r][0] = _mm256_mullo_epi16(e, scale);
+            w[r][1] = _mm256_mullo_epi16(o, scale);
+        }
+    }
+    float dd[8];
+    for (int64_t i = 0; i < X->M; i++) {
+        const int16_t *x = X->xq + i * X->K + k0;
+        _mm256_storeu_ps(dd, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(X->dx + i * (X->K / 32) + k0 / 32)));
+        for (int r = 0; r < 8; r += 2) {
+            acc[i].a0 = _mm256_fmadd_ps(run_dot(w[r][0], w[r][1], x + 32 * r), _mm256_broadcast_ss(dd + r), acc[i].a0);
+            acc[i].a1 = _mm256_fmadd_ps(run_dot(w[r + 1][0], w[r + 1][1], x + 32 * r + 32), _mm256_broadcast_ss(dd + r + 1),
+                                        acc[i].a1);
+        }
+    }
+}
+
+/* A row of a type's blocks against every row of x (the block loop inside: one call per row). */
+typedef void (*DirectKernel)(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc);
+
+#define ROW_KERNEL(name, block_kernel, block_bytes)                                                                \
+    static void name(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)                                \
+    {                                                                                                              \
+        for (int64_t j = 0; j < blocks; j++)                                                                       \
+            block_kernel(row + j * (block_bytes), X, 256 * j, acc);                                                \
+    }
+ROW_KERNEL(q4_k_row, q4_k_direct, 144)
+ROW_KERNEL(q5_k_row, q5_k_direct, 176)
+ROW_KERNEL(q6_k_row, q6_k_direct, 210)
+
+/* The types with a kernel of their own here (the others unpack, then block_dot). */
+static DirectKernel direct_kernel(int type)
+{
+    switch (type) {
+    case Q4_K: return q4_k_row;
+    case Q5_K: return q5_k_row;
+    case Q6_K: return q6_k_row;
+    default: return NULL;
+    }
+}
+#else
+INLINE int x_position(int l)
+{
+    return l;
+}
+
+typedef struct {
+    float s;
+} Acc;
+
+INLINE void acc_zero(Acc *a)
+{
+    a->s = 0.0f;
+}
+
+INLINE float acc_total(const Acc *a)
+{
+    return a->s;
+}
+
+INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, Acc *acc)
+{
+    const int16_t *xb = X->xq + i * X->K + k0;
+    const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
+    const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16, *s32 = X->s32 + i * (X->K / 32) + k0 / 32;
+    /* 16 lanes of float partial sums, each product exact in float (|q xq| < 2^23), one tree per block */
+    float part[16] = {0}, mins = 0.0f;
+    if (U->n == 16) {
+        for (int s = 0; s < U->subs; s++) {
+            const float sc = U->dl[s] * dx[s / 2];
+            for (int l = 0; l < 16; l++)
+                part[l] += sc * (float)((int32_t)U->q[16 * s + l] * xb[16 * s + l]);
+            mins += U->ml[s] * s16[s];
+        }
+    } else { /* sub-blocks of 32: an integer sum each is cheaper (measured) */
+        for (int s = 0; s < U->subs; s++) {
+            int32_t sum = 0;
+            for (int l = 0; l < 32; l++)
+                sum += (int32_t)U->q[32 * s + l] * xb[32 * s + l];
+            part[s] = U->dl[s] * dx[s] * (float)sum; /* subs <= 8 < 16 lanes */
+            mins += U->ml[s] * s32[s];
+        }
+    }
+    acc->s += tree_sum(part, 16) - mins;
+}
+
+typedef void (*DirectKernel)(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc);
+
+static DirectKernel direct_kernel(int type)
+{
+    return NULL;
+}
+#endif
+
+/* ==== end of the section that differs by instruction set ==== */
+
+INLINE float bf16(const uint8_t *p)
+{
+    const uint32_t bits = (uint32_t)(p[0] | p[1] << 8) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- one block each, unpacked: quants as int8 and per sub-block w = dl * q - ml ---- */
+
+
+INLINE void one_scale(Unpacked *U, int s, float d, float m) /* legacy types: block s of a group */
+{
+    U->dl[s] = d;
+    U->ml[s] = m;
+}
+
+static void q4_0(const uint8_t *b, Unpacked *U, int s)
+{
+    one_scale(U, s, f16(b), 0.0f);
+    nibbles16(b + 2, 8, U->q + 32 * s);
+}
+
+static void q4_1(const uint8_t *b, Unpacked *U, int s)
+{
+    one_scale(U, s, f16(b), -f16(b + 2)); /* d q + m as d q - (-m): the same float */
+    nibbles16(b + 4, 0, U->q + 32 * s);
+}
+
+/* Q5_0 / Q5_1: value j's fifth bit is bit j of qh. */
+static void q5_0(const uint8_t *b, Unpacked *U, int s)
+{
+    one_scale(U, s, f16(b), 0.0f);
+    nibbles16(b + 6, 16, U->q + 32 * s);
+    add_fifth_bits(u32(b + 2), U->q + 32 * s);
+}
+
+static void q5_1(const uint8_t *b, Unpacked *U, int s)
+{
+    one_scale(U, s, f16(b), -f16(b + 2));
+    nibbles16(b + 8, 0, U->q + 32 * s);
+    add_fifth_bits(u32(b + 4), U->q + 32 * s);
+}
+
+static void q8_0(const uint8_t *b, Unpacked *U, int s)
+{
+    one_scale(U, s, f16(b), 0.0f);
+    memcpy(U->q + 32 * s, b + 2, 32);
+}
+
+/* The k-quants (``slot``: legacy blocks only). */
+
+/* Q2_K and Q3_K's 2-bit quants: value 128 g + 32 j + l is byte 32 g + l of qs, bits 2 j. */
+INLINE void two_bit(const uint8_t *restrict qs, int offset, int8_t *restrict q)
+{
+    for (int g = 0; g < 2; g++)
+        for (int j = 0; j < 4; j++)
+            crumbs32(qs + 32 * g, 2 * j, offset, q + 128 * g + 32 * j);
+}
+
+static void q2_k(const uint8_t *b, Unpacked *U, int slot)
+{
+    const uint8_t *scales = b;
+    const float d = f16(b + 80), dmin = f16(b + 82);
+    U->subs = 16;
+    U->n = 16;
+    two_bit(b + 16, 0, U->q);
+    for (int s = 0; s < 16; s++) {
+        U->dl[s] = d * (float)(scales[s] & 15);
+        U->ml[s] = dmin * (float)(scales[s] >> 4);
+    }
+}
+
+static void q3_k(const uint8_t *b, Unpacked *U, int slot)
+{
+    const uint8_t *hmask = b, *sc = b + 96;
+    const float d = f16(b + 108);
+    U->subs = 16;
+    U->n = 16;
+    two_bit(b + 32, 4, U->q); /* 4 off, given back where the high bit is set */
+    for (int v0 = 0; v0 < 256; v0 += 32) /* the high bit of value v is bit v / 32 of hmask[v % 32] */
+        add_where_bit(hmask, v0 / 32, 4, U->q + v0);
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sc[s] & 15 : sc[s - 8] >> 4;
+        const int high = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        U->dl[s] = d * (float)((low | high << 4) - 32);
+        U->ml[s] = 0.0f;
     }
 }
 
@@ -219,42 +619,36 @@ INLINE void k4_common(const uint8_t *b, const uint8_t *qs, Unpacked *U)
         U->ml[s] = dmin * (float)mn;
     }
     for (int g = 0; g < 4; g++)
-        for (int l = 0; l < 32; l++) {
-            U->q[64 * g + l] = (int8_t)(qs[32 * g + l] & 15);
-            U->q[64 * g + 32 + l] = (int8_t)(qs[32 * g + l] >> 4);
-        }
+        nibbles32(qs + 32 * g, U->q + 64 * g, U->q + 64 * g + 32);
 }
 
-static void q4_k(const uint8_t *b, Unpacked *U, int slot) /* slot: legacy blocks only */
+static void q4_k(const uint8_t *b, Unpacked *U, int slot)
 {
     k4_common(b, b + 16, U);
 }
 
-static void q5_k(const uint8_t *b, Unpacked *U, int slot) /* slot: legacy blocks only */
+static void q5_k(const uint8_t *b, Unpacked *U, int slot)
 {
-    const uint8_t *qh = b + 16;
     k4_common(b, b + 48, U);
     for (int s = 0; s < 8; s++) /* the fifth bit of value 32 s + l is bit s of qh[l] */
-        for (int l = 0; l < 32; l++)
-            U->q[32 * s + l] = (int8_t)(U->q[32 * s + l] | ((qh[l] >> s) & 1) << 4);
+        add_where_bit(b + 16, s, 16, U->q + 32 * s);
 }
 
-static void q6_k(const uint8_t *b, Unpacked *U, int slot) /* slot: legacy blocks only */
+static void q6_k(const uint8_t *b, Unpacked *U, int slot)
 {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
     const float d = f16(b + 208);
     U->subs = 16;
     U->n = 16;
-    for (int h = 0; h < 2; h++) /* value 128 h + 32 j + l: nibble j / 2 of ql[64 h + 32 (j % 2) + l], bits 2 j of qh[32 h + l] */
-        for (int l = 0; l < 32; l++) {
-            const uint8_t *lo = ql + 64 * h, *hi = qh + 32 * h;
-            int8_t *o = U->q + 128 * h;
-            o[l] = (int8_t)(((lo[l] & 15) | (hi[l] & 3) << 4) - 32);
-            o[32 + l] = (int8_t)(((lo[32 + l] & 15) | ((hi[l] >> 2) & 3) << 4) - 32);
-            o[64 + l] = (int8_t)(((lo[l] >> 4) | ((hi[l] >> 4) & 3) << 4) - 32);
-            o[96 + l] = (int8_t)(((lo[32 + l] >> 4) | ((hi[l] >> 6) & 3) << 4) - 32);
-        }
+    for (int h = 0; h < 2; h++) { /* value 128 h + 32 j + l: nibble j / 2 of ql[64 h + 32 (j % 2) + l], bits 2 j of qh[32 h + l] */
+        const uint8_t *lo = ql + 64 * h, *hi = qh + 32 * h;
+        int8_t *o = U->q + 128 * h;
+        six_bit32(lo, 0, hi, 0, o);
+        six_bit32(lo + 32, 0, hi, 2, o + 32);
+        six_bit32(lo, 4, hi, 4, o + 64);
+        six_bit32(lo + 32, 4, hi, 6, o + 96);
+    }
     for (int s = 0; s < 16; s++) {
         U->dl[s] = d * (float)scales[s];
         U->ml[s] = 0.0f;
@@ -267,6 +661,7 @@ typedef void (*Unpacker)(const uint8_t *, Unpacked *, int s);
 typedef struct {
     Unpacker unpack;
     int values, bytes; /* per block */
+    int mins; /* the type has minimums (w = d q - m) */
 } BlockType;
 
 #define GROUP 8 /* legacy blocks unpacked together: 256 values, as one k-quant block */
@@ -275,6 +670,7 @@ typedef struct {
  * Returns how many blocks it took. */
 static int unpack(BlockType bt, const uint8_t *b, int64_t blocks, Unpacked *U)
 {
+    U->mins = bt.mins;
     if (bt.values == 256) {
         bt.unpack(b, U, 0);
         return 1;
@@ -290,17 +686,17 @@ static int unpack(BlockType bt, const uint8_t *b, int64_t blocks, Unpacked *U)
 static BlockType block_type(int type)
 {
     switch (type) {
-    case Q4_0: return (BlockType){q4_0, 32, 18};
-    case Q4_1: return (BlockType){q4_1, 32, 20};
-    case Q5_0: return (BlockType){q5_0, 32, 22};
-    case Q5_1: return (BlockType){q5_1, 32, 24};
-    case Q8_0: return (BlockType){q8_0, 32, 34};
-    case Q2_K: return (BlockType){q2_k, 256, 84};
-    case Q3_K: return (BlockType){q3_k, 256, 110};
-    case Q4_K: return (BlockType){q4_k, 256, 144};
-    case Q5_K: return (BlockType){q5_k, 256, 176};
-    case Q6_K: return (BlockType){q6_k, 256, 210};
-    default: return (BlockType){NULL, 0, 0};
+    case Q4_0: return (BlockType){q4_0, 32, 18, 0};
+    case Q4_1: return (BlockType){q4_1, 32, 20, 1};
+    case Q5_0: return (BlockType){q5_0, 32, 22, 0};
+    case Q5_1: return (BlockType){q5_1, 32, 24, 1};
+    case Q8_0: return (BlockType){q8_0, 32, 34, 0};
+    case Q2_K: return (BlockType){q2_k, 256, 84, 1};
+    case Q3_K: return (BlockType){q3_k, 256, 110, 0};
+    case Q4_K: return (BlockType){q4_k, 256, 144, 1};
+    case Q5_K: return (BlockType){q5_k, 256, 176, 1};
+    case Q6_K: return (BlockType){q6_k, 256, 210, 0};
+    default: return (BlockType){NULL, 0, 0, 0};
     }
 }
 
@@ -374,79 +770,63 @@ static int rows_of(int type, BlockType bt, const uint8_t *w, int64_t row_bytes, 
 /* ---- decode-sized batches: activations in int16, integer dot products ---- */
 
 /* x [M, K] per 32 values: xq = round(x / dx), dx = max |x| / 32767 (half away from zero); and the
- * sums of x over each 16 values, which the minimums multiply. int16 rather than llama.cpp's int8
- * activations: the same speed here (the compiler widens int8 products to 16 bits either way)
- * and 256x finer: at int8 a Q4_K_M-style SmolLM2 lost 2.7 % of greedy tokens to transformers. */
-static void quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *dx, float *xs)
+ * sums of x over each 16 and each 32 values, which the minimums multiply. int16 rather than
+ * llama.cpp's int8 activations: one more widening per 16 weights, and 256x finer: at int8 a
+ * Q4_K_M-style SmolLM2 lost 2.7 % of greedy tokens to transformers. */
+static void quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *dx, float *s16,
+                       float *s32)
 {
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < K / 32; b++) {
             const float *v = x + i * ldx + 32 * b;
-            float amax = 0.0f, s0 = 0.0f, s1 = 0.0f;
+            float amax = 0.0f, h0 = 0.0f, h1 = 0.0f;
             for (int l = 0; l < 32; l++) {
                 const float a = v[l] < 0.0f ? -v[l] : v[l];
                 amax = a > amax ? a : amax;
             }
             for (int l = 0; l < 16; l++) {
-                s0 += v[l];
-                s1 += v[16 + l];
+                h0 += v[l];
+                h1 += v[16 + l];
             }
             const float d = amax / 32767.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
             int16_t *q = xq + i * K + 32 * b;
             for (int l = 0; l < 32; l++) {
                 const float t = v[l] * id;
-                q[l] = (int16_t)(int)(t + (t >= 0.0f ? 0.5f : -0.5f));
+                q[x_position(l)] = (int16_t)(int)(t + (t >= 0.0f ? 0.5f : -0.5f));
             }
             dx[i * (K / 32) + b] = d;
-            xs[i * (K / 16) + 2 * b] = s0;
-            xs[i * (K / 16) + 2 * b + 1] = s1;
+            s16[i * (K / 16) + 2 * b] = h0;
+            s16[i * (K / 16) + 2 * b + 1] = h1;
+            s32[i * (K / 32) + b] = h0 + h1;
         }
 }
 
-/* out[M, rows n0..n1) (+)= x . W^T with x in int16 (quantize_x): per sub-block an integer sum of
- * q * xq (|q| <= 128, |xq| <= 32767: 256 products fit int32), then dl * dx * sum - ml * sum(x).
- * The block is unpacked once for all rows of x. */
-static void rows_int(BlockType bt, const uint8_t *w, int64_t row_bytes, int64_t K, const int16_t *xq, const float *dx,
-                      const float *xs, float *out, int64_t ldo, int64_t M, int64_t n0, int64_t n1, int accumulate)
+/* out[M, rows n0..n1) (+)= x . W^T with x in int16 (quantize_x): a type's own kernel per block
+ * where it has one, else the block unpacked once and block_dot per row of x. */
+static void rows_int(BlockType bt, DirectKernel direct, const uint8_t *w, int64_t row_bytes, const XRows *X,
+                     float *out, int64_t ldo, int64_t n0, int64_t n1, int accumulate)
 {
-    const int64_t nbx = K / 32, nbs = K / 16;
+    const int64_t K = X->K, M = X->M;
     Unpacked U;
+    Acc acc[MAX_INT_ROWS];
     for (int64_t n = n0; n < n1; n++) {
-        float acc[MAX_INT_ROWS] = {0};
+        for (int64_t i = 0; i < M; i++)
+            acc_zero(&acc[i]);
         const uint8_t *row = w + n * row_bytes;
-        for (int64_t k0 = 0; k0 < K;) {
-            const int taken = unpack(bt, row, (K - k0) / bt.values, &U);
-            for (int64_t i = 0; i < M; i++) {
-                const int16_t *xb = xq + i * K + k0;
-                const float *d = dx + i * nbx + k0 / 32, *sums = xs + i * nbs + k0 / 16;
-                /* Sub-blocks of 16: 16 lanes of float partial sums, each product exact in float
-                 * (|q xq| < 2^23), so no horizontal sum per sub-block, one tree per block. */
-                float part[16] = {0}, mins = 0.0f;
-                if (U.n == 16) {
-                    for (int s = 0; s < U.subs; s++) {
-                        const float sc = U.dl[s] * d[s / 2];
-                        for (int l = 0; l < 16; l++)
-                            part[l] += sc * (float)((int32_t)U.q[16 * s + l] * xb[16 * s + l]);
-                        mins += U.ml[s] * sums[s];
-                    }
-                } else { /* sub-blocks of 32: an integer sum each is cheaper (measured) */
-                    for (int s = 0; s < U.subs; s++) {
-                        int32_t sum = 0;
-                        for (int l = 0; l < 32; l++)
-                            sum += (int32_t)U.q[32 * s + l] * xb[32 * s + l];
-                        part[s] = U.dl[s] * d[s] * (float)sum; /* subs <= 8 < 16 lanes */
-                        mins += U.ml[s] * (sums[2 * s] + sums[2 * s + 1]);
-                    }
-                }
-                const float a = tree_sum(part, 16) - mins;
-                acc[i] += a;
+        if (direct)
+            direct(row, K / bt.values, X, acc);
+        else
+            for (int64_t k0 = 0; k0 < K;) {
+                const int taken = unpack(bt, row, (K - k0) / bt.values, &U);
+                for (int64_t i = 0; i < M; i++)
+                    block_dot(&U, X, i, k0, &acc[i]);
+                k0 += (int64_t)taken * bt.values;
+                row += taken * bt.bytes;
             }
-            k0 += (int64_t)taken * bt.values;
-            row += taken * bt.bytes;
-        }
         for (int64_t i = 0; i < M; i++) {
             float *o = out + i * ldo + n;
-            *o = accumulate ? *o + acc[i] : acc[i];
+            const float a = acc_total(&acc[i]);
+            *o = accumulate ? *o + a : a;
         }
     }
 }
@@ -464,20 +844,22 @@ int trillm_gguf_matmul(const float *x, int64_t ldx, int type, const uint8_t *w, 
     int failed = 0;
     if (bt.unpack && !(flags & EXACT) && M <= MAX_INT_ROWS) {
         int16_t *xq = malloc(sizeof(int16_t) * (size_t)(M * K));
-        float *dx = malloc(sizeof(float) * (size_t)(M * (K / 32) + M * (K / 16)));
+        float *dx = malloc(sizeof(float) * (size_t)(2 * M * (K / 32) + M * (K / 16)));
         if (!xq || !dx) {
             free(xq);
             free(dx);
             return 1;
         }
-        float *xs = dx + M * (K / 32);
-        quantize_x(x, ldx, M, K, xq, dx, xs);
+        float *s16 = dx + M * (K / 32), *s32 = s16 + M * (K / 16);
+        quantize_x(x, ldx, M, K, xq, dx, s16, s32);
+        const XRows X = {xq, dx, s16, s32, M, K};
+        const DirectKernel direct = direct_kernel(type);
 #pragma omp parallel num_threads(num_threads) if (units > 1 && N * K * (M + 4) >= PARALLEL_MIN_WORK)
         {
             const int t = omp_get_thread_num(), T = omp_get_num_threads();
             const int64_t u0 = units * t / T, u1 = units * (t + 1) / T;
             if (u1 > u0)
-                rows_int(bt, w, row_bytes, K, xq, dx, xs, out, ldo, M, u0 * ROWS, MIN(u1 * ROWS, N), accumulate);
+                rows_int(bt, direct, w, row_bytes, &X, out, ldo, u0 * ROWS, MIN(u1 * ROWS, N), accumulate);
         }
         free(xq);
         free(dx);

@@ -24,6 +24,7 @@ _SIGNATURES: dict[str, list] = {
     "trillm_gguf_matmul": [_P, _I64, _INT, _P, _I64, _I64, _I64, _P, _I64, _I64, _INT, _INT],
     "trillm_gguf_rows": [_INT, _P, _I64, _I64, _P, _I64, _P, _INT],
     "trillm_gguf_dequantize": [_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _INT],
+    "trillm_gguf_simd": [],
 }
 # The decoders round as gguf's numpy reference does: no fused multiply-add.
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
@@ -32,7 +33,13 @@ _F32, _CPU = torch.float32, torch.device("cpu")
 _ACCUMULATE, _EXACT = 1, 2
 GEMM_ROWS = 8  # rows of x from which the panel + GEMM path runs (at most the C kernel's MAX_INT_ROWS)
 ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
+SIMD_NAMES = ("plain", "avx2", "avxvnni", "avx512vnni")  # by trillm_gguf_simd's value
 PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-sized
+
+
+def simd() -> str:
+    """The instruction set the integer path runs on here (``SIMD_NAMES``), for the start-up log."""
+    return SIMD_NAMES[_KERNEL.functions()[3]()]
 
 
 def _threads(num_threads: int | None) -> int:

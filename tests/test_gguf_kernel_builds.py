@@ -1,0 +1,95 @@
+"""``cpu_gguf.c`` built for other instruction sets than this CPU's native one.
+
+CI machines differ (AVX2 only, AVX-512 with VNNI, neither), so the source is compiled here as
+each would compile it: the plain-C build runs every type against ``gguf``'s decoders, as the
+native build does in ``test_gguf_kernels``; builds for instruction sets this CPU lacks are
+compiled (their code must at least build) and run only where the CPU has them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from trillm.kernels import cpu_build, cpu_gguf
+from trillm.kernels.gguf_blocks import reference_dequantize
+
+from .test_gguf_kernels import TYPES, random_weight
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs a C compiler")
+
+PLAIN = ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"]
+VNNI_512 = ["-march=sapphirerapids"]  # AVX-512 VNNI + VL: the 256-bit dpwssd
+VNNI_AVX = ["-march=haswell", "-mavxvnni"]  # AVX-VNNI on an AVX2 CPU (Alder Lake, Zen 5 client)
+
+
+def compile_variant(tmp_path: Path, name: str, flags: list[str], link: bool = True) -> Path:
+    out = tmp_path / (f"cpu_gguf_{name}.so" if link else f"cpu_gguf_{name}.o")
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    source = cpu_build.KERNELS_DIR / "cpu_gguf.c"
+    flags_all = [f for f in cpu_build.FLAGS if link or f != "-shared"]
+    command = [*compiler, *flags_all, *cpu_gguf._KERNEL.extra_flags, *flags, "-o", str(out), str(source)]
+    command += cpu_build.LIBS if link else ["-c"]
+    subprocess.run(command, check=True, capture_output=True)
+    return out
+
+
+class _Variant:
+    """Stands in for ``cpu_gguf._KERNEL``: the same entry points from another build."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        cpu_gguf._KERNEL.declare(lib)
+        self._functions = tuple(getattr(lib, f) for f in cpu_gguf._KERNEL.signatures)
+
+    def functions(self) -> tuple:
+        return self._functions
+
+
+def check_build(lib: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every type decodes exactly as gguf does; the int16 path is within its bound; exact is close."""
+    monkeypatch.setattr(cpu_gguf, "_KERNEL", _Variant(lib))
+    for name in TYPES:
+        weight = random_weight(name, 40, 512, seed=3)
+        dense = reference_dequantize(weight)
+        assert torch.equal(cpu_gguf.dequantize(weight), dense), name
+        for M in (1, 3):
+            x = torch.randn(M, 512, generator=torch.Generator().manual_seed(M))
+            expected = x @ dense.T
+            fast = cpu_gguf.matmul(x, weight)
+            magnitude = x.abs() @ dense.abs().T
+            assert ((fast - expected).abs() <= cpu_gguf.ACTIVATION_ERROR * magnitude + 1e-6).all(), (name, M)
+
+
+def test_the_plain_c_build_runs_every_type(tmp_path, monkeypatch):
+    lib = ctypes.CDLL(str(compile_variant(tmp_path, "plain", PLAIN)))
+    assert cpu_gguf.SIMD_NAMES[lib.trillm_gguf_simd()] == "plain"
+    check_build(lib, monkeypatch)
+
+
+def test_the_native_build_names_its_path():
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    expected = "avx512vnni" if {"avx512_vnni", "avx512vl"} <= set(flags) else "avxvnni" if "avx_vnni" in flags else None
+    expected = expected or ("avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "plain")
+    assert cpu_gguf.simd() == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "flags", "cpu_flag"), [("avx512vnni", VNNI_512, "avx512_vnni"), ("avxvnni", VNNI_AVX, "avx_vnni")]
+)
+def test_vnni_builds_compile_and_run_where_the_cpu_has_them(tmp_path, monkeypatch, name, flags, cpu_flag):
+    try:
+        path = compile_variant(tmp_path, name, flags, link=cpu_flag in Path("/proc/cpuinfo").read_text().split())
+    except subprocess.CalledProcessError as error:
+        if b"unrecognized" in error.stderr or b"bad value" in error.stderr:
+            pytest.skip(f"this compiler does not know {flags}")  # an older GCC: nothing of ours to test
+        raise
+    if path.suffix == ".so":  # this CPU has it: run it as the native build is run
+        lib = ctypes.CDLL(str(path))
+        assert cpu_gguf.SIMD_NAMES[lib.trillm_gguf_simd()] == name
+        check_build(lib, monkeypatch)
