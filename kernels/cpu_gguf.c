@@ -48,7 +48,7 @@ enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_
 enum { ACCUMULATE = 1, EXACT = 2 }; /* flags of trillm_gguf_matmul; EXACT: float activations */
 
 #define ROWS 8 /* weight rows decoded at once by the matmul */
-#define MAX_INT_ROWS 8 /* rows of x up to which activations go to int16 */
+#define MAX_INT_ROWS 32 /* rows of x up to which activations go to int16 */
 #define PARALLEL_MIN_WORK (1 << 18)
 
 /* A block's values are w = dl[s] * q - ml[s] for sub-block s (ml 0 where the type has no
