@@ -72,6 +72,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     own.add_argument("--json-schema", type=Path, help="the schema for --structured on (default: a long records array)")
     own.add_argument("--plot", type=Path, help="write a PNG of tokens/s against concurrency here")
     own.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=URL[,pid=PID]",
+        help="another OpenAI-compatible server (llama-server, vLLM) driven with the same load after trillm's runs; "
+        "with pid, its resident memory is read too (repeatable)",
+    )
+    own.add_argument(
         "--llama-cpp",
         metavar="PYTHON",
         help="a Python with llama-cpp-python installed: adds llama.cpp's single stream on the Q4_1 GGUF",

@@ -15,6 +15,7 @@ class RunResult:
     itl: tuple[float, ...] = ()
     probe_ttft: float | None = None
     step_bytes: int | None = None  # weight bytes per decode step, as the server reports them
+    rss_mib: float | None = None  # the server's resident memory after the run, where known
 
     @property
     def tokens_per_s(self) -> float:
@@ -33,8 +34,8 @@ def table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: in
     (each run's own bytes where the server reported them, else float32 weights of ``step_bytes``)."""
     lines = [
         "| run | concurrency | output tok/s | vs baseline | TTFT p50 / p99 (s) | ITL p50 / p99 / max (ms) "
-        "| TTFT of a newcomer (s) | decode: share of memory bandwidth |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT of a newcomer (s) | decode: share of memory bandwidth | resident MiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         base = baselines.get(r.concurrency)
@@ -43,7 +44,9 @@ def table(rows: list[RunResult], baselines: dict[int, RunResult], step_bytes: in
         itl = f"{pct(r.itl, 0.5) * 1e3:.1f} / {pct(r.itl, 0.99) * 1e3:.1f} / {max(r.itl) * 1e3:.0f}" if r.itl else ""
         probe = f"{r.probe_ttft:.3f}" if r.probe_ttft is not None else ""
         share = f"{(r.step_bytes or step_bytes) / pct(r.itl, 0.5) / bandwidth:.0%}" if r.itl else ""
+        rss = f"{r.rss_mib:,.0f}" if r.rss_mib is not None else ""
         lines.append(
-            f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} |"
+            f"| {r.label} | {r.concurrency} | {r.tokens_per_s:.1f} | {ratio} | {ttft} | {itl} | {probe} | {share} "
+            f"| {rss} |"
         )
     return "\n".join(lines)

@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from trillm.bench.options import server_environment, swept_values
+from trillm.bench.peers import Peer, parse_peer, resident_mib, served_model
 from trillm.bench.prometheus import scrape
 from trillm.bench.report import RunResult, table
 
@@ -46,7 +47,7 @@ async def _stream_one(
     body = {
         **extra,
         "model": model,
-        "prompt": prompt,
+        "prompt": prompt,  # a completion: the same prompt tokens on every server, no chat template
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.8,
@@ -55,7 +56,7 @@ async def _stream_one(
     }
     t0 = time.perf_counter()
     ttft, last, gaps, tokens, seen = float("nan"), 0.0, [], 0, 0
-    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+    async with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -63,7 +64,7 @@ async def _stream_one(
             event = json.loads(line[6:])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            if event["choices"] and event["choices"][0]["delta"].get("content"):
+            if event.get("choices") and event["choices"][0].get("text"):
                 now = time.perf_counter()
                 if seen == 0:
                     ttft = now - t0
@@ -72,7 +73,7 @@ async def _stream_one(
                 last, seen = now, seen + 1
                 if seen == 5 and started is not None:
                     started.set()
-    return ttft, gaps, tokens
+    return ttft, gaps, tokens or seen  # a server that reports no usage: one token per event
 
 
 async def _serving_run(
@@ -175,6 +176,22 @@ def _server_step_bytes(url: str) -> int | None:
     return None if value is None else int(value)
 
 
+def _peer_runs(
+    peer: Peer, model: str, prompts: list[str], levels: list[int], output_len: int, step_bytes: int | None
+) -> list[RunResult]:
+    """The same load on another server (its own model name); the weight bytes per step are trillm's
+    (the same file), for the bandwidth share."""
+    wait_healthy(peer.url, None)
+    name = served_model(peer.url, model)
+    rows = []
+    for level in levels:
+        result = trio.run(partial(_serving_run, peer.url, name, prompts[:level], output_len, prompts[-1], {}))
+        label = f"{peer.name} (HTTP, streaming)"
+        rows.append(attrs.evolve(result, label=label, step_bytes=step_bytes, rss_mib=resident_mib(peer.pid)))
+        print(f"[bench] {label} c={level}: {rows[-1].tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+    return rows
+
+
 def run_bench(args: argparse.Namespace) -> None:
     import torch
     from transformers import AutoTokenizer
@@ -194,6 +211,10 @@ def run_bench(args: argparse.Namespace) -> None:
         resolve_model,
     )
 
+    try:
+        peers = [parse_peer(text) for text in args.peer]
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     given = overrides_from(args, EngineConfig)  # the engine flags given; the servers get these too
     base = from_env(EngineConfig, **given)  # as `trillm serve` reads them: flags, then TRILLM_*, then defaults
     dummy = base.load_format == "dummy"
@@ -247,6 +268,7 @@ def run_bench(args: argparse.Namespace) -> None:
         if args.url is None
         else [(None, None, 1, 1)]
     )
+    server_bytes: int | None = None
     for weight_format, overlap, tp, dp in servers:
         proc = None
         url = args.url
@@ -284,7 +306,8 @@ def run_bench(args: argparse.Namespace) -> None:
                     result = trio.run(
                         partial(_serving_run, url, base.model, prompts[:level], args.output_len, prompts[-1], extra)
                     )
-                    result = attrs.evolve(result, label=name, step_bytes=server_bytes)
+                    rss = resident_mib(proc.pid if proc is not None else None)
+                    result = attrs.evolve(result, label=name, step_bytes=server_bytes, rss_mib=rss)
                     print(f"[bench] {name} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
                     rows.append(result)
                     if mode == "on":
@@ -294,6 +317,9 @@ def run_bench(args: argparse.Namespace) -> None:
             if proc is not None:
                 proc.send_signal(signal.SIGINT)
                 proc.wait(timeout=60)
+
+    for peer in peers:
+        rows += _peer_runs(peer, base.model, prompts, levels, args.output_len, server_bytes)
 
     baselines: dict[int, RunResult] = {}
     if not args.no_baseline:
