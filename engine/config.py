@@ -48,8 +48,14 @@ class EngineConfig:
     num_pages: int | None = setting(
         None, "pages in the KV pool (wins over the memory budget)", doc_default="from the KV budget"
     )
-    kv_cache_bytes: int = setting(
-        512 * MB, "memory budget for the KV pool, in MB", flag="--kv-cache-mb", env="TRILLM_KV_CACHE_MB", scale=MB
+    kv_cache_bytes: int | None = setting(
+        None,
+        "memory budget for the KV pool, in MB; by default room for one whole context (at least 512 MB), "
+        "at most a quarter of the memory free once the weights are in and 4 GB (the start-up log shows it)",
+        flag="--kv-cache-mb",
+        env="TRILLM_KV_CACHE_MB",
+        scale=MB,
+        doc_default="auto",
     )
     max_num_seqs: int = setting(64, "most sequences in the running batch")
     max_waiting: int = setting(

@@ -13,6 +13,7 @@ pass to be queued is ``admission``; the two actors that serve it are ``actors``
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -27,10 +28,12 @@ from trillm.engine.actors import Actors, Arrival, Cancel, Message
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
 from trillm.engine.execution import native_memory
+from trillm.engine.execution.gguf_support import available_memory
 from trillm.engine.execution.launch import Ranks, launch
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
+from trillm.engine.kv_budget import plan_kv_pool
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput
 from trillm.engine.sampling_params import SamplingParams
@@ -58,6 +61,7 @@ __all__ = [
 ]
 
 _ids = itertools.count()
+log = logging.getLogger("trillm.engine")
 
 
 class Engine:
@@ -78,7 +82,10 @@ class Engine:
         self.ranks = ranks
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        num_pages = config.num_pages or max(1, config.kv_cache_bytes // (kv_bytes_per_token(model) * config.page_size))
+        per_token = kv_bytes_per_token(model)
+        context = min(config.max_model_len or model.shape.max_position_embeddings, model.shape.max_position_embeddings)
+        plan = plan_kv_pool(config, per_token, context, available_memory())
+        num_pages = plan.num_pages
         self.allocator = PageAllocator(num_pages)
         cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
         policy = SchedulingPolicy(config.scheduling_policy, config.priority_aging_seconds)
@@ -89,6 +96,15 @@ class Engine:
             config.max_model_len or model.shape.max_position_embeddings,
             model.shape.max_position_embeddings,
             num_pages * config.page_size,
+        )
+        log.info(
+            "KV pool: %.0f MiB, %d tokens in %d pages (%s); context length %d (the model's %d)",
+            plan.pool_bytes / 2**20,
+            num_pages * config.page_size,
+            num_pages,
+            plan.reason,
+            self.max_model_len,
+            model.shape.max_position_embeddings,
         )
         graphs = model.device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager
         self.runner = ModelRunner(

@@ -306,16 +306,19 @@ INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, 
     const int16_t *xb = X->xq + i * X->K + k0;
     const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
     const int runs = U->subs * U->n / 32;
+    __m256 a0 = acc->a0, a1 = acc->a1; /* in registers (see k4_direct) */
     for (int r = 0; r < runs; r++) {
         const __m256i v = load32(U->q + 32 * r);
         const __m256 p = run_dot(even_bytes(v), _mm256_srai_epi16(v, 8), xb + 32 * r);
         const __m256 sc = U->n == 32 ? _mm256_set1_ps(U->dl[r] * dx[r])
                                      : halves(U->dl[2 * r] * dx[r], U->dl[2 * r + 1] * dx[r]);
         if (r & 1)
-            acc->a1 = _mm256_fmadd_ps(p, sc, acc->a1);
+            a1 = _mm256_fmadd_ps(p, sc, a1);
         else
-            acc->a0 = _mm256_fmadd_ps(p, sc, acc->a0);
+            a0 = _mm256_fmadd_ps(p, sc, a0);
     }
+    acc->a0 = a0;
+    acc->a1 = a1;
     if (!U->mins)
         return;
     const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16, *s32 = X->s32 + i * (X->K / 32) + k0 / 32;
@@ -370,11 +373,14 @@ INLINE void k4_direct(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, co
     for (int64_t i = 0; i < X->M; i++) {
         const int16_t *x = X->xq + i * X->K + k0;
         _mm256_storeu_ps(sc, _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + i * (X->K / 32) + k0 / 32)));
+        __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers: __m256 may alias anything, so a store
+                                                   * through acc each time would chain every product */
         for (int g = 0; g < 4; g++) {
-            acc[i].a0 = _mm256_fmadd_ps(run_dot(w[g][0], w[g][1], x + 64 * g), _mm256_broadcast_ss(sc + 2 * g), acc[i].a0);
-            acc[i].a1 = _mm256_fmadd_ps(run_dot(w[g][2], w[g][3], x + 64 * g + 32), _mm256_broadcast_ss(sc + 2 * g + 1),
-                                        acc[i].a1);
+            a0 = _mm256_fmadd_ps(run_dot(w[g][0], w[g][1], x + 64 * g), _mm256_broadcast_ss(sc + 2 * g), a0);
+            a1 = _mm256_fmadd_ps(run_dot(w[g][2], w[g][3], x + 64 * g + 32), _mm256_broadcast_ss(sc + 2 * g + 1), a1);
         }
+        acc[i].a0 = a0;
+        acc[i].a1 = a1;
     }
 }
 
@@ -428,11 +434,13 @@ INLINE void q6_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
     for (int64_t i = 0; i < X->M; i++) {
         const int16_t *x = X->xq + i * X->K + k0;
         _mm256_storeu_ps(dd, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(X->dx + i * (X->K / 32) + k0 / 32)));
+        __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
         for (int r = 0; r < 8; r += 2) {
-            acc[i].a0 = _mm256_fmadd_ps(run_dot(w[r][0], w[r][1], x + 32 * r), _mm256_broadcast_ss(dd + r), acc[i].a0);
-            acc[i].a1 = _mm256_fmadd_ps(run_dot(w[r + 1][0], w[r + 1][1], x + 32 * r + 32), _mm256_broadcast_ss(dd + r + 1),
-                                        acc[i].a1);
+            a0 = _mm256_fmadd_ps(run_dot(w[r][0], w[r][1], x + 32 * r), _mm256_broadcast_ss(dd + r), a0);
+            a1 = _mm256_fmadd_ps(run_dot(w[r + 1][0], w[r + 1][1], x + 32 * r + 32), _mm256_broadcast_ss(dd + r + 1), a1);
         }
+        acc[i].a0 = a0;
+        acc[i].a1 = a1;
     }
 }
 

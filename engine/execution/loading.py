@@ -19,6 +19,7 @@ from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_config
 from trillm.engine.execution.gguf_support import check_decoded_fits
 from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.memory_fit import check_folder_fits
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.topology import check_same_model
@@ -192,6 +193,8 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
             plan.gguf, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
         )
     else:
+        if not blocks:  # dense in the dtype served (block weights take less: they are not known yet)
+            check_folder_fits(folder, dtype.itemsize)
         model = LlamaModel.load(
             folder, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
         )

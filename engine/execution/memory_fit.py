@@ -1,0 +1,40 @@
+"""Does a folder's model fit in memory? Answered from the safetensors headers, before any weight is read.
+
+A checkpoint that cannot fit would otherwise be read for minutes and then die by the kernel's
+OOM killer, with no word of why; the safetensors header says every tensor's shape, so the
+bytes it takes in the dtype served are known at once (GGUF files: ``gguf_support``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+from trillm.engine.execution.gguf_support import UnsupportedModel, available_memory
+
+
+def folder_elements(folder: Path) -> int:
+    """Values in every tensor of the folder's ``*.safetensors`` files (their headers only)."""
+    total = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+def check_folder_fits(folder: Path, dtype_bytes: int, available: int | None = None) -> None:
+    """Refuse, in one line, weights that in ``dtype_bytes``-byte values would not fit in the memory
+    available (default: this machine's MemAvailable)."""
+    free = available_memory() if available is None else available
+    if free is None:
+        return
+    need = folder_elements(folder) * dtype_bytes
+    if need > free:
+        raise UnsupportedModel(
+            f"{folder}: its weights in {8 * dtype_bytes}-bit floats take {need / 2**30:.1f} GiB; "
+            f"{free / 2**30:.1f} GiB of memory is available"
+        )

@@ -1,0 +1,20 @@
+"""A folder's model that cannot fit in memory is refused from its safetensors headers, before loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from trillm.engine.execution.gguf_support import UnsupportedModel
+from trillm.engine.execution.memory_fit import check_folder_fits, folder_elements
+
+
+def test_the_headers_give_the_weights_size_in_the_dtype_served(tmp_path):
+    save_file({"a": torch.zeros(3, 5, dtype=torch.bfloat16), "b": torch.zeros(7)}, tmp_path / "one.safetensors")
+    save_file({"c": torch.zeros(2, 2, 2)}, tmp_path / "two.safetensors")
+    assert folder_elements(tmp_path) == 15 + 7 + 8
+    check_folder_fits(tmp_path, 4, available=120)  # 30 float32 values: 120 bytes fit exactly
+    with pytest.raises(UnsupportedModel, match=r"in 32-bit floats take 0\.0 GiB; 0\.0 GiB of memory is available"):
+        check_folder_fits(tmp_path, 4, available=119)
+    check_folder_fits(tmp_path, 2, available=60)  # bfloat16 halves it
