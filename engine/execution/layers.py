@@ -97,15 +97,15 @@ def weight_bytes(w: Weight) -> int:
 
 def fuse(parts: list[torch.Tensor | Weight], blocks: bool) -> Weight:
     """Matrices [out_i, in] as one projection of their stacked outputs. Dense ones are
-    concatenated and made a weight (``make_weight``); ones already in blocks are joined row-wise
-    where they share a layout, else kept side by side (``Stacked``)."""
+    concatenated and made a weight (``make_weight``); repacked blocks are joined row-wise where
+    they share a layout; a GGUF file's blocks are kept side by side (``Stacked``), never copied:
+    a copy would be resident beside the mapped pages it was read from (measured: 1.85 GB for a
+    689 MB file)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return make_weight(torch.cat(parts), blocks)  # type: ignore[arg-type]
     first = parts[0]
     if len(parts) == 1:
         return first  # as it is: a file's blocks stay mapped, not copied
-    if isinstance(first, GGUFWeight) and all(isinstance(p, GGUFWeight) and p.kind == first.kind for p in parts):
-        return GGUFWeight(first.kind, torch.cat([p.data for p in parts]), first.K)  # type: ignore[union-attr]
     if all(isinstance(p, Q4_1Weight) for p in parts):
         return Q4_1Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
     if all(isinstance(p, Q8_0Weight) for p in parts):
@@ -184,3 +184,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def _kind(w: Weight) -> str:
+    if isinstance(w, GGUFWeight):
+        return w.kind.name
+    if isinstance(w, Q4_1Weight):
+        return "Q4_1 blocks"
+    if isinstance(w, Q8_0Weight):
+        return "Q8_0 blocks"
+    if isinstance(w, Stacked):
+        return "+".join(_kind(p) for p in w.parts)
+    return f"dense {str(w.dtype).removeprefix('torch.')}"
+
+
+def _path(kind: str) -> str:
+    """The kernel a kind of weight runs on here (for the start-up log)."""
+    if kind.startswith("dense"):
+        return "torch"
+    if kind.endswith("blocks"):
+        return f"cpu_matmul, {cpu_matmul.simd()}"
+    return (
+        f"cpu_gguf, {cpu_gguf.simd()}: int16 activations up to {cpu_gguf.GEMM_ROWS - 1} rows, "
+        "decoded panels and float32 GEMM above"
+    )
+
+
+def kernel_paths(roles: dict[str, list[Weight]]) -> list[str]:
+    """One line per kind of projection (qkv, o_proj, ...): its weights' formats, how many of each,
+    and the kernel each runs on, chosen by what this CPU has."""
+    lines, kinds = [], set()
+    for role, weights in roles.items():
+        counts: dict[str, int] = {}
+        for w in weights:
+            counts[_kind(w)] = counts.get(_kind(w), 0) + 1
+            kinds.update(_kind(p) for p in (w.parts if isinstance(w, Stacked) else (w,)))
+        lines.append(f"{role}: " + ", ".join(f"{n} x {k}" for k, n in counts.items()))
+    lines += [f"{kind}: {_path(kind)}" for kind in sorted(kinds)]
+    return lines

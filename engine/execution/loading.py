@@ -18,6 +18,7 @@ from trillm.engine.execution.file_checks import check_gguf
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_config
 from trillm.engine.execution.gguf_support import check_decoded_fits
+from trillm.engine.execution.layers import kernel_paths
 from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.memory_fit import check_folder_fits
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
@@ -217,6 +218,12 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
         len(model.projections()),
         plan.gguf.path if plan.gguf is not None else folder,  # the weights' file, not the tokenizer's folder
     )
+    if plan.device.type == "cpu":
+        roles = {"lm_head": [model.lm_head]}
+        for role in ("qkv", "o_proj", "gate_up", "down"):
+            roles[role] = [getattr(layer, role) for layer in model.layers]
+        for line in kernel_paths(roles):
+            log.info("projections %s", line)
     return model, tokenizer, eos_ids
 
 
