@@ -213,7 +213,8 @@ def _path(kind: str) -> str:
 def kernel_paths(roles: dict[str, list[Weight]]) -> list[str]:
     """One line per kind of projection (qkv, o_proj, ...): its weights' formats, how many of each,
     and the kernel each runs on, chosen by what this CPU has."""
-    lines, kinds = [], set()
+    lines: list[str] = []
+    kinds: set[str] = set()
     for role, weights in roles.items():
         counts: dict[str, int] = {}
         for w in weights:
