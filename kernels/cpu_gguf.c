@@ -50,6 +50,7 @@ enum { ACCUMULATE = 1, EXACT = 2 }; /* flags of trillm_gguf_matmul; EXACT: float
 #define ROWS 8 /* weight rows decoded at once by the matmul */
 #define MAX_INT_ROWS 32 /* rows of x up to which activations go to int16 */
 #define PARALLEL_MIN_WORK (1 << 18)
+#define GROUP 8 /* legacy blocks unpacked together: 256 values, as one k-quant block */
 
 /* A block's values are w = dl[s] * q - ml[s] for sub-block s (ml 0 where the type has no
  * minimum: x - 0 is x, so the rounding is the reference's; ``mins`` says whether any is kept).
@@ -395,53 +396,108 @@ INLINE void q5_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
 }
 
 /* Q6_K: value 128 h + 32 j + l is nibble j / 2 of ql[64 h + 32 (j % 2) + l] with bits 2 j of
- * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The scales multiply the
- * quants in int16 (|q sc| <= 4096: four products of 4096 x 32767 fit int32) and the 32 is taken
- * off as a minimum, 32 d sc times the sum of x. */
+ * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The 32 is taken off as
+ * a minimum (32 d sc times the sum of x), so the quants stay unsigned bytes until they are split
+ * into int16 lanes. */
 INLINE void q6_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
 {
     const uint8_t *ql = b, *qh = b + 128;
     const float d = f16(b + 208);
-    const int8_t *scales = (const int8_t *)(b + 192);
-    const __m128i sc8 = _mm_loadu_si128((const __m128i *)scales);
-    const __m256 bias_lo = _mm256_mul_ps(_mm256_set1_ps(32.0f * d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
-    const __m256 bias_hi =
-        _mm256_mul_ps(_mm256_set1_ps(32.0f * d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m256 ds_lo = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+    const __m256 ds_hi = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    const __m256 thirty_two = _mm256_set1_ps(32.0f);
     for (int64_t i = 0; i < X->M; i++) {
         const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16;
-        acc[i].m = _mm256_fmadd_ps(bias_lo, _mm256_loadu_ps(s16), acc[i].m);
-        acc[i].m = _mm256_fmadd_ps(bias_hi, _mm256_loadu_ps(s16 + 8), acc[i].m);
+        acc[i].m = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_lo), _mm256_loadu_ps(s16), acc[i].m);
+        acc[i].m = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_hi), _mm256_loadu_ps(s16 + 8), acc[i].m);
     }
-    const __m256i low4 = _mm256_set1_epi16(15), bits45 = _mm256_set1_epi16(0x30);
-    __m256i w[8][2]; /* per run of 32: even and odd lanes, times their sub-block's scale */
+    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi16(0xff);
+    __m256i w[8][2]; /* per run of 32: even and odd lanes */
+    __m256 scale[8]; /* per run: lanes 0-3 its first sub-block's d sc, 4-7 its second's */
     for (int h = 0; h < 2; h++) {
         const __m256i hv = load32(qh + 32 * h);
         for (int j = 0; j < 4; j++) {
-            const int r = 4 * h + j, ls = 4 * (j / 2), hs = 2 * j;
+            const int r = 4 * h + j, hs = 2 * j;
             const __m256i lo = load32(ql + 64 * h + 32 * (j % 2));
+            const __m256i l4 = _mm256_and_si256(j / 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
             /* bits hs, hs + 1 of each byte to bits 4, 5 */
             const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
-            const __m256i e = _mm256_or_si256(_mm256_and_si256(shift_right(lo, ls), low4), _mm256_and_si256(he, bits45));
-            const __m256i o =
-                _mm256_or_si256(_mm256_and_si256(shift_right(lo, 8 + ls), low4), _mm256_and_si256(shift_right(hv, 4 + hs), bits45));
-            /* lanes 0-7 are values 0-14 of the run (sub-block 2 r), lanes 8-15 sub-block 2 r + 1 */
-            const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(scales[2 * r + 1]), _mm_set1_epi16(scales[2 * r]));
-            w[r][0] = _mm256_mullo_epi16(e, scale);
-            w[r][1] = _mm256_mullo_epi16(o, scale);
+            const __m256i u = _mm256_or_si256(l4, _mm256_and_si256(he, bits45));
+            w[r][0] = _mm256_and_si256(u, low8);
+            w[r][1] = _mm256_srli_epi16(u, 8);
+            const int s = 2 * r % 8;
+            const __m256i pick = _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1);
+            scale[r] = _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, pick);
         }
     }
-    float dd[8];
     for (int64_t i = 0; i < X->M; i++) {
         const int16_t *x = X->xq + i * X->K + k0;
-        _mm256_storeu_ps(dd, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(X->dx + i * (X->K / 32) + k0 / 32)));
+        const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
         __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
         for (int r = 0; r < 8; r += 2) {
-            a0 = _mm256_fmadd_ps(run_dot(w[r][0], w[r][1], x + 32 * r), _mm256_broadcast_ss(dd + r), a0);
-            a1 = _mm256_fmadd_ps(run_dot(w[r + 1][0], w[r + 1][1], x + 32 * r + 32), _mm256_broadcast_ss(dd + r + 1), a1);
+            a0 = _mm256_fmadd_ps(run_dot(w[r][0], w[r][1], x + 32 * r),
+                                 _mm256_mul_ps(scale[r], _mm256_broadcast_ss(dx + r)), a0);
+            a1 = _mm256_fmadd_ps(run_dot(w[r + 1][0], w[r + 1][1], x + 32 * r + 32),
+                                 _mm256_mul_ps(scale[r + 1], _mm256_broadcast_ss(dx + r + 1)), a1);
         }
         acc[i].a0 = a0;
         acc[i].a1 = a1;
     }
+}
+
+/* Q5_0 and Q5_1, up to 8 blocks of 32 (a run each) at once, so that every row of x sums them in
+ * registers: value j < 16 is byte j's low nibble, j >= 16 byte j - 16's high one, its fifth bit
+ * bit j of qh; Q5_0 takes 16 off (as a minimum, 16 d sum(x)), Q5_1 adds m (a minimum of -m). */
+INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const XRows *X, int64_t k0, Acc *acc)
+{
+    const int bytes = has_m ? 24 : 22;
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), sixteen = _mm256_set1_epi8(16);
+    const __m256i spread_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                  3, 3, 3, 3, 3, 3, 3, 3);
+    __m256i even[GROUP], odd[GROUP];
+    float d[GROUP], mn[GROUP];
+    for (int64_t j = 0; j < count; j++) {
+        const uint8_t *blk = b + j * bytes, *qh = blk + (has_m ? 4 : 2);
+        d[j] = f16(blk);
+        mn[j] = has_m ? -f16(blk + 2) : 16.0f * d[j];
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qh + 4));
+        const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)u32(qh)), spread_bytes);
+        const __m256i u = _mm256_or_si256(nib, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), sixteen));
+        even[j] = _mm256_and_si256(u, _mm256_set1_epi16(0xff));
+        odd[j] = _mm256_srli_epi16(u, 8);
+    }
+    for (int64_t i = 0; i < X->M; i++) {
+        const int64_t run = i * (X->K / 32) + k0 / 32;
+        const int16_t *x = X->xq + i * X->K + k0;
+        __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
+        float mins = 0.0f;
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
+            if (j & 1)
+                a1 = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * X->dx[run + j]), a1);
+            else
+                a0 = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * X->dx[run + j]), a0);
+            mins += mn[j] * X->s32[run + j];
+        }
+        acc[i].a0 = a0;
+        acc[i].a1 = a1;
+        acc[i].m = _mm256_add_ps(acc[i].m, _mm256_castps128_ps256(_mm_set_ss(mins)));
+    }
+}
+
+static void q5_0_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    for (int64_t j = 0; j < blocks; j += GROUP)
+        q5_legacy_direct(row + j * 22, MIN(GROUP, blocks - j), 0, X, 32 * j, acc);
+}
+
+static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    for (int64_t j = 0; j < blocks; j += GROUP)
+        q5_legacy_direct(row + j * 24, MIN(GROUP, blocks - j), 1, X, 32 * j, acc);
 }
 
 /* A row of a type's blocks against every row of x (the block loop inside: one call per row). */
@@ -457,6 +513,7 @@ ROW_KERNEL(q4_k_row, q4_k_direct, 144)
 ROW_KERNEL(q5_k_row, q5_k_direct, 176)
 ROW_KERNEL(q6_k_row, q6_k_direct, 210)
 
+
 /* The types with a kernel of their own here (the others unpack, then block_dot). */
 static DirectKernel direct_kernel(int type)
 {
@@ -464,6 +521,8 @@ static DirectKernel direct_kernel(int type)
     case Q4_K: return q4_k_row;
     case Q5_K: return q5_k_row;
     case Q6_K: return q6_k_row;
+    case Q5_0: return q5_0_row;
+    case Q5_1: return q5_1_row;
     default: return NULL;
     }
 }
@@ -672,7 +731,6 @@ typedef struct {
     int mins; /* the type has minimums (w = d q - m) */
 } BlockType;
 
-#define GROUP 8 /* legacy blocks unpacked together: 256 values, as one k-quant block */
 
 /* The values from ``b`` on, up to 256: one k-quant block, or ``blocks`` (<= GROUP) legacy ones.
  * Returns how many blocks it took. */
