@@ -33,6 +33,7 @@ _F32, _CPU = torch.float32, torch.device("cpu")
 _ACCUMULATE, _EXACT = 1, 2
 GEMM_ROWS = 33  # rows of x from which the panel + GEMM path runs (at most the C kernel's MAX_INT_ROWS + 1;
 # measured on AVX2: up to 32 rows the int16 path is as fast or faster, torch's float GEMM above)
+FLOAT_GEMM_ROWS = 12  # the same for F16 / BF16 weights, whose rows below it are decoded and dotted in float32
 ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
 SIMD_NAMES = ("plain", "avx2", "avxvnni", "avx512vnni")  # by trillm_gguf_simd's value
 PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-sized
@@ -138,7 +139,7 @@ def matmul(
         raise ValueError(f"out must be float32 CPU [{M}, {N}] with unit column stride")
     if not (M and N):
         return out
-    if M >= GEMM_ROWS:
+    if M >= (FLOAT_GEMM_ROWS if weight.kind.values == 1 else GEMM_ROWS):
         panel = torch.empty(min(PANEL, N), K, dtype=_F32, device=_CPU)
         for start in range(0, N, PANEL):
             stop = min(start + PANEL, N)

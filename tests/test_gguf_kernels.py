@@ -78,7 +78,7 @@ def test_float16_specials_decode_as_torch_does():
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("M", [1, 3, cpu_gguf.GEMM_ROWS + 5])
+@pytest.mark.parametrize("M", [1, 3, 20, cpu_gguf.GEMM_ROWS + 5])  # 20: F16 / BF16 in panels, the rest in int16
 def test_matmul_equals_the_decoded_matrix_times_x(name, M):
     N, K = 300, 512  # N past one panel of the GEMM path and not a multiple of the row group
     weight = random_weight(name, N, K, seed=M)
