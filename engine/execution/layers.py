@@ -205,7 +205,8 @@ def _path(kind: str) -> str:
     if kind.endswith("blocks"):
         return f"cpu_matmul, {cpu_matmul.simd()}"
     if kind in ("F16", "BF16"):
-        return f"cpu_gguf: rows decoded to float32 up to {cpu_gguf.FLOAT_GEMM_ROWS - 1} rows, decoded panels and float32 GEMM above"
+        rows = cpu_gguf.FLOAT_GEMM_ROWS - 1
+        return f"cpu_gguf: rows decoded to float32 up to {rows} rows, decoded panels and float32 GEMM above"
     return (
         f"cpu_gguf, {cpu_gguf.simd()}: int16 activations up to {cpu_gguf.GEMM_ROWS - 1} rows, "
         "decoded panels and float32 GEMM above"
