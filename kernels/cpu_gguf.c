@@ -338,9 +338,15 @@ INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, 
 
 /* ---- kernels that read a type's blocks directly (no Unpacked), for every row of x at once ---- */
 
+/* The k-quant kernels run a tile of up to TILE rows of x along a whole weight row, their sums
+ * in registers from the first block to the last: each group of weights is unpacked once for
+ * the tile, and nothing is spilled (16 AVX2 registers: the tile's 8 sums, 4 of weights, 4 spare). */
+#define TILE 4
+
 /* Q4_K and Q5_K (qh NULL for Q4_K): byte l of a group of 32 holds values l (low nibble) and 32 + l
  * (high); as int16 lanes, the even values are the low nibble of each lane's low byte. */
-INLINE void k4_direct(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t k0, Acc *acc)
+INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0, const int T,
+                     int64_t k0, __m256 (*a)[2], __m256 *m)
 {
     /* the 8 scales and 8 minimums of 6 bits (scale_min_k4), unpacked four at a time in 32-bit words */
     const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
@@ -351,55 +357,40 @@ INLINE void k4_direct(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, co
                                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
     const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
-    float sc[8];
-    for (int64_t i = 0; i < X->M; i++)
-        acc[i].m = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + i * (X->K / 32) + k0 / 32), acc[i].m);
+    float sc[TILE][8];
+    for (int t = 0; t < T; t++) {
+        const int64_t run = (i0 + t) * (X->K / 32) + k0 / 32;
+        m[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + run), m[t]);
+        _mm256_storeu_ps(sc[t], _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + run)));
+    }
     const __m256i low4 = _mm256_set1_epi16(15), bit = _mm256_set1_epi16(1);
-    const __m256i h = qh ? load32(qh) : _mm256_setzero_si256();
-    __m256i w[4][4]; /* per group of 64 values: even and odd of its first 32, even and odd of the next */
-    for (int g = 0; g < 4; g++) {
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) { /* 64 values: even and odd of its first 32, even and odd of the next */
         const __m256i v = load32(qs + 32 * g);
-        w[g][0] = _mm256_and_si256(v, low4);
-        w[g][1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-        w[g][2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        w[g][3] = _mm256_srli_epi16(v, 12);
+        __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+        __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), w3 = _mm256_srli_epi16(v, 12);
         if (qh) { /* the fifth bit of value 32 s + l is bit s of qh[l] */
+            const __m256i h = load32(qh);
             const int s = 2 * g;
-            w[g][0] = _mm256_or_si256(w[g][0], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s), bit), 4));
-            w[g][1] = _mm256_or_si256(w[g][1], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 8 + s), bit), 4));
-            w[g][2] = _mm256_or_si256(w[g][2], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s + 1), bit), 4));
-            w[g][3] = _mm256_or_si256(w[g][3], _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 9 + s), bit), 4));
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s), bit), 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 8 + s), bit), 4));
+            w2 = _mm256_or_si256(w2, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s + 1), bit), 4));
+            w3 = _mm256_or_si256(w3, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 9 + s), bit), 4));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 64 * g;
+            a[t][0] = _mm256_fmadd_ps(run_dot(w0, w1, x), _mm256_broadcast_ss(sc[t] + 2 * g), a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(run_dot(w2, w3, x + 32), _mm256_broadcast_ss(sc[t] + 2 * g + 1), a[t][1]);
         }
     }
-    for (int64_t i = 0; i < X->M; i++) {
-        const int16_t *x = X->xq + i * X->K + k0;
-        _mm256_storeu_ps(sc, _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + i * (X->K / 32) + k0 / 32)));
-        __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers: __m256 may alias anything, so a store
-                                                   * through acc each time would chain every product */
-        for (int g = 0; g < 4; g++) {
-            a0 = _mm256_fmadd_ps(run_dot(w[g][0], w[g][1], x + 64 * g), _mm256_broadcast_ss(sc + 2 * g), a0);
-            a1 = _mm256_fmadd_ps(run_dot(w[g][2], w[g][3], x + 64 * g + 32), _mm256_broadcast_ss(sc + 2 * g + 1), a1);
-        }
-        acc[i].a0 = a0;
-        acc[i].a1 = a1;
-    }
-}
-
-INLINE void q4_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
-{
-    k4_direct(b, b + 16, NULL, X, k0, acc);
-}
-
-INLINE void q5_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
-{
-    k4_direct(b, b + 48, b + 16, X, k0, acc);
 }
 
 /* Q6_K: value 128 h + 32 j + l is nibble j / 2 of ql[64 h + 32 (j % 2) + l] with bits 2 j of
  * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The 32 is taken off as
  * a minimum (32 d sc times the sum of x), so the quants stay unsigned bytes until they are split
  * into int16 lanes. */
-INLINE void q6_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
+INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
 {
     const uint8_t *ql = b, *qh = b + 128;
     const float d = f16(b + 208);
@@ -407,43 +398,83 @@ INLINE void q6_k_direct(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc)
     const __m256 ds_lo = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
     const __m256 ds_hi = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
     const __m256 thirty_two = _mm256_set1_ps(32.0f);
-    for (int64_t i = 0; i < X->M; i++) {
-        const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16;
-        acc[i].m = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_lo), _mm256_loadu_ps(s16), acc[i].m);
-        acc[i].m = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_hi), _mm256_loadu_ps(s16 + 8), acc[i].m);
+    for (int t = 0; t < T; t++) {
+        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
+        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_lo), _mm256_loadu_ps(s16), m[t]);
+        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_hi), _mm256_loadu_ps(s16 + 8), m[t]);
     }
     const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi16(0xff);
-    __m256i w[8][2]; /* per run of 32: even and odd lanes */
-    __m256 scale[8]; /* per run: lanes 0-3 its first sub-block's d sc, 4-7 its second's */
-    for (int h = 0; h < 2; h++) {
-        const __m256i hv = load32(qh + 32 * h);
-        for (int j = 0; j < 4; j++) {
-            const int r = 4 * h + j, hs = 2 * j;
-            const __m256i lo = load32(ql + 64 * h + 32 * (j % 2));
-            const __m256i l4 = _mm256_and_si256(j / 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
-            /* bits hs, hs + 1 of each byte to bits 4, 5 */
-            const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
-            const __m256i u = _mm256_or_si256(l4, _mm256_and_si256(he, bits45));
-            w[r][0] = _mm256_and_si256(u, low8);
-            w[r][1] = _mm256_srli_epi16(u, 8);
-            const int s = 2 * r % 8;
-            const __m256i pick = _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1);
-            scale[r] = _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, pick);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
+        const int h = r / 4, j = r % 4, hs = 2 * j;
+        const __m256i hv = load32(qh + 32 * h), lo = load32(ql + 64 * h + 32 * (j % 2));
+        const __m256i l4 = _mm256_and_si256(j / 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
+        /* bits hs, hs + 1 of each byte to bits 4, 5 */
+        const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
+        const __m256i u = _mm256_or_si256(l4, _mm256_and_si256(he, bits45));
+        const __m256i even = _mm256_and_si256(u, low8), odd = _mm256_srli_epi16(u, 8);
+        const int s = 2 * r % 8; /* lanes 0-3: its first sub-block's d sc, 4-7 its second's */
+        const __m256 scale =
+            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 32 * r;
+            const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + r;
+            a[t][r & 1] = _mm256_fmadd_ps(run_dot(even, odd, x), _mm256_mul_ps(scale, _mm256_broadcast_ss(dx)), a[t][r & 1]);
         }
     }
-    for (int64_t i = 0; i < X->M; i++) {
-        const int16_t *x = X->xq + i * X->K + k0;
-        const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
-        __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
-        for (int r = 0; r < 8; r += 2) {
-            a0 = _mm256_fmadd_ps(run_dot(w[r][0], w[r][1], x + 32 * r),
-                                 _mm256_mul_ps(scale[r], _mm256_broadcast_ss(dx + r)), a0);
-            a1 = _mm256_fmadd_ps(run_dot(w[r + 1][0], w[r + 1][1], x + 32 * r + 32),
-                                 _mm256_mul_ps(scale[r + 1], _mm256_broadcast_ss(dx + r + 1)), a1);
-        }
-        acc[i].a0 = a0;
-        acc[i].a1 = a1;
+}
+
+/* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
+INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
+                   Acc *acc)
+{
+    __m256 a[TILE][2], m[TILE];
+    for (int t = 0; t < T; t++)
+        a[t][0] = a[t][1] = m[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < blocks; j++) {
+        const uint8_t *b = row + j * bytes;
+        if (type == Q6_K)
+            q6_k_block(b, X, i0, T, 256 * j, a, m);
+        else if (type == Q5_K)
+            k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m);
+        else
+            k4_block(b, b + 16, NULL, X, i0, T, 256 * j, a, m);
     }
+    for (int t = 0; t < T; t++) {
+        acc[i0 + t].a0 = a[t][0];
+        acc[i0 + t].a1 = a[t][1];
+        acc[i0 + t].m = m[t];
+    }
+}
+
+/* Every row of x, TILE at a time (each tile size its own code, so that the sums stay in registers). */
+INLINE void k_row(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc)
+{
+    int64_t i = 0;
+    for (; i + TILE <= X->M; i += TILE)
+        k_rows(type, row, blocks, bytes, X, i, TILE, acc);
+    switch (X->M - i) {
+    case 3: k_rows(type, row, blocks, bytes, X, i, 3, acc); break;
+    case 2: k_rows(type, row, blocks, bytes, X, i, 2, acc); break;
+    case 1: k_rows(type, row, blocks, bytes, X, i, 1, acc); break;
+    default: break;
+    }
+}
+
+static void q4_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q4_K, row, blocks, 144, X, acc);
+}
+
+static void q5_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q5_K, row, blocks, 176, X, acc);
+}
+
+static void q6_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q6_K, row, blocks, 210, X, acc);
 }
 
 /* Q5_0 and Q5_1, up to 8 blocks of 32 (a run each) at once, so that every row of x sums them in
@@ -503,15 +534,7 @@ static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *ac
 /* A row of a type's blocks against every row of x (the block loop inside: one call per row). */
 typedef void (*DirectKernel)(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc);
 
-#define ROW_KERNEL(name, block_kernel, block_bytes)                                                                \
-    static void name(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)                                \
-    {                                                                                                              \
-        for (int64_t j = 0; j < blocks; j++)                                                                       \
-            block_kernel(row + j * (block_bytes), X, 256 * j, acc);                                                \
-    }
-ROW_KERNEL(q4_k_row, q4_k_direct, 144)
-ROW_KERNEL(q5_k_row, q5_k_direct, 176)
-ROW_KERNEL(q6_k_row, q6_k_direct, 210)
+
 
 
 /* The types with a kernel of their own here (the others unpack, then block_dot). */
