@@ -22,10 +22,22 @@ typedef int (*DecodeFn)(const float *q, const float *k_cache, const float *v_cac
                         const int32_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                         int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads);
 
-enum { ACCUMULATE = 1 }; /* trillm_matmul's flag: out += x @ W^T */
+enum { ACCUMULATE = 1 }; /* the matmuls' flag: out += x @ W^T */
+
+typedef struct { /* _Part in cpu_forward.py: out[:, col0 : col0 + its rows] (+)= x @ W^T */
+    MatmulFn matmul;
+    const void *layout; /* cpu_matmul's block layout, or cpu_gguf's GGUFLayout */
+    int64_t col0;
+} Part;
+
+#define MAX_PARTS 4
+
+typedef struct { /* _Projection in cpu_forward.py */
+    int64_t count;
+    Part part[MAX_PARTS];
+} Projection;
 
 typedef struct { /* _Model in cpu_forward.py */
-    MatmulFn matmul;
     RmsNormFn rms_norm;
     RotaryFn rotary;
     SiluMulFn silu_mul;
@@ -34,11 +46,32 @@ typedef struct { /* _Model in cpu_forward.py */
     float eps, scale;
 } Model;
 
-typedef struct {                     /* _Layer in cpu_forward.py */
-    const float *input_norm, *post_norm; /* [hidden] */
-    const void *qkv, *o, *gate_up, *down; /* block-weight layouts of cpu_matmul */
-    float *k_cache, *v_cache;            /* [num_pages, page_size, kv_heads, head_dim] */
+typedef struct {                                   /* _Layer in cpu_forward.py */
+    const float *input_norm, *post_norm;           /* [hidden] */
+    const float *q_norm, *k_norm;                  /* [head_dim] per-head norms (Qwen3), or NULL */
+    const Projection *qkv, *o, *gate_up, *down;
+    float *k_cache, *v_cache;                      /* [num_pages, page_size, kv_heads, head_dim] */
 } Layer;
+
+static int project(const Projection *P, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M, int flags,
+                   int num_threads)
+{
+    for (int64_t p = 0; p < P->count; p++) {
+        const Part *part = &P->part[p];
+        const int rc = part->matmul(x, ldx, part->layout, out + part->col0, ldo, M, flags, num_threads);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* Qwen3's RMSNorm of each of the n heads at row (its D values contiguous), in place through tmp
+ * [n, D]: the kernel the Python path runs on the same rows. */
+static void head_norm(const Model *m, float *row, const float *w, int64_t n, float *tmp, int num_threads)
+{
+    m->rms_norm(row, m->head_dim, w, tmp, n, m->head_dim, m->eps, num_threads);
+    memcpy(row, tmp, sizeof(float) * (size_t)(n * m->head_dim));
+}
 
 /* h [M, hidden] (in place): the residual stream of M sequences decoding one token each,
  * at cache slots slots[M], rotated by cos/sin [M, head_dim], attending context_lens[M]
@@ -64,8 +97,13 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
     for (int64_t l = 0; l < num_layers && !rc; l++) {
         const Layer *L = &layers[l];
         m->rms_norm(h, E, L->input_norm, x, M, E, m->eps, num_threads);
-        if ((rc = m->matmul(x, E, L->qkv, qkv, qkv_size, M, 0, num_threads)))
+        if ((rc = project(L->qkv, x, E, qkv, qkv_size, M, 0, num_threads)))
             break;
+        if (L->q_norm && L->k_norm) /* attn is free until the attention writes it: M * q_size floats */
+            for (int64_t r = 0; r < M; r++) {
+                head_norm(m, qkv + r * qkv_size, L->q_norm, m->heads, attn, num_threads);
+                head_norm(m, qkv + r * qkv_size + q_size, L->k_norm, KVH, attn, num_threads);
+            }
         /* Q and K sit side by side: one rotary pass for both, as the Python path does. */
         m->rotary(qkv, qkv_size, D, cos_, sin_, M, m->heads + KVH, D, num_threads);
         for (int64_t r = 0; r < M; r++) {
@@ -77,13 +115,13 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
         if ((rc = m->decode(q, L->k_cache, L->v_cache, block_tables, context_lens, attn, M, m->heads, KVH, D,
                             m->num_pages, m->page_size, max_pages, m->scale, num_threads)))
             break;
-        if ((rc = m->matmul(attn, q_size, L->o, h, E, M, ACCUMULATE, num_threads)))
+        if ((rc = project(L->o, attn, q_size, h, E, M, ACCUMULATE, num_threads)))
             break;
         m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
-        if ((rc = m->matmul(x, E, L->gate_up, gu, 2 * I, M, 0, num_threads)))
+        if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, 0, num_threads)))
             break;
         m->silu_mul(gu, 2 * I, act, M, I, num_threads);
-        rc = m->matmul(act, I, L->down, h, E, M, ACCUMULATE, num_threads);
+        rc = project(L->down, act, I, h, E, M, ACCUMULATE, num_threads);
     }
     return rc;
 }

@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
-from trillm.kernels import cpu_build, cpu_decode, cpu_matmul, cpu_ops
+from trillm.kernels import cpu_build, cpu_decode, cpu_gguf, cpu_matmul, cpu_ops
 from trillm.kernels.block_weights import BlockWeight
+from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels.stacked import Stacked
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {"trillm_decode_layers": [_P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT]}
 _KERNEL = cpu_build.CKernel("cpu_forward", _SIGNATURES, ctypes.c_int)
 _F32, _I32, _CPU = torch.float32, torch.int32, torch.device("cpu")
+MAX_PARTS = 4  # cpu_forward.c's: parts of one projection side by side
+
+# A projection the loop runs: repacked blocks, a GGUF file's blocks, or several of these side by side.
+Projection: TypeAlias = BlockWeight | GGUFWeight | Stacked
 
 
 class _Model(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("matmul", "rms_norm", "rotary", "silu_mul", "decode")]
+        [(name, _P) for name in ("rms_norm", "rotary", "silu_mul", "decode")]
         + [
             (name, _I64)
             for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_pages", "page_size")
@@ -35,29 +41,68 @@ class _Model(ctypes.Structure):
     )
 
 
+class _Part(ctypes.Structure):
+    _fields_ = [("matmul", _P), ("layout", _P), ("col0", _I64)]
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("count", _I64), ("part", _Part * MAX_PARTS)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "k_cache", "v_cache")]
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "q_norm",
+            "k_norm",
+            "qkv",
+            "o",
+            "gate_up",
+            "down",
+            "k_cache",
+            "v_cache",
+        )
+    ]
 
 
 def available() -> bool:
     """Whether this loop and every kernel it calls could be built here."""
-    return all(k.available() for k in (_KERNEL, cpu_ops._KERNEL, cpu_matmul._KERNEL, cpu_decode._KERNEL))
+    kernels = (_KERNEL, cpu_ops._KERNEL, cpu_matmul._KERNEL, cpu_gguf._KERNEL, cpu_decode._KERNEL)
+    return all(k.available() for k in kernels)
 
 
 def _address(function: Any) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
+def fusable(weight: object) -> bool:
+    """Whether the loop runs ``weight``: blocks of either kind, alone or side by side."""
+    if isinstance(weight, Stacked):
+        return len(weight.parts) <= MAX_PARTS and all(isinstance(p, BlockWeight | GGUFWeight) for p in weight.parts)
+    return isinstance(weight, BlockWeight | GGUFWeight)
+
+
+def _shape(weight: Projection) -> tuple[int, int]:
+    if isinstance(weight, BlockWeight):
+        N, K = cpu_matmul._layout(weight)[:2]
+        return N, K
+    return weight.shape
+
+
 class DecodeLayers:
     """One model's layer weights and one KV cache, laid out for the C loop once.
 
-    ``layers`` holds, per layer: input norm, QKV, O, post norm, gate-up, down. It keeps
-    a reference to every tensor whose address the C structs hold.
+    ``layers`` holds, per layer: input norm, QKV, O, post norm, gate-up, down, and Qwen3's Q and K
+    head norms (or None). It keeps a reference to every tensor and struct whose address the C
+    structs hold. ``max_rows``: the most rows a step may have here (a GGUF weight's matmul hands
+    larger batches to torch's GEMM, which the C loop cannot call).
     """
 
     def __init__(
         self,
-        layers: Sequence[tuple[torch.Tensor, BlockWeight, BlockWeight, torch.Tensor, BlockWeight, BlockWeight]],
+        layers: Sequence[tuple[Any, ...]],
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
         heads: int,
         eps: float,
@@ -66,11 +111,15 @@ class DecodeLayers:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
         hidden = layers[0][0].shape[0]
-        intermediate = cpu_matmul._layout(layers[0][4])[0] // 2
-        for norm, qkv, o, post, gate_up, down in layers:
+        intermediate = _shape(layers[0][4])[0] // 2
+        self._structs: list[Any] = []  # every ctypes struct whose address a _Layer holds
+        self.max_rows = 1 << 30
+        for norm, qkv, o, post, gate_up, down, q_norm, k_norm in layers:
             if any(t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (norm, post)):
                 raise ValueError("norm weights must be contiguous float32 CPU tensors")
-            shapes = [cpu_matmul._layout(w)[:2] for w in (qkv, o, gate_up, down)]
+            if not all(fusable(w) for w in (qkv, o, gate_up, down)):
+                raise ValueError("the C loop runs block weights only (repacked or a GGUF file's, up to 4 side by side)")
+            shapes = [_shape(w) for w in (qkv, o, gate_up, down)]
             expected = [
                 ((heads + 2 * kv_heads) * head_dim, hidden),
                 (hidden, heads * head_dim),
@@ -79,16 +128,17 @@ class DecodeLayers:
             ]
             if shapes != expected or norm.shape != (hidden,) or post.shape != (hidden,):
                 raise ValueError(f"layer shapes {shapes} do not match {expected}")
+            for head_norm in (q_norm, k_norm):
+                if head_norm is not None and (head_norm.dtype is not _F32 or head_norm.shape != (head_dim,)):
+                    raise ValueError(f"Q/K norms must be float32 [{head_dim}]")
         for k, v in kv_cache:
             if any(t.shape != k0.shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
                 raise ValueError("the KV cache must be contiguous float32 CPU tensors of one shape")
         if len(kv_cache) != len(layers):
             raise ValueError(f"{len(layers)} layers but {len(kv_cache)} caches")
-        matmul = cpu_matmul._functions()[0]
         rms_norm, rotary, silu_mul = cpu_ops._functions()[:3]
         (decode,) = cpu_decode._KERNEL.functions()
         self.model = _Model(
-            _address(matmul),
             _address(rms_norm),
             _address(rotary),
             _address(silu_mul),
@@ -108,17 +158,36 @@ class DecodeLayers:
                 _Layer(
                     norm.data_ptr(),
                     post.data_ptr(),
-                    *(cpu_matmul._layout(w)[2] for w in (qkv, o, gate_up, down)),
+                    q_norm.data_ptr() if q_norm is not None else None,
+                    k_norm.data_ptr() if k_norm is not None else None,
+                    *(self._projection(w) for w in (qkv, o, gate_up, down)),
                     k.data_ptr(),
                     v.data_ptr(),
                 )
-                for (norm, qkv, o, post, gate_up, down), (k, v) in zip(layers, kv_cache)
+                for (norm, qkv, o, post, gate_up, down, q_norm, k_norm), (k, v) in zip(layers, kv_cache)
             )
         )
         self._keep = (list(layers), list(kv_cache))
         self.hidden, self.head_dim = hidden, head_dim
         q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
         self._work_per_row = hidden + qkv_size + 2 * q_size + 3 * intermediate
+
+    def _projection(self, weight: Projection) -> int:
+        """The address of a _Projection of ``weight``'s parts (kept alive in ``_structs``)."""
+        parts = weight.parts if isinstance(weight, Stacked) else (weight,)
+        projection = _Projection(len(parts))
+        col0 = 0
+        for i, part in enumerate(parts):
+            if isinstance(part, GGUFWeight):
+                layout: Any = cpu_gguf.layout(part)
+                self._structs.append(layout)
+                projection.part[i] = _Part(cpu_gguf.layout_matmul_address(), ctypes.addressof(layout), col0)
+                self.max_rows = min(self.max_rows, cpu_gguf.max_fused_rows(part))
+            else:
+                projection.part[i] = _Part(_address(cpu_matmul._functions()[0]), cpu_matmul._layout(part)[2], col0)
+            col0 += _shape(part)[0]
+        self._structs.append(projection)
+        return ctypes.addressof(projection)
 
     def run(
         self,

@@ -965,6 +965,24 @@ int trillm_gguf_matmul(const float *x, int64_t ldx, int type, const uint8_t *w, 
     return failed;
 }
 
+/* What the fused decode loop (cpu_forward.c) holds of a weight: the matmul's arguments. */
+typedef struct {
+    int64_t type;
+    const uint8_t *w;
+    int64_t row_bytes, N, K;
+} GGUFLayout;
+
+/* trillm_gguf_matmul with cpu_matmul's signature (a layout, the flags), for cpu_forward.c's loop;
+ * 2 when a buffer could not be allocated (that loop's code for it). */
+int trillm_gguf_layout_matmul(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
+                              int flags, int num_threads)
+{
+    const GGUFLayout *L = layout;
+    const int rc = trillm_gguf_matmul(x, ldx, (int)L->type, L->w, L->row_bytes, L->N, L->K, out, ldo, M, flags,
+                                      num_threads);
+    return rc ? 2 : 0;
+}
+
 /* out[i] = row ids[i] of W, decoded (an embedding lookup; ids checked by the caller). */
 int trillm_gguf_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t count,
                      float *out, int num_threads)

@@ -25,6 +25,7 @@ _SIGNATURES: dict[str, list] = {
     "trillm_gguf_rows": [_INT, _P, _I64, _I64, _P, _I64, _P, _INT],
     "trillm_gguf_dequantize": [_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _INT],
     "trillm_gguf_simd": [],
+    "trillm_gguf_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
 }
 # The decoders round as gguf's numpy reference does: no fused multiply-add.
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
@@ -42,6 +43,29 @@ PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-
 def simd() -> str:
     """The instruction set the integer path runs on here (``SIMD_NAMES``), for the start-up log."""
     return SIMD_NAMES[_KERNEL.functions()[3]()]
+
+
+class GGUFLayout(ctypes.Structure):
+    """A weight as ``cpu_forward.c``'s fused loop holds it (``trillm_gguf_layout_matmul``'s layout)."""
+
+    _fields_ = [("type", _I64), ("w", _P), ("row_bytes", _I64), ("N", _I64), ("K", _I64)]
+
+
+def layout(weight: GGUFWeight) -> GGUFLayout:
+    """``weight`` for the fused loop (which must keep ``weight`` alive: this holds its address)."""
+    _check(weight)
+    N, K = weight.shape
+    return GGUFLayout(weight.kind.id, weight.data.data_ptr(), weight.data.stride(0), N, K)
+
+
+def layout_matmul_address() -> int:
+    """The address of ``trillm_gguf_layout_matmul`` (cpu_matmul's matmul signature)."""
+    return ctypes.cast(_KERNEL.functions()[4], ctypes.c_void_p).value or 0
+
+
+def max_fused_rows(weight: GGUFWeight) -> int:
+    """The most rows of x ``matmul`` runs in C alone (beyond them it multiplies panels in torch)."""
+    return (FLOAT_GEMM_ROWS if weight.kind.values == 1 else GEMM_ROWS) - 1
 
 
 def _threads(num_threads: int | None) -> int:

@@ -3,15 +3,28 @@ it replaces: the same kernels in the same order, so logits and KV must be bit fo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from trillm.bench.gguf_files import requantize
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.layers import Stacked
+from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.execution.model_source import fetch_default_gguf
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.kernels import cpu_forward
+from trillm.kernels import cpu_forward, cpu_gguf
+
+from .test_qwen3 import PROJECTIONS, QWEN3, _q8_0_exact
 
 
 @pytest.fixture
@@ -30,9 +43,10 @@ def fusing_model(model_parts, monkeypatch):
     model.backend.fuse_decode = True
 
 
-def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
-    model, calls = fusing_model
+def _fused_equals_plain(model, calls: list[int], max_rows: int = 7) -> None:
+    """Decode batches of 7 down to 1 rows (or ``max_rows``), fused and not: the same logits and KV."""
     fused, plain = ModelRunner(model, 40, 16), ModelRunner(model, 40, 16)
+    assert fused._bound is not None
     sched = Scheduler(PageAllocator(40), 16, 8, 256)
     # Seven sequences of ragged lengths (some crossing page boundaries while decoding),
     # finishing one after another: decode batches of 7 down to 1 rows.
@@ -57,7 +71,7 @@ def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
             with torch.inference_mode():
                 logits[name] = runner.execute_logits(runner.prepare(batch))
         assert torch.equal(logits["fused"], logits["plain"])
-        if all(c.length == 1 for c in batch.chunks):
+        if all(c.length == 1 for c in batch.chunks) and len(batch.chunks) <= max_rows:
             decode_rows.append(len(batch.chunks))
         sched.complete(batch, logits["plain"].argmax(-1).tolist())
     assert calls == decode_rows and 7 in calls and 1 in calls  # every decode-only step, and only those, in C
@@ -65,10 +79,62 @@ def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+def _counting(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = cpu_forward.DecodeLayers.run
+    monkeypatch.setattr(
+        cpu_forward.DecodeLayers, "run", lambda self, h, *a: (calls.append(h.shape[0]), real(self, h, *a))[1]
+    )
+    return calls
+
+
+def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
+    model, calls = fusing_model
+    _fused_equals_plain(model, calls)
+
+
+@pytest.mark.skipif(not cpu_gguf.available(), reason="needs a C compiler")
+def test_a_gguf_files_own_blocks_decode_in_c_as_in_python(tmp_path, monkeypatch):
+    """A Q4_K_M-style file: Q and K in Q4_K beside V in Q6_K (parts side by side), gate/up and down
+    in k-quants; the C loop runs cpu_gguf's int16 kernels, bit for bit the Python loop's."""
+    path = tmp_path / "smollm2-q4_k_m.gguf"
+    requantize(fetch_default_gguf(EngineConfig().cache_path), path, "q4_k_m", layers=3, vocabulary=False)
+    header = read_header(path)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = LlamaModel.from_gguf(header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True)
+    assert any(isinstance(layer.qkv, Stacked) for layer in model.layers)
+    assert cpu.fusable(model)
+    _fused_equals_plain(model, _counting(monkeypatch))
+    model.backend.fuse_decode = True
+
+
+def test_qwen3_head_norms_decode_in_c_as_in_python(tmp_path, monkeypatch):
+    """Qwen3's per-head Q/K RMSNorm runs inside the C loop, bit for bit the Python loop's."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(**QWEN3)
+    hf = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.split(".")[-2] in PROJECTIONS:
+                p.copy_(_q8_0_exact(p))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = LlamaModel.load(tmp_path, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert all(layer.q_norm is not None for layer in model.layers) and cpu.fusable(model)
+    _fused_equals_plain(model, _counting(monkeypatch))
+    model.backend.fuse_decode = True
+
+
 def test_bad_slots_and_layouts_are_refused(fusing_model):
     model, _ = fusing_model
     runner = ModelRunner(model, 8, 16)
-    layers = [(la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down) for la in model.layers]
+    layers = [
+        (la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down, la.q_norm, la.k_norm)
+        for la in model.layers
+    ]
     with pytest.raises(ValueError, match="layers but"):
         cpu_forward.DecodeLayers(layers, runner.kv_cache[:-1], model.shape.num_heads, 1e-5, 0.125)
     with pytest.raises(ValueError, match="layer shapes"):

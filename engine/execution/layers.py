@@ -19,23 +19,7 @@ from trillm.kernels import cpu_gguf, cpu_matmul
 from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight, pack_exact
 from trillm.kernels.block_weights import dequantize as dequantize_blocks
 from trillm.kernels.gguf_blocks import GGUFWeight
-
-
-@attrs.frozen
-class Stacked:
-    """Projections whose outputs sit side by side ([out_1 + out_2 + ..., in]): a fused Q/K/V or
-    gate/up whose parts a GGUF file keeps in different block types."""
-
-    parts: tuple[Weight, ...]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return sum(_out_features(p) for p in self.parts), _in_features(self.parts[0])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(p) for p in self.parts)
-
+from trillm.kernels.stacked import Stacked, nbytes, out_features
 
 # A projection: dense and transposed, [in, out]; blocks, [out, in]; or several side by side.
 Weight: TypeAlias = torch.Tensor | BlockWeight | GGUFWeight | Stacked
@@ -78,21 +62,9 @@ def make_weight(weight: torch.Tensor, blocks: bool) -> Weight:
     return packed if packed is not None else transposed(weight)
 
 
-def _out_features(w: Weight) -> int:
-    return w.shape[1] if isinstance(w, torch.Tensor) else w.shape[0]
-
-
-def _in_features(w: Weight) -> int:
-    return w.shape[0] if isinstance(w, torch.Tensor) else w.shape[1]
-
-
-def _nbytes(w: Weight) -> int:
-    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else w.nbytes
-
-
 def weight_bytes(w: Weight) -> int:
     """What one pass over ``w`` reads."""
-    return _nbytes(w)
+    return nbytes(w)
 
 
 def fuse(parts: list[torch.Tensor | Weight], blocks: bool) -> Weight:
@@ -134,7 +106,7 @@ def project(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> tor
         out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         start = 0
         for part in w.parts:
-            stop = start + _out_features(part)
+            stop = start + out_features(part)
             _project_into(x, part, out[:, start:stop])
             start = stop
     else:

@@ -4,8 +4,9 @@ In float32 on the CPU, with a C compiler, three layers of C stand in for torch:
 RMSNorm, rotary and SiLU-mul (``kernels/cpu_ops.c``: at decode sizes each torch op
 is mostly dispatch overhead), decode attention that reads the pages in place
 (``kernels/cpu_decode.c``), and for decode-only steps of a model whose projections
-are all GGUF blocks, the whole layer loop in one call (``kernels/cpu_forward.c``:
-the same kernels without ~10 Python wrappers per layer). Without a compiler, or in
+are all in blocks (repacked, or a GGUF file's own), the whole layer loop in one call
+(``kernels/cpu_forward.c``: the same kernels, Qwen3's head norms included, without ~10
+Python wrappers per layer). Without a compiler, or in
 bfloat16, the same layers run in torch: gather + SDPA for attention.
 """
 
@@ -32,7 +33,6 @@ from trillm.engine.execution.layers import project, project_add, qk_norm_, rms_n
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
-from trillm.kernels.block_weights import BlockWeight
 
 
 class CpuBackend(Backend):
@@ -66,8 +66,7 @@ class CpuBackend(Backend):
             and model.tp.size == 1  # the C loop has no all-reduce between layers
             and all(
                 layer.qkv_bias is None
-                and layer.q_norm is None  # the C loop has no per-head Q/K norm (Qwen3): the Python loop runs it
-                and all(isinstance(w, BlockWeight) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+                and all(cpu_forward.fusable(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
                 for layer in model.layers
             )
         )
@@ -76,9 +75,12 @@ class CpuBackend(Backend):
         """The C layer loop over ``model``'s weights and ``kv_cache``, where it applies."""
         if not self.fusable(model):
             return None
-        layers = [(la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down) for la in model.layers]
-        s = model.shape  # fusable: every projection is a BlockWeight
-        return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale)  # type: ignore[arg-type]
+        layers = [
+            (la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down, la.q_norm, la.k_norm)
+            for la in model.layers
+        ]
+        s = model.shape
+        return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale)
 
     def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
         ps = page_size
@@ -140,7 +142,13 @@ class CpuBackend(Backend):
         cos, sin = model.cos[positions], model.sin[positions]
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         d = meta.decode_rows
-        if bound is not None and self.fuse_decode and d is not None and d.rows is None:  # a decode-only step
+        if (
+            bound is not None
+            and self.fuse_decode
+            and d is not None
+            and d.rows is None  # a decode-only step
+            and h.shape[0] <= bound.max_rows
+        ):
             h = bound.run(h, cos, sin, meta.slot_mapping, d.block_tables, d.context_lens, torch.get_num_threads())
         else:
             h = self._layers(model, h, cos, sin, kv_cache, meta)
