@@ -1,0 +1,539 @@
+/* cpu_gguf.c's section that differs by instruction set, included once by it (not a header of
+ * its own: it uses the types and helpers cpu_gguf.c defines before the #include).
+ *
+ * AVX2 (+ FMA, F16C) and plain C: the helpers that unpack runs of 16 or 32 quants from a
+ * block's bit fields (the same bytes on both paths, which the tests check value by value against
+ * gguf's decoders), the x layout, the dot of one unpacked block with one row of int16
+ * activations, and the kernels that read Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks directly.
+ * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction).
+ */
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_SIMD 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SIMD_ID 3 /* cpu_gguf.py's names: plain, avx2, avxvnni, avx512vnni */
+#define MADD_ADD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#elif defined(__AVXVNNI__)
+#define SIMD_ID 2
+#define MADD_ADD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#else
+#define SIMD_ID 1
+#define MADD_ADD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#endif
+#else
+#define GGUF_SIMD 0
+#define SIMD_ID 0
+#endif
+
+/* The path this build runs (for the start-up log). */
+int trillm_gguf_simd(void)
+{
+    return SIMD_ID;
+}
+
+INLINE float f16(const uint8_t *p)
+{
+    const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
+#if defined(__F16C__) /* the hardware conversion is exact, as the one below is */
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000 | man << 13; /* infinity, NaN */
+    } else if (exp) {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    } else if (man) { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | exp << 23 | (man & 0x3ff) << 13;
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+#if GGUF_SIMD
+INLINE __m256i load32(const void *p)
+{
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+
+INLINE void store32(void *p, __m256i v)
+{
+    _mm256_storeu_si256((__m256i *)p, v);
+}
+
+INLINE __m256i shift_right(__m256i v, int bits) /* per byte, the bits that leave masked off by the caller */
+{
+    return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits));
+}
+#endif
+
+/* q[j] = (qs[j] & 15) - offset, q[j + 16] = (qs[j] >> 4) - offset, j < 16 (a legacy block) */
+INLINE void nibbles16(const uint8_t *restrict qs, int offset, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15), o = _mm_set1_epi8((char)offset);
+    _mm_storeu_si128((__m128i *)q, _mm_sub_epi8(_mm_and_si128(v, m), o));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m), o));
+#else
+    for (int j = 0; j < 16; j++) {
+        q[j] = (int8_t)((qs[j] & 15) - offset);
+        q[j + 16] = (int8_t)((qs[j] >> 4) - offset);
+    }
+#endif
+}
+
+/* lo[l] = qs[l] & 15, hi[l] = qs[l] >> 4, l < 32 */
+INLINE void nibbles32(const uint8_t *restrict qs, int8_t *restrict lo, int8_t *restrict hi)
+{
+#if GGUF_SIMD
+    const __m256i v = load32(qs), m = _mm256_set1_epi8(15);
+    store32(lo, _mm256_and_si256(v, m));
+    store32(hi, _mm256_and_si256(_mm256_srli_epi16(v, 4), m));
+#else
+    for (int l = 0; l < 32; l++) {
+        lo[l] = (int8_t)(qs[l] & 15);
+        hi[l] = (int8_t)(qs[l] >> 4);
+    }
+#endif
+}
+
+/* q[l] = ((src[l] >> shift) & 3) - offset, l < 32 */
+INLINE void crumbs32(const uint8_t *restrict src, int shift, int offset, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m256i v = _mm256_and_si256(shift_right(load32(src), shift), _mm256_set1_epi8(3));
+    store32(q, _mm256_sub_epi8(v, _mm256_set1_epi8((char)offset)));
+#else
+    for (int l = 0; l < 32; l++)
+        q[l] = (int8_t)(((src[l] >> shift) & 3) - offset);
+#endif
+}
+
+/* q[l] += value where bit ``bit`` of bytes[l] is set, l < 32 */
+INLINE void add_where_bit(const uint8_t *restrict bytes, int bit, int value, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m256i b = _mm256_set1_epi8((char)(1 << bit));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(load32(bytes), b), b);
+    store32(q, _mm256_add_epi8(load32(q), _mm256_and_si256(set, _mm256_set1_epi8((char)value))));
+#else
+    for (int l = 0; l < 32; l++)
+        q[l] = (int8_t)(q[l] + ((bytes[l] >> bit) & 1) * value);
+#endif
+}
+
+/* q[j] += 16 where bit j of the 32-bit qh is set, j < 32 (Q5_0 / Q5_1's fifth bits) */
+INLINE void add_fifth_bits(uint32_t qh, int8_t *restrict q)
+{
+#if GGUF_SIMD /* byte j takes byte j / 8 of qh, then its own bit j % 8 */
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                     2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    store32(q, _mm256_add_epi8(load32(q), _mm256_and_si256(set, _mm256_set1_epi8(16))));
+#else
+    for (int j = 0; j < 32; j++)
+        q[j] = (int8_t)(q[j] + ((qh >> j) & 1) * 16);
+#endif
+}
+
+/* q[l] = ((lo[l] >> lo_shift) & 15 | ((hi[l] >> hi_shift) & 3) << 4) - 32, l < 32 (Q6_K) */
+INLINE void six_bit32(const uint8_t *restrict lo, int lo_shift, const uint8_t *restrict hi, int hi_shift,
+                      int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m256i l4 = _mm256_and_si256(shift_right(load32(lo), lo_shift), _mm256_set1_epi8(15));
+    const __m256i h2 = _mm256_and_si256(shift_right(load32(hi), hi_shift), _mm256_set1_epi8(3));
+    const __m256i v = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)); /* h2 < 4: nothing crosses a byte */
+    store32(q, _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
+#else
+    for (int l = 0; l < 32; l++)
+        q[l] = (int8_t)((((lo[l] >> lo_shift) & 15) | ((hi[l] >> hi_shift) & 3) << 4) - 32);
+#endif
+}
+
+/* The int16 activations of the rows of x (quantize_x): xq [M, K], and per row its scales per 32
+ * values (dx) and sums per 16 and per 32 values (s16, s32), which the minimums multiply. */
+typedef struct {
+    const int16_t *xq;
+    const float *dx, *s16, *s32;
+    int64_t M, K;
+} XRows;
+
+/* One row of x against one unpacked block adds sum_s dl[s] dx[s] (q_s . xq_s) - ml[s] sum(x_s) to
+ * its Acc; acc_total gives the row's sum. Each integer sum is exact (|q| <= 128, |xq| <= 32767, at
+ * most 32 products); the float sums run in a fixed order, so a result does not depend on the
+ * thread count. */
+#if GGUF_SIMD
+/* x's 32 values per run as the kernels read them: the even ones, then the odd ones. Pairs of
+ * bytes loaded as int16 lanes then give their even and odd weights with one shift each, in the
+ * lanes those activations are in; lanes 0-3 of a pair's products are values 0-15 of the run. */
+INLINE int x_position(int l)
+{
+    return (l & 1) ? 16 + l / 2 : l / 2;
+}
+
+typedef struct {
+    __m256 a0, a1, m; /* two chains of products (even and odd sub-blocks), and the minimums */
+} Acc;
+
+INLINE void acc_zero(Acc *a)
+{
+    a->a0 = a->a1 = a->m = _mm256_setzero_ps();
+}
+
+INLINE float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE float acc_total(const Acc *a)
+{
+    return hsum(_mm256_add_ps(a->a0, a->a1)) - hsum(a->m);
+}
+
+/* int16 lanes of 32 bytes of int8 quants: the even bytes and the odd ones, sign-extended */
+INLINE __m256i even_bytes(__m256i v)
+{
+    return _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+}
+
+/* The integer dot of a run of 32 (weights: even, odd lanes) with its activations: lanes 0-3 hold
+ * values 0-15's part, lanes 4-7 values 16-31's. */
+INLINE __m256 run_dot(__m256i even, __m256i odd, const int16_t *x)
+{
+    const __m256i p = _mm256_madd_epi16(even, load32(x));
+    return _mm256_cvtepi32_ps(MADD_ADD(p, odd, load32(x + 16)));
+}
+
+/* A scale per 16 values of a run: lanes 0-3 lo, 4-7 hi */
+INLINE __m256 halves(float lo, float hi)
+{
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(lo)), _mm_set1_ps(hi), 1);
+}
+
+INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, Acc *acc)
+{
+    const int16_t *xb = X->xq + i * X->K + k0;
+    const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
+    const int runs = U->subs * U->n / 32;
+    __m256 a0 = acc->a0, a1 = acc->a1; /* in registers (see k4_direct) */
+    for (int r = 0; r < runs; r++) {
+        const __m256i v = load32(U->q + 32 * r);
+        const __m256 p = run_dot(even_bytes(v), _mm256_srai_epi16(v, 8), xb + 32 * r);
+        const __m256 sc = U->n == 32 ? _mm256_set1_ps(U->dl[r] * dx[r])
+                                     : halves(U->dl[2 * r] * dx[r], U->dl[2 * r + 1] * dx[r]);
+        if (r & 1)
+            a1 = _mm256_fmadd_ps(p, sc, a1);
+        else
+            a0 = _mm256_fmadd_ps(p, sc, a0);
+    }
+    acc->a0 = a0;
+    acc->a1 = a1;
+    if (!U->mins)
+        return;
+    const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16, *s32 = X->s32 + i * (X->K / 32) + k0 / 32;
+    if (U->n == 32 && U->subs == 8) {
+        acc->m = _mm256_fmadd_ps(_mm256_loadu_ps(U->ml), _mm256_loadu_ps(s32), acc->m);
+    } else if (U->n == 16) {
+        acc->m = _mm256_fmadd_ps(_mm256_loadu_ps(U->ml), _mm256_loadu_ps(s16), acc->m);
+        acc->m = _mm256_fmadd_ps(_mm256_loadu_ps(U->ml + 8), _mm256_loadu_ps(s16 + 8), acc->m);
+    } else {
+        float part[8] = {0};
+        for (int s = 0; s < U->subs; s++)
+            part[s] = U->ml[s] * s32[s];
+        acc->m = _mm256_add_ps(acc->m, _mm256_loadu_ps(part));
+    }
+}
+
+/* ---- kernels that read a type's blocks directly (no Unpacked), for every row of x at once ---- */
+
+/* The k-quant kernels run a tile of up to TILE rows of x along a whole weight row, their sums
+ * in registers from the first block to the last: each group of weights is unpacked once for
+ * the tile, and nothing is spilled (16 AVX2 registers: the tile's 8 sums, 4 of weights, 4 spare). */
+#define TILE 4
+
+/* Q4_K and Q5_K (qh NULL for Q4_K): byte l of a group of 32 holds values l (low nibble) and 32 + l
+ * (high); as int16 lanes, the even values are the low nibble of each lane's low byte. */
+INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0, const int T,
+                     int64_t k0, __m256 (*a)[2], __m256 *m)
+{
+    /* the 8 scales and 8 minimums of 6 bits (scale_min_k4), unpacked four at a time in 32-bit words */
+    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
+    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
+    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
+    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
+    const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+    float sc[TILE][8];
+    for (int t = 0; t < T; t++) {
+        const int64_t run = (i0 + t) * (X->K / 32) + k0 / 32;
+        m[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + run), m[t]);
+        _mm256_storeu_ps(sc[t], _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + run)));
+    }
+    const __m256i low4 = _mm256_set1_epi16(15), bit = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) { /* 64 values: even and odd of its first 32, even and odd of the next */
+        const __m256i v = load32(qs + 32 * g);
+        __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+        __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), w3 = _mm256_srli_epi16(v, 12);
+        if (qh) { /* the fifth bit of value 32 s + l is bit s of qh[l] */
+            const __m256i h = load32(qh);
+            const int s = 2 * g;
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s), bit), 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 8 + s), bit), 4));
+            w2 = _mm256_or_si256(w2, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s + 1), bit), 4));
+            w3 = _mm256_or_si256(w3, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 9 + s), bit), 4));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 64 * g;
+            a[t][0] = _mm256_fmadd_ps(run_dot(w0, w1, x), _mm256_broadcast_ss(sc[t] + 2 * g), a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(run_dot(w2, w3, x + 32), _mm256_broadcast_ss(sc[t] + 2 * g + 1), a[t][1]);
+        }
+    }
+}
+
+/* Q6_K: value 128 h + 32 j + l is nibble j / 2 of ql[64 h + 32 (j % 2) + l] with bits 2 j of
+ * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The 32 is taken off as
+ * a minimum (32 d sc times the sum of x), so the quants stay unsigned bytes until they are split
+ * into int16 lanes. */
+INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const float d = f16(b + 208);
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m256 ds_lo = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+    const __m256 ds_hi = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    const __m256 thirty_two = _mm256_set1_ps(32.0f);
+    for (int t = 0; t < T; t++) {
+        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
+        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_lo), _mm256_loadu_ps(s16), m[t]);
+        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_hi), _mm256_loadu_ps(s16 + 8), m[t]);
+    }
+    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi16(0xff);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
+        const int h = r / 4, j = r % 4, hs = 2 * j;
+        const __m256i hv = load32(qh + 32 * h), lo = load32(ql + 64 * h + 32 * (j % 2));
+        const __m256i l4 = _mm256_and_si256(j / 2 ? _mm256_srli_epi16(lo, 4) : lo, low4);
+        /* bits hs, hs + 1 of each byte to bits 4, 5 */
+        const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
+        const __m256i u = _mm256_or_si256(l4, _mm256_and_si256(he, bits45));
+        const __m256i even = _mm256_and_si256(u, low8), odd = _mm256_srli_epi16(u, 8);
+        const int s = 2 * r % 8; /* lanes 0-3: its first sub-block's d sc, 4-7 its second's */
+        const __m256 scale =
+            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 32 * r;
+            const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + r;
+            a[t][r & 1] = _mm256_fmadd_ps(run_dot(even, odd, x), _mm256_mul_ps(scale, _mm256_broadcast_ss(dx)), a[t][r & 1]);
+        }
+    }
+}
+
+/* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
+INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
+                   Acc *acc)
+{
+    __m256 a[TILE][2], m[TILE];
+    for (int t = 0; t < T; t++)
+        a[t][0] = a[t][1] = m[t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < blocks; j++) {
+        const uint8_t *b = row + j * bytes;
+        if (type == Q6_K)
+            q6_k_block(b, X, i0, T, 256 * j, a, m);
+        else if (type == Q5_K)
+            k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m);
+        else
+            k4_block(b, b + 16, NULL, X, i0, T, 256 * j, a, m);
+    }
+    for (int t = 0; t < T; t++) {
+        acc[i0 + t].a0 = a[t][0];
+        acc[i0 + t].a1 = a[t][1];
+        acc[i0 + t].m = m[t];
+    }
+}
+
+/* Every row of x, TILE at a time (each tile size its own code, so that the sums stay in registers). */
+INLINE void k_row(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc)
+{
+    int64_t i = 0;
+    for (; i + TILE <= X->M; i += TILE)
+        k_rows(type, row, blocks, bytes, X, i, TILE, acc);
+    switch (X->M - i) {
+    case 3: k_rows(type, row, blocks, bytes, X, i, 3, acc); break;
+    case 2: k_rows(type, row, blocks, bytes, X, i, 2, acc); break;
+    case 1: k_rows(type, row, blocks, bytes, X, i, 1, acc); break;
+    default: break;
+    }
+}
+
+static void q4_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q4_K, row, blocks, 144, X, acc);
+}
+
+static void q5_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q5_K, row, blocks, 176, X, acc);
+}
+
+static void q6_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q6_K, row, blocks, 210, X, acc);
+}
+
+/* Q5_0 and Q5_1, up to 8 blocks of 32 (a run each) at once, so that every row of x sums them in
+ * registers: value j < 16 is byte j's low nibble, j >= 16 byte j - 16's high one, its fifth bit
+ * bit j of qh; Q5_0 takes 16 off (as a minimum, 16 d sum(x)), Q5_1 adds m (a minimum of -m). */
+INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const XRows *X, int64_t k0, Acc *acc)
+{
+    const int bytes = has_m ? 24 : 22;
+    const __m128i m4 = _mm_set1_epi8(15);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), sixteen = _mm256_set1_epi8(16);
+    const __m256i spread_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                  3, 3, 3, 3, 3, 3, 3, 3);
+    __m256i even[GROUP], odd[GROUP];
+    float d[GROUP], mn[GROUP];
+    for (int64_t j = 0; j < count; j++) {
+        const uint8_t *blk = b + j * bytes, *qh = blk + (has_m ? 4 : 2);
+        d[j] = f16(blk);
+        mn[j] = has_m ? -f16(blk + 2) : 16.0f * d[j];
+        const __m128i v = _mm_loadu_si128((const __m128i *)(qh + 4));
+        const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)u32(qh)), spread_bytes);
+        const __m256i u = _mm256_or_si256(nib, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), sixteen));
+        even[j] = _mm256_and_si256(u, _mm256_set1_epi16(0xff));
+        odd[j] = _mm256_srli_epi16(u, 8);
+    }
+    for (int64_t i = 0; i < X->M; i++) {
+        const int64_t run = i * (X->K / 32) + k0 / 32;
+        const int16_t *x = X->xq + i * X->K + k0;
+        __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
+        float mins = 0.0f;
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
+            if (j & 1)
+                a1 = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * X->dx[run + j]), a1);
+            else
+                a0 = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * X->dx[run + j]), a0);
+            mins += mn[j] * X->s32[run + j];
+        }
+        acc[i].a0 = a0;
+        acc[i].a1 = a1;
+        acc[i].m = _mm256_add_ps(acc[i].m, _mm256_castps128_ps256(_mm_set_ss(mins)));
+    }
+}
+
+static void q5_0_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    for (int64_t j = 0; j < blocks; j += GROUP)
+        q5_legacy_direct(row + j * 22, MIN(GROUP, blocks - j), 0, X, 32 * j, acc);
+}
+
+static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    for (int64_t j = 0; j < blocks; j += GROUP)
+        q5_legacy_direct(row + j * 24, MIN(GROUP, blocks - j), 1, X, 32 * j, acc);
+}
+
+/* A row of a type's blocks against every row of x (the block loop inside: one call per row). */
+typedef void (*DirectKernel)(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc);
+
+
+
+
+/* The types with a kernel of their own here (the others unpack, then block_dot). */
+static DirectKernel direct_kernel(int type)
+{
+    switch (type) {
+    case Q4_K: return q4_k_row;
+    case Q5_K: return q5_k_row;
+    case Q6_K: return q6_k_row;
+    case Q5_0: return q5_0_row;
+    case Q5_1: return q5_1_row;
+    default: return NULL;
+    }
+}
+#else
+INLINE int x_position(int l)
+{
+    return l;
+}
+
+typedef struct {
+    float s;
+} Acc;
+
+INLINE void acc_zero(Acc *a)
+{
+    a->s = 0.0f;
+}
+
+INLINE float acc_total(const Acc *a)
+{
+    return a->s;
+}
+
+INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, Acc *acc)
+{
+    const int16_t *xb = X->xq + i * X->K + k0;
+    const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
+    const float *s16 = X->s16 + i * (X->K / 16) + k0 / 16, *s32 = X->s32 + i * (X->K / 32) + k0 / 32;
+    /* 16 lanes of float partial sums, each product exact in float (|q xq| < 2^23), one tree per block */
+    float part[16] = {0}, mins = 0.0f;
+    if (U->n == 16) {
+        for (int s = 0; s < U->subs; s++) {
+            const float sc = U->dl[s] * dx[s / 2];
+            for (int l = 0; l < 16; l++)
+                part[l] += sc * (float)((int32_t)U->q[16 * s + l] * xb[16 * s + l]);
+            mins += U->ml[s] * s16[s];
+        }
+    } else { /* sub-blocks of 32: an integer sum each is cheaper (measured) */
+        for (int s = 0; s < U->subs; s++) {
+            int32_t sum = 0;
+            for (int l = 0; l < 32; l++)
+                sum += (int32_t)U->q[32 * s + l] * xb[32 * s + l];
+            part[s] = U->dl[s] * dx[s] * (float)sum; /* subs <= 8 < 16 lanes */
+            mins += U->ml[s] * s32[s];
+        }
+    }
+    acc->s += tree_sum(part, 16) - mins;
+}
+
+typedef void (*DirectKernel)(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc);
+
+static DirectKernel direct_kernel(int type)
+{
+    return NULL;
+}
+#endif
+
+/* y[k] = the float16 value at row + 2 k, k < K: 8 at a time in hardware where the CPU has F16C
+ * (the same values: the conversion is exact). */
+INLINE void f16_row(const uint8_t *row, int64_t K, float *restrict y)
+{
+    int64_t k = 0;
+#if defined(__F16C__)
+    for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(y + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * k))));
+#endif
+    for (; k < K; k++)
+        y[k] = f16(row + 2 * k);
+}
