@@ -306,7 +306,8 @@ def run_bench(args: argparse.Namespace) -> None:
                     result = trio.run(
                         partial(_serving_run, url, base.model, prompts[:level], args.output_len, prompts[-1], extra)
                     )
-                    rss = resident_mib(proc.pid if proc is not None else None)
+                    # one process's memory: ranks and replicas (tp, dp > 1) are others, so none is shown then
+                    rss = resident_mib(proc.pid if proc is not None and tp == 1 and dp == 1 else None)
                     result = attrs.evolve(result, label=name, step_bytes=server_bytes, rss_mib=rss)
                     print(f"[bench] {name} c={level}: {result.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
                     rows.append(result)

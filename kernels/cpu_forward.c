@@ -4,9 +4,12 @@
  * K/V store, decode attention, SiLU-mul per layer); from Python each costs several
  * microseconds of wrapping, a third of the step. This loop makes the same calls, in the
  * same order and on the same buffers, from C: the kernels are the ones the Python path
- * uses (cpu_ops.c, cpu_matmul.c, cpu_decode.c, each its own library), reached through
- * function pointers that the Python side looks up once. So the result is bit for bit the
- * Python path's.
+ * uses (cpu_ops.c, cpu_matmul.c, cpu_gguf.c, cpu_decode.c, each its own library), reached
+ * through function pointers that the Python side looks up once. So the result is bit for bit
+ * the Python path's.
+ *
+ * A projection is one to four parts side by side (Q and K in Q4_K beside V in Q6_K), each with
+ * its own matmul and weight layout, written into its columns of the output.
  */
 #include <stdint.h>
 #include <string.h>

@@ -68,9 +68,9 @@ class _Layer(ctypes.Structure):
 
 
 def available() -> bool:
-    """Whether this loop and every kernel it calls could be built here."""
-    kernels = (_KERNEL, cpu_ops._KERNEL, cpu_matmul._KERNEL, cpu_gguf._KERNEL, cpu_decode._KERNEL)
-    return all(k.available() for k in kernels)
+    """Whether this loop and the kernels every model's loop calls could be built here (a GGUF
+    file's blocks need ``cpu_gguf`` too: ``fusable``)."""
+    return all(k.available() for k in (_KERNEL, cpu_ops._KERNEL, cpu_matmul._KERNEL, cpu_decode._KERNEL))
 
 
 def _address(function: Any) -> int:
@@ -79,9 +79,10 @@ def _address(function: Any) -> int:
 
 def fusable(weight: object) -> bool:
     """Whether the loop runs ``weight``: blocks of either kind, alone or side by side."""
-    if isinstance(weight, Stacked):
-        return len(weight.parts) <= MAX_PARTS and all(isinstance(p, BlockWeight | GGUFWeight) for p in weight.parts)
-    return isinstance(weight, BlockWeight | GGUFWeight)
+    parts = weight.parts if isinstance(weight, Stacked) else (weight,)
+    return len(parts) <= MAX_PARTS and all(
+        isinstance(p, BlockWeight) or (isinstance(p, GGUFWeight) and cpu_gguf.available()) for p in parts
+    )
 
 
 def _shape(weight: Projection) -> tuple[int, int]:
@@ -129,8 +130,12 @@ class DecodeLayers:
             if shapes != expected or norm.shape != (hidden,) or post.shape != (hidden,):
                 raise ValueError(f"layer shapes {shapes} do not match {expected}")
             for head_norm in (q_norm, k_norm):
-                if head_norm is not None and (head_norm.dtype is not _F32 or head_norm.shape != (head_dim,)):
-                    raise ValueError(f"Q/K norms must be float32 [{head_dim}]")
+                if head_norm is not None and (
+                    head_norm.dtype is not _F32
+                    or head_norm.shape != (head_dim,)
+                    or not (head_norm.is_cpu and head_norm.is_contiguous())
+                ):
+                    raise ValueError(f"Q/K norms must be contiguous float32 CPU [{head_dim}]")
         for k, v in kv_cache:
             if any(t.shape != k0.shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
                 raise ValueError("the KV cache must be contiguous float32 CPU tensors of one shape")
@@ -222,6 +227,8 @@ class DecodeLayers:
             or not (block_tables.is_contiguous() and context_lens.is_contiguous())
         ):
             raise ValueError("block_tables [M, pages] and context_lens [M] must be contiguous int32")
+        if M > self.max_rows:  # a GGUF weight's matmul multiplies panels in torch from there on
+            raise ValueError(f"{M} rows: the C loop takes at most {self.max_rows} with these weights")
         if M == 0:
             return h
         work = torch.empty(M * self._work_per_row, dtype=_F32, device=_CPU)

@@ -42,15 +42,26 @@ def float32_bytes(header: GGUFHeader) -> int:
 
 
 def available_memory() -> int | None:
-    """MemAvailable of ``/proc/meminfo`` in bytes (None where there is none)."""
+    """Bytes of memory this process can still take: MemAvailable of ``/proc/meminfo``, or less where
+    a cgroup (a container) caps it lower (None where neither is known)."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except OSError:
-        return None
-    return None
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    if limit.isdigit():
+        room = max(0, int(limit) - used)
+        free = room if free is None else min(free, room)
+    return free
 
 
 def check_servable(header: GGUFHeader, available: int | None = None, native: bool = False) -> None:
