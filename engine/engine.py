@@ -74,6 +74,7 @@ class Engine:
         tokenizer: Any,
         eos_ids: frozenset[int],
         ranks: Ranks | None = None,
+        kv_sharers: int = 1,
     ) -> None:
         """``ranks``: the tensor-parallel ranks ``launch`` started for ``model``, which the
         engine watches and stops with it."""
@@ -85,7 +86,7 @@ class Engine:
         per_token = kv_bytes_per_token(model)
         context = min(config.max_model_len or model.shape.max_position_embeddings, model.shape.max_position_embeddings)
         free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else available_memory()
-        plan = plan_kv_pool(config, per_token, context, free)
+        plan = plan_kv_pool(config, per_token, context, free, kv_sharers)
         num_pages = plan.num_pages
         self.allocator = PageAllocator(num_pages)
         cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
@@ -135,10 +136,10 @@ class Engine:
             native_memory.pin_mmap_threshold()  # per-step tensors go back to the kernel when freed
 
     @classmethod
-    def load(cls, config: EngineConfig) -> Engine:
+    def load(cls, config: EngineConfig, kv_sharers: int = 1) -> Engine:
         """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
         launched = launch(config)
-        return cls(config, launched.model, launched.tokenizer, launched.eos_ids, launched.ranks)
+        return cls(config, launched.model, launched.tokenizer, launched.eos_ids, launched.ranks, kv_sharers)
 
     # -- the interface handlers use ------------------------------------------------
 

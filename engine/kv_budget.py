@@ -3,8 +3,8 @@
 By default (no ``--kv-cache-mb``, no ``--num-pages``) the pool is sized when the engine starts,
 with the weights already in memory: room for one sequence of the whole context (and at least
 ``AUTO_FLOOR``), but never more than ``AUTO_SHARE`` of the memory then available nor
-``AUTO_CAP`` (vLLM's default KV space on CPUs). The context length then follows from the pool
-(``Engine``). A budget given that the memory cannot hold is refused in one line, as is a machine
+``AUTO_CAP`` (vLLM's default KV space on CPUs); ``--dp`` replicas on one CPU divide that share.
+The context length then follows from the pool (``Engine``). A budget given that the memory cannot hold is refused in one line, as is a machine
 too full for even a small pool.
 """
 
@@ -32,9 +32,12 @@ class KVPlan:
     reason: str  # for the start-up log: where the size came from
 
 
-def plan_kv_pool(config: EngineConfig, bytes_per_token: int, context_len: int, available: int | None) -> KVPlan:
+def plan_kv_pool(
+    config: EngineConfig, bytes_per_token: int, context_len: int, available: int | None, sharers: int = 1
+) -> KVPlan:
     """The pool for a model of ``bytes_per_token`` (every layer's K and V) and ``context_len``
-    tokens of context; ``available``: bytes of memory free now (None where unknown)."""
+    tokens of context; ``available``: bytes of memory free now (None where unknown), which
+    ``sharers`` engines (``--dp`` replicas on one CPU) size their pools from at once."""
     page_bytes = bytes_per_token * config.page_size
     free = f"{available / GiB:.1f} GiB available" if available is not None else "memory available unknown"
     if config.num_pages is not None:
@@ -52,13 +55,16 @@ def plan_kv_pool(config: EngineConfig, bytes_per_token: int, context_len: int, a
     budget, why = wanted, "one full context" if full >= AUTO_FLOOR else f"at least {AUTO_FLOOR // MiB} MiB"
     if wanted == AUTO_CAP and full > AUTO_CAP:
         why = f"capped at {AUTO_CAP // GiB} GiB"
-    if available is not None and AUTO_SHARE * available < wanted:
-        budget, why = int(AUTO_SHARE * available), f"{AUTO_SHARE:.0%} of the memory available"
+    share = AUTO_SHARE / max(1, sharers)
+    if available is not None and share * available < wanted:
+        budget, why = int(share * available), f"{share:.0%} of the memory available"
+        if sharers > 1:
+            why += f", shared by {sharers} replicas"
         smallest = MIN_TOKENS * bytes_per_token
         if budget < smallest:
             raise KVBudgetError(
                 f"no room for a KV pool: {MIN_TOKENS} tokens of it take {smallest / MiB:.0f} MiB, and "
-                f"{AUTO_SHARE:.0%} of the {free} with the weights loaded is {budget / MiB:.0f} MiB"
+                f"{share:.0%} of the {free} with the weights loaded is {budget / MiB:.0f} MiB"
             )
     pages = max(1, budget // page_bytes)
     return KVPlan(pages, pages * page_bytes, f"auto: {why}; {free}")

@@ -52,3 +52,10 @@ def test_the_engine_logs_its_pool_and_context_length(model_parts, caplog):
     tokens = engine.allocator.num_pages * 16
     assert line.startswith(f"KV pool: 64 MiB, {tokens} tokens in {engine.allocator.num_pages} pages (--kv-cache-mb)")
     assert line.endswith("context length 1024 (the model's 8192)") and engine.max_model_len == 1024
+
+
+def test_replicas_on_one_cpu_divide_the_share_of_free_memory():
+    alone = plan_kv_pool(EngineConfig(), 65_536, 131_072, 8 * GiB)
+    shared = plan_kv_pool(EngineConfig(), 65_536, 131_072, 8 * GiB, sharers=2)
+    assert shared.pool_bytes <= alone.pool_bytes / 2 < shared.pool_bytes + 16 * 65_536
+    assert "12% of the memory available, shared by 2 replicas" in shared.reason

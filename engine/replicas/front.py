@@ -261,7 +261,9 @@ class ReplicaSet:
             devices = ",".join(visible[index * gpus : (index + 1) * gpus]) if visible else None
             # Not a daemon: a replica with --tp starts processes of its own.
             process = context.Process(
-                target=replica_main, args=(config, index, back, devices), name=f"trillm-replica-{index}"
+                target=replica_main,
+                args=(config, index, back, devices, 1 if devices else self.config.dp),
+                name=f"trillm-replica-{index}",
             )
             with children_allowed():
                 process.start()

@@ -28,18 +28,22 @@ log = logging.getLogger("trillm.engine")
 STATS_PERIOD = 0.1  # seconds between stats reports while they change
 
 
-def replica_main(config: EngineConfig, index: int, conn: Connection, visible_devices: str | None) -> None:
-    """Process entry (``multiprocessing`` spawn): replica ``index`` on its own device(s)."""
+def replica_main(
+    config: EngineConfig, index: int, conn: Connection, visible_devices: str | None, kv_sharers: int = 1
+) -> None:
+    """Process entry (``multiprocessing`` spawn): replica ``index`` on its own device(s);
+    ``kv_sharers``: replicas whose KV pools come out of the same memory (on one CPU, all)."""
     ignore_stop_signals()  # the front end drains, then sends Stop; without it, the pipe's end stops us
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices  # before torch first touches CUDA
     logging.basicConfig(level=logging.INFO, format=f"[replica {index}] %(name)s: %(message)s")
-    trio.run(Replica(config, conn).serve)
+    trio.run(Replica(config, conn, kv_sharers).serve)
 
 
 class Replica:
-    def __init__(self, config: EngineConfig, conn: Connection) -> None:
+    def __init__(self, config: EngineConfig, conn: Connection, kv_sharers: int = 1) -> None:
         self.config = config
+        self.kv_sharers = kv_sharers
         self.conn = conn  # read by the command task's thread
         self.writer = PipeWriter(conn, "trillm-replica-writer")  # never blocks the loop
         self.engine: Engine | None = None
@@ -51,7 +55,7 @@ class Replica:
         self._aborted_early: set[str] = set()  # of those, aborted meanwhile
 
     async def serve(self) -> None:
-        self.engine = engine = await trio.to_thread.run_sync(Engine.load, self.config)
+        self.engine = engine = await trio.to_thread.run_sync(Engine.load, self.config, self.kv_sharers)
         log.info("serving as process %d", os.getpid())
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
