@@ -23,7 +23,7 @@
  *   Q5_K  d dmin scales[12] qh[32] qs[128]  8 of 32: (d * sc6) * (q4 | bit << 4) - dmin * min6
  *   Q6_K  ql[128] qh[64] scales[16] d       16 of 16: (d * sc8) * ((q4 | q2 << 4) - 32)
  *
- * Decode-sized batches (up to 32 rows of x) quantize x to int16 per 32 values (llama.cpp uses
+ * Decode-sized batches (up to 48 rows of x) quantize x to int16 per 32 values (llama.cpp uses
  * int8) and take integer dot products per sub-block, the scales applied once per sub-block; Q4_K,
  * Q5_K, Q6_K, Q5_0 and Q5_1 have kernels of their own that read their blocks directly (on SIMD
  * builds), the other types are unpacked to int8 once for every row of x. With EXACT, or for F16 / BF16,
@@ -48,7 +48,7 @@ enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_
 enum { ACCUMULATE = 1, EXACT = 2 }; /* flags of trillm_gguf_matmul; EXACT: float activations */
 
 #define ROWS 8 /* weight rows decoded at once by the matmul */
-#define MAX_INT_ROWS 32 /* rows of x up to which activations go to int16 */
+#define MAX_INT_ROWS 48 /* rows of x up to which activations go to int16 */
 #define PARALLEL_MIN_WORK (1 << 18)
 #define GROUP 8 /* legacy blocks unpacked together: 256 values, as one k-quant block */
 
