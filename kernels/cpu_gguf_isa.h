@@ -426,18 +426,27 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
         const int64_t run = i * (X->K / 32) + k0 / 32;
         const int16_t *x = X->xq + i * X->K + k0;
         __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
-        float mins = 0.0f;
+        float scale[GROUP];
+        if (count == GROUP) { /* the scales and minimums of all eight at once */
+            _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(X->dx + run)));
+            acc[i].m = _mm256_fmadd_ps(_mm256_loadu_ps(mn), _mm256_loadu_ps(X->s32 + run), acc[i].m);
+        } else {
+            float mins = 0.0f;
+            for (int64_t j = 0; j < count; j++) {
+                scale[j] = d[j] * X->dx[run + j];
+                mins += mn[j] * X->s32[run + j];
+            }
+            acc[i].m = _mm256_add_ps(acc[i].m, _mm256_castps128_ps256(_mm_set_ss(mins)));
+        }
         for (int64_t j = 0; j < count; j++) {
             const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
             if (j & 1)
-                a1 = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * X->dx[run + j]), a1);
+                a1 = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale + j), a1);
             else
-                a0 = _mm256_fmadd_ps(p, _mm256_set1_ps(d[j] * X->dx[run + j]), a0);
-            mins += mn[j] * X->s32[run + j];
+                a0 = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale + j), a0);
         }
         acc[i].a0 = a0;
         acc[i].a1 = a1;
-        acc[i].m = _mm256_add_ps(acc[i].m, _mm256_castps128_ps256(_mm_set_ss(mins)));
     }
 }
 
