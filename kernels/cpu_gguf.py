@@ -6,7 +6,7 @@ of x (decode steps, bound by the bytes of the weight), x is quantized to int16 p
 integers with every row, its scales applied once per sub-block: the result is within
 ``ACTIVATION_ERROR`` of the float one, relative to ``|x| @ |W|.T``. ``exact=True`` (and F16 /
 BF16 weights) decodes weight rows to float32 instead. From ``GEMM_ROWS`` rows on (prefill),
-panels of ``PANEL`` weight rows are decoded and multiplied with torch's GEMM, in float32. Float32
+panels of ``PANEL_FLOATS / K`` weight rows are decoded and multiplied with torch's GEMM, in float32. Float32
 CPU tensors only; the GIL is released in C.
 """
 
@@ -37,7 +37,7 @@ GEMM_ROWS = 49  # rows of x from which the panel + GEMM path runs (at most the C
 FLOAT_GEMM_ROWS = 12  # the same for F16 / BF16 weights, whose rows below it are decoded and dotted in float32
 ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
 SIMD_NAMES = ("plain", "avx2", "avxvnni", "avx512vnni")  # by trillm_gguf_simd's value
-PANEL = 256  # weight rows decoded per GEMM: ~0.6 MiB of float32 at K = 576, L2-sized
+PANEL_FLOATS = 1 << 19  # a panel decoded per GEMM: 2 MiB of float32 (measured best of 0.6-16 MiB at K 576-2048)
 
 
 def simd() -> str:
@@ -164,9 +164,10 @@ def matmul(
     if not (M and N):
         return out
     if M >= (FLOAT_GEMM_ROWS if weight.kind.values == 1 else GEMM_ROWS):
-        panel = torch.empty(min(PANEL, N), K, dtype=_F32, device=_CPU)
-        for start in range(0, N, PANEL):
-            stop = min(start + PANEL, N)
+        rows = max(16, PANEL_FLOATS // K)
+        panel = torch.empty(min(rows, N), K, dtype=_F32, device=_CPU)
+        for start in range(0, N, rows):
+            stop = min(start + rows, N)
             w = dequantize(weight, start, stop, panel[: stop - start])
             part = out[:, start:stop]
             if accumulate:

@@ -79,8 +79,9 @@ def test_float16_specials_decode_as_torch_does():
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("M", [1, 3, 20, cpu_gguf.GEMM_ROWS + 5])  # 20: F16 / BF16 in panels, the rest in int16
-def test_matmul_equals_the_decoded_matrix_times_x(name, M):
-    N, K = 300, 512  # N past one panel of the GEMM path and not a multiple of the row group
+def test_matmul_equals_the_decoded_matrix_times_x(name, M, monkeypatch):
+    N, K = 300, 512  # N past two panels of the GEMM path and not a multiple of the row group
+    monkeypatch.setattr(cpu_gguf, "PANEL_FLOATS", 128 * K)
     weight = random_weight(name, N, K, seed=M)
     dense = reference_dequantize(weight)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
