@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import attrs
+import pytest
 
 from trillm.bench.options import add_parser, server_environment, swept_values
 from trillm.engine import EngineConfig, from_env, overrides_from
@@ -39,3 +40,14 @@ def test_the_servers_environment_reads_back_as_the_same_configuration():
         load_format="dummy",
     )
     assert from_env(EngineConfig, env=server_environment(config)) == config
+
+
+def test_a_peer_is_a_name_a_url_and_maybe_its_pid():
+    from trillm.bench.peers import Peer, parse_peer
+
+    assert parse_peer("llama-server=http://127.0.0.1:8090/") == Peer("llama-server", "http://127.0.0.1:8090")
+    assert parse_peer("vllm=http://h:8000,pid=42") == Peer("vllm", "http://h:8000", 42)
+    for bad in ("http://h:8000", "x=h:8000", "x=http://h,port=1", "x=http://h,pid=abc", "=http://h"):
+        with pytest.raises(ValueError, match="--peer"):
+            parse_peer(bad)
+    assert bench_args("--peer", "a=http://h:1", "--peer", "b=http://h:2").peer == ["a=http://h:1", "b=http://h:2"]

@@ -158,3 +158,15 @@ def test_our_k_quant_encoders_write_blocks_gguf_decodes_close_to_the_input(name,
     back = reference_dequantize(GGUFWeight(BLOCK_TYPES[name], torch.from_numpy(raw), 512)).numpy()
     error = np.abs(back - w).mean() / np.abs(w).mean()
     assert error < bound, error
+
+
+def test_the_start_up_log_names_each_projections_formats_and_path():
+    from trillm.engine.execution.layers import kernel_paths
+
+    q, k, v = random_weight("Q4_K", 64, 256, 1), random_weight("Q4_K", 32, 256, 2), random_weight("Q6_K", 32, 256, 3)
+    qkv = fuse([q, k, v], blocks=True)
+    lines = kernel_paths({"qkv": [qkv, qkv], "down": [v], "lm_head": [torch.zeros(4, 4)]})
+    assert lines[:3] == ["qkv: 2 x Q4_K+Q4_K+Q6_K", "down: 1 x Q6_K", "lm_head: 1 x dense float32"]
+    paths = dict(line.split(": ", 1) for line in lines[3:])
+    assert set(paths) == {"Q4_K", "Q6_K", "dense float32"} and paths["dense float32"] == "torch"
+    assert paths["Q4_K"].startswith(f"cpu_gguf, {cpu_gguf.simd()}: int16 activations up to {cpu_gguf.GEMM_ROWS - 1}")
