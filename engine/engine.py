@@ -85,8 +85,12 @@ class Engine:
         self.eos_ids = eos_ids
         per_token = kv_bytes_per_token(model)
         context = min(config.max_model_len or model.shape.max_position_embeddings, model.shape.max_position_embeddings)
-        free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else available_memory()
-        plan = plan_kv_pool(config, per_token, context, free, kv_sharers)
+        free: int | None
+        if model.device.type == "cuda":
+            free, sharers = torch.cuda.mem_get_info(model.device)[0], kv_sharers
+        else:  # tensor-parallel ranks on one CPU each hold a pool of these pages (of their heads)
+            free, sharers = available_memory(), kv_sharers * model.tp.size
+        plan = plan_kv_pool(config, per_token, context, free, sharers)
         num_pages = plan.num_pages
         self.allocator = PageAllocator(num_pages)
         cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
