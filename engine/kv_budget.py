@@ -3,7 +3,7 @@
 By default (no ``--kv-cache-mb``, no ``--num-pages``) the pool is sized when the engine starts,
 with the weights already in memory: room for one sequence of the whole context (and at least
 ``AUTO_FLOOR``), but never more than ``AUTO_SHARE`` of the memory then available nor
-``AUTO_CAP`` (vLLM's default KV space on CPUs); ``--dp`` replicas on one CPU divide that share.
+``AUTO_CAP`` (vLLM's default KV space on CPUs); replicas and ranks on one CPU divide that share.
 The context length then follows from the pool (``Engine``). A budget given that the memory
 cannot hold is refused in one line, as is a machine too full for even a small pool.
 """
