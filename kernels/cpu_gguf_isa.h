@@ -4,7 +4,7 @@
  * AVX2 (+ FMA, F16C) and plain C: the helpers that unpack runs of 16 or 32 quants from a
  * block's bit fields (the same bytes on both paths, which the tests check value by value against
  * gguf's decoders), the x layout, the dot of one unpacked block with one row of int16
- * activations, and the kernels that read Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks directly.
+ * activations, and the kernels that read Q3_K, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks directly.
  * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction).
  */
 
@@ -308,6 +308,19 @@ INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, con
     }
 }
 
+/* Run r (values 32 r .. 32 r + 31 of the block at k0) of one weight row, as even and odd int16
+ * lanes with its scale per 16 values (lanes 0-3, 4-7), into the sums of rows i0 .. i0 + T of x. */
+INLINE void run_into(__m256i even, __m256i odd, __m256 scale, const XRows *X, int64_t i0, const int T, int64_t k0,
+                     int r, __m256 (*a)[2])
+{
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+        const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 32 * r;
+        const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + r;
+        a[t][r & 1] = _mm256_fmadd_ps(run_dot(even, odd, x), _mm256_mul_ps(scale, _mm256_broadcast_ss(dx)), a[t][r & 1]);
+    }
+}
+
 /* Q6_K: value 128 h + 32 j + l is nibble j / 2 of ql[64 h + 32 (j % 2) + l] with bits 2 j of
  * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The 32 is taken off as
  * a minimum (32 d sc times the sum of x), so the quants stay unsigned bytes until they are split
@@ -338,12 +351,42 @@ INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
         const int s = 2 * r % 8; /* lanes 0-3: its first sub-block's d sc, 4-7 its second's */
         const __m256 scale =
             _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 32 * r;
-            const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + r;
-            a[t][r & 1] = _mm256_fmadd_ps(run_dot(even, odd, x), _mm256_mul_ps(scale, _mm256_broadcast_ss(dx)), a[t][r & 1]);
-        }
+        run_into(even, odd, scale, X, i0, T, k0, r, a);
+    }
+}
+
+/* Q3_K: value 128 g + 32 j + l is bits 2 j of qs[32 g + l], its third bit bit 4 g + j of hmask[l],
+ * less 4 (taken off as a minimum, as Q6_K's 32); 16 sub-blocks of 16 with 6-bit scales less 32. */
+INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
+{
+    const uint8_t *hmask = b, *qs = b + 32;
+    /* the 16 scales of 6 bits, four at a time in 32-bit words: low 4 bits from the nibbles of bytes
+     * 0-7, high 2 bits from bytes 8-11 (scale s: bits 2 (s / 4) of byte 8 + s % 4) */
+    const uint32_t lo0 = u32(b + 96), lo1 = u32(b + 100), hi = u32(b + 104), m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    const __m128i sc8 = _mm_sub_epi8(
+        _mm_set_epi32((int)(((lo1 >> 4) & m4) | ((hi >> 6) & m2) << 4), (int)(((lo0 >> 4) & m4) | ((hi >> 4) & m2) << 4),
+                      (int)((lo1 & m4) | ((hi >> 2) & m2) << 4), (int)((lo0 & m4) | (hi & m2) << 4)),
+        _mm_set1_epi8(32));
+    const __m256 d = _mm256_set1_ps(f16(b + 108));
+    const __m256 ds_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+    const __m256 ds_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    const __m256 four = _mm256_set1_ps(4.0f);
+    for (int t = 0; t < T; t++) {
+        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
+        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(four, ds_lo), _mm256_loadu_ps(s16), m[t]);
+        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(four, ds_hi), _mm256_loadu_ps(s16 + 8), m[t]);
+    }
+    const __m256i low2 = _mm256_set1_epi8(3), low8 = _mm256_set1_epi16(0xff), h = load32(hmask);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
+        const __m256i q2 = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
+        const __m256i bit = _mm256_set1_epi8((char)(1 << r)); /* the third bit, to bit 2 */
+        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(4));
+        const __m256i u = _mm256_or_si256(q2, high);
+        const int s = 2 * r % 8;
+        const __m256 scale =
+            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+        run_into(_mm256_and_si256(u, low8), _mm256_srli_epi16(u, 8), scale, X, i0, T, k0, r, a);
     }
 }
 
@@ -358,6 +401,8 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
         const uint8_t *b = row + j * bytes;
         if (type == Q6_K)
             q6_k_block(b, X, i0, T, 256 * j, a, m);
+        else if (type == Q3_K)
+            q3_k_block(b, X, i0, T, 256 * j, a, m);
         else if (type == Q5_K)
             k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m);
         else
@@ -397,6 +442,11 @@ static void q5_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *ac
 static void q6_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
 {
     k_row(Q6_K, row, blocks, 210, X, acc);
+}
+
+static void q3_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q3_K, row, blocks, 110, X, acc);
 }
 
 /* Q5_0 and Q5_1, up to 8 blocks of 32 (a run each) at once, so that every row of x sums them in
@@ -475,6 +525,7 @@ static DirectKernel direct_kernel(int type)
     case Q4_K: return q4_k_row;
     case Q5_K: return q5_k_row;
     case Q6_K: return q6_k_row;
+    case Q3_K: return q3_k_row;
     case Q5_0: return q5_0_row;
     case Q5_1: return q5_1_row;
     default: return NULL;
