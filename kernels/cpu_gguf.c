@@ -24,8 +24,8 @@
  *   Q6_K  ql[128] qh[64] scales[16] d       16 of 16: (d * sc8) * ((q4 | q2 << 4) - 32)
  *
  * Decode-sized batches (up to 48 rows of x) quantize x to int16 per 32 values (llama.cpp uses
- * int8) and take integer dot products per sub-block, the scales applied once per sub-block; Q3_K,
- * Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 have kernels of their own that read their blocks directly (on SIMD
+ * int8) and take integer dot products per sub-block, the scales applied once per sub-block; the
+ * k-quants, Q5_0 and Q5_1 have kernels of their own that read their blocks directly (on SIMD
  * builds), the other types are unpacked to int8 once for every row of x. With EXACT, or for F16 / BF16,
  * weight rows are decoded to float32 into a per-thread buffer and dotted with x instead. Larger
  * batches decode a panel of rows here and multiply it with torch's GEMM (cpu_gguf.py).

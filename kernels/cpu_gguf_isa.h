@@ -4,7 +4,7 @@
  * AVX2 (+ FMA, F16C) and plain C: the helpers that unpack runs of 16 or 32 quants from a
  * block's bit fields (the same bytes on both paths, which the tests check value by value against
  * gguf's decoders), the x layout, the dot of one unpacked block with one row of int16
- * activations, and the kernels that read Q3_K, Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks directly.
+ * activations, and the kernels that read every k-quant's and Q5_0's and Q5_1's blocks directly.
  * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction).
  */
 
@@ -390,6 +390,34 @@ INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
     }
 }
 
+/* Q2_K: value 128 g + 32 j + l is bits 2 j of qs[32 g + l]; 16 sub-blocks of 16, each with a
+ * 4-bit scale (low nibble of scales[s], times d) and a 4-bit minimum (high nibble, times dmin). */
+INLINE void q2_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
+{
+    const uint8_t *qs = b + 16;
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
+    const __m128i sc8 = _mm_and_si128(packed, m4), mn8 = _mm_and_si128(_mm_srli_epi16(packed, 4), m4);
+    const __m256 d = _mm256_set1_ps(f16(b + 80)), dmin = _mm256_set1_ps(f16(b + 82));
+    const __m256 ds_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
+    const __m256 ds_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc8, 8))));
+    const __m256 mn_lo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)));
+    const __m256 mn_hi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn8, 8))));
+    for (int t = 0; t < T; t++) {
+        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
+        m[t] = _mm256_fmadd_ps(mn_lo, _mm256_loadu_ps(s16), m[t]);
+        m[t] = _mm256_fmadd_ps(mn_hi, _mm256_loadu_ps(s16 + 8), m[t]);
+    }
+    const __m256i low2 = _mm256_set1_epi8(3), low8 = _mm256_set1_epi16(0xff);
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
+        const __m256i u = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
+        const int s = 2 * r % 8;
+        const __m256 scale =
+            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+        run_into(_mm256_and_si256(u, low8), _mm256_srli_epi16(u, 8), scale, X, i0, T, k0, r, a);
+    }
+}
+
 /* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
 INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
                    Acc *acc)
@@ -403,6 +431,8 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
             q6_k_block(b, X, i0, T, 256 * j, a, m);
         else if (type == Q3_K)
             q3_k_block(b, X, i0, T, 256 * j, a, m);
+        else if (type == Q2_K)
+            q2_k_block(b, X, i0, T, 256 * j, a, m);
         else if (type == Q5_K)
             k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m);
         else
@@ -447,6 +477,11 @@ static void q6_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *ac
 static void q3_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
 {
     k_row(Q3_K, row, blocks, 110, X, acc);
+}
+
+static void q2_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    k_row(Q2_K, row, blocks, 84, X, acc);
 }
 
 /* Q5_0 and Q5_1, up to 8 blocks of 32 (a run each) at once, so that every row of x sums them in
@@ -526,6 +561,7 @@ static DirectKernel direct_kernel(int type)
     case Q5_K: return q5_k_row;
     case Q6_K: return q6_k_row;
     case Q3_K: return q3_k_row;
+    case Q2_K: return q2_k_row;
     case Q5_0: return q5_0_row;
     case Q5_1: return q5_1_row;
     default: return NULL;
