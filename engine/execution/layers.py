@@ -174,6 +174,8 @@ def _path(kind: str) -> str:
     """The kernel a kind of weight runs on here (for the start-up log)."""
     if kind.startswith("dense"):
         return "torch"
+    if not (cpu_matmul.available() if kind.endswith("blocks") else cpu_gguf.available()):
+        return "no C kernel built here (its matmul will refuse)"
     if kind.endswith("blocks"):
         return f"cpu_matmul, {cpu_matmul.simd()}"
     if kind in ("F16", "BF16"):
