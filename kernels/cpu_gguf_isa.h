@@ -131,16 +131,24 @@ INLINE void add_where_bit(const uint8_t *restrict bytes, int bit, int value, int
 #endif
 }
 
-/* q[j] += 16 where bit j of the 32-bit qh is set, j < 32 (Q5_0 / Q5_1's fifth bits) */
-INLINE void add_fifth_bits(uint32_t qh, int8_t *restrict q)
+#if GGUF_SIMD
+/* Byte j: 16 where bit j of qh is set, else 0 (Q5_0 / Q5_1's fifth bits). Byte j takes byte j / 8
+ * of qh, then its own bit j % 8. */
+INLINE __m256i fifth_bits(uint32_t qh)
 {
-#if GGUF_SIMD /* byte j takes byte j / 8 of qh, then its own bit j % 8 */
     const __m256i spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32((int)qh), _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
                                                      2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    store32(q, _mm256_add_epi8(load32(q), _mm256_and_si256(set, _mm256_set1_epi8(16))));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+#endif
+
+/* q[j] += 16 where bit j of the 32-bit qh is set, j < 32 (Q5_0 / Q5_1's fifth bits) */
+INLINE void add_fifth_bits(uint32_t qh, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    store32(q, _mm256_add_epi8(load32(q), fifth_bits(qh)));
 #else
     for (int j = 0; j < 32; j++)
         q[j] = (int8_t)(q[j] + ((qh >> j) & 1) * 16);
@@ -308,11 +316,36 @@ INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, con
     }
 }
 
-/* Run r (values 32 r .. 32 r + 31 of the block at k0) of one weight row, as even and odd int16
- * lanes with its scale per 16 values (lanes 0-3, 4-7), into the sums of rows i0 .. i0 + T of x. */
-INLINE void run_into(__m256i even, __m256i odd, __m256 scale, const XRows *X, int64_t i0, const int T, int64_t k0,
-                     int r, __m256 (*a)[2])
+/* The types of 16 sub-blocks of 16 (Q2_K, Q3_K, Q6_K): lo, hi the float scales of sub-blocks 0-7
+ * and 8-15; run r (values 32 r ..) takes sub-blocks 2 r and 2 r + 1, in lanes 0-3 and 4-7. */
+INLINE void scales16(__m256 d, __m128i sc8, __m256 *lo, __m256 *hi) /* sc8: 16 int8 scales */
 {
+    *lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+    *hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+}
+
+INLINE __m256 run_scale(__m256 lo, __m256 hi, int r)
+{
+    const int s = 2 * r % 8;
+    return _mm256_permutevar8x32_ps(r < 4 ? lo : hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+}
+
+/* m[t] += the 16 minimums (lo, hi as scales16's) times the sums of x of their sub-blocks */
+INLINE void minimums16(__m256 lo, __m256 hi, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 *m)
+{
+    for (int t = 0; t < T; t++) {
+        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
+        m[t] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(s16), m[t]);
+        m[t] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(s16 + 8), m[t]);
+    }
+}
+
+/* Run r (values 32 r .. 32 r + 31 of the block at k0) of one weight row, its quants unsigned bytes
+ * u, with its scale per 16 values (run_scale), into the sums of rows i0 .. i0 + T of x. */
+INLINE void run_into(__m256i u, __m256 scale, const XRows *X, int64_t i0, const int T, int64_t k0, int r,
+                     __m256 (*a)[2])
+{
+    const __m256i even = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), odd = _mm256_srli_epi16(u, 8);
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
         const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 32 * r;
@@ -328,17 +361,11 @@ INLINE void run_into(__m256i even, __m256i odd, __m256 scale, const XRows *X, in
 INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
 {
     const uint8_t *ql = b, *qh = b + 128;
-    const float d = f16(b + 208);
-    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
-    const __m256 ds_lo = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
-    const __m256 ds_hi = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    __m256 ds_lo, ds_hi;
+    scales16(_mm256_set1_ps(f16(b + 208)), _mm_loadu_si128((const __m128i *)(b + 192)), &ds_lo, &ds_hi);
     const __m256 thirty_two = _mm256_set1_ps(32.0f);
-    for (int t = 0; t < T; t++) {
-        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
-        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_lo), _mm256_loadu_ps(s16), m[t]);
-        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(thirty_two, ds_hi), _mm256_loadu_ps(s16 + 8), m[t]);
-    }
-    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), low8 = _mm256_set1_epi16(0xff);
+    minimums16(_mm256_mul_ps(thirty_two, ds_lo), _mm256_mul_ps(thirty_two, ds_hi), X, i0, T, k0, m);
+    const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
         const int h = r / 4, j = r % 4, hs = 2 * j;
@@ -347,11 +374,7 @@ INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
         /* bits hs, hs + 1 of each byte to bits 4, 5 */
         const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
         const __m256i u = _mm256_or_si256(l4, _mm256_and_si256(he, bits45));
-        const __m256i even = _mm256_and_si256(u, low8), odd = _mm256_srli_epi16(u, 8);
-        const int s = 2 * r % 8; /* lanes 0-3: its first sub-block's d sc, 4-7 its second's */
-        const __m256 scale =
-            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
-        run_into(even, odd, scale, X, i0, T, k0, r, a);
+        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a);
     }
 }
 
@@ -367,26 +390,17 @@ INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
         _mm_set_epi32((int)(((lo1 >> 4) & m4) | ((hi >> 6) & m2) << 4), (int)(((lo0 >> 4) & m4) | ((hi >> 4) & m2) << 4),
                       (int)((lo1 & m4) | ((hi >> 2) & m2) << 4), (int)((lo0 & m4) | (hi & m2) << 4)),
         _mm_set1_epi8(32));
-    const __m256 d = _mm256_set1_ps(f16(b + 108));
-    const __m256 ds_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
-    const __m256 ds_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8))));
+    __m256 ds_lo, ds_hi;
+    scales16(_mm256_set1_ps(f16(b + 108)), sc8, &ds_lo, &ds_hi);
     const __m256 four = _mm256_set1_ps(4.0f);
-    for (int t = 0; t < T; t++) {
-        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
-        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(four, ds_lo), _mm256_loadu_ps(s16), m[t]);
-        m[t] = _mm256_fmadd_ps(_mm256_mul_ps(four, ds_hi), _mm256_loadu_ps(s16 + 8), m[t]);
-    }
-    const __m256i low2 = _mm256_set1_epi8(3), low8 = _mm256_set1_epi16(0xff), h = load32(hmask);
+    minimums16(_mm256_mul_ps(four, ds_lo), _mm256_mul_ps(four, ds_hi), X, i0, T, k0, m);
+    const __m256i low2 = _mm256_set1_epi8(3), h = load32(hmask);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
         const __m256i q2 = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
         const __m256i bit = _mm256_set1_epi8((char)(1 << r)); /* the third bit, to bit 2 */
         const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(4));
-        const __m256i u = _mm256_or_si256(q2, high);
-        const int s = 2 * r % 8;
-        const __m256 scale =
-            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
-        run_into(_mm256_and_si256(u, low8), _mm256_srli_epi16(u, 8), scale, X, i0, T, k0, r, a);
+        run_into(_mm256_or_si256(q2, high), run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a);
     }
 }
 
@@ -397,24 +411,15 @@ INLINE void q2_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
     const uint8_t *qs = b + 16;
     const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
     const __m128i sc8 = _mm_and_si128(packed, m4), mn8 = _mm_and_si128(_mm_srli_epi16(packed, 4), m4);
-    const __m256 d = _mm256_set1_ps(f16(b + 80)), dmin = _mm256_set1_ps(f16(b + 82));
-    const __m256 ds_lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)));
-    const __m256 ds_hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sc8, 8))));
-    const __m256 mn_lo = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)));
-    const __m256 mn_hi = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(mn8, 8))));
-    for (int t = 0; t < T; t++) {
-        const float *s16 = X->s16 + (i0 + t) * (X->K / 16) + k0 / 16;
-        m[t] = _mm256_fmadd_ps(mn_lo, _mm256_loadu_ps(s16), m[t]);
-        m[t] = _mm256_fmadd_ps(mn_hi, _mm256_loadu_ps(s16 + 8), m[t]);
-    }
-    const __m256i low2 = _mm256_set1_epi8(3), low8 = _mm256_set1_epi16(0xff);
+    __m256 ds_lo, ds_hi, mn_lo, mn_hi; /* the nibbles are < 16: as int8 they are the same values */
+    scales16(_mm256_set1_ps(f16(b + 80)), sc8, &ds_lo, &ds_hi);
+    scales16(_mm256_set1_ps(f16(b + 82)), mn8, &mn_lo, &mn_hi);
+    minimums16(mn_lo, mn_hi, X, i0, T, k0, m);
+    const __m256i low2 = _mm256_set1_epi8(3);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
         const __m256i u = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
-        const int s = 2 * r % 8;
-        const __m256 scale =
-            _mm256_permutevar8x32_ps(r < 4 ? ds_lo : ds_hi, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
-        run_into(_mm256_and_si256(u, low8), _mm256_srli_epi16(u, 8), scale, X, i0, T, k0, r, a);
+        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a);
     }
 }
 
@@ -491,9 +496,6 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
 {
     const int bytes = has_m ? 24 : 22;
     const __m128i m4 = _mm_set1_epi8(15);
-    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL), sixteen = _mm256_set1_epi8(16);
-    const __m256i spread_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                                                  3, 3, 3, 3, 3, 3, 3, 3);
     __m256i even[GROUP], odd[GROUP];
     float d[GROUP], mn[GROUP];
     for (int64_t j = 0; j < count; j++) {
@@ -502,8 +504,7 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
         mn[j] = has_m ? -f16(blk + 2) : 16.0f * d[j];
         const __m128i v = _mm_loadu_si128((const __m128i *)(qh + 4));
         const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)u32(qh)), spread_bytes);
-        const __m256i u = _mm256_or_si256(nib, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), sixteen));
+        const __m256i u = _mm256_or_si256(nib, fifth_bits(u32(qh)));
         even[j] = _mm256_and_si256(u, _mm256_set1_epi16(0xff));
         odd[j] = _mm256_srli_epi16(u, 8);
     }
