@@ -10,13 +10,11 @@ file decoded to dense float32. Tokens/s counts generated tokens (``ignore_eos``)
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
-
-def resident_mib() -> float:
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+from trillm.bench.peers import resident_mib
 
 
 def main() -> None:
@@ -40,7 +38,7 @@ def main() -> None:
         many = args.streams * args.tokens / (time.perf_counter() - start)
         print(
             f"{Path(args.model).name} ({args.weight_format}): 1 stream {one:.1f} tok/s, "
-            f"{args.streams} streams {many:.1f} tok/s, RSS {resident_mib():.0f} MiB"
+            f"{args.streams} streams {many:.1f} tok/s, RSS {resident_mib(os.getpid()) or 0:.0f} MiB"
         )
 
 

@@ -98,11 +98,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens, cache, policy
         )
-        self.max_model_len = min(
-            config.max_model_len or model.shape.max_position_embeddings,
-            model.shape.max_position_embeddings,
-            num_pages * config.page_size,
-        )
+        self.max_model_len = min(context, num_pages * config.page_size)
         log.info(
             "KV pool: %.0f MiB, %d tokens in %d pages (%s); context length %d (the model's %d)",
             plan.pool_bytes / 2**20,

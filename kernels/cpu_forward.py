@@ -85,13 +85,6 @@ def fusable(weight: object) -> bool:
     )
 
 
-def _shape(weight: Projection) -> tuple[int, int]:
-    if isinstance(weight, BlockWeight):
-        N, K = cpu_matmul._layout(weight)[:2]
-        return N, K
-    return weight.shape
-
-
 class DecodeLayers:
     """One model's layer weights and one KV cache, laid out for the C loop once.
 
@@ -112,7 +105,7 @@ class DecodeLayers:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
         hidden = layers[0][0].shape[0]
-        intermediate = _shape(layers[0][4])[0] // 2
+        intermediate = layers[0][4].shape[0] // 2
         self._structs: list[Any] = []  # every ctypes struct whose address a _Layer holds
         self.max_rows = 1 << 30
         for norm, qkv, o, post, gate_up, down, q_norm, k_norm in layers:
@@ -120,7 +113,7 @@ class DecodeLayers:
                 raise ValueError("norm weights must be contiguous float32 CPU tensors")
             if not all(fusable(w) for w in (qkv, o, gate_up, down)):
                 raise ValueError("the C loop runs block weights only (repacked or a GGUF file's, up to 4 side by side)")
-            shapes = [_shape(w) for w in (qkv, o, gate_up, down)]
+            shapes = [w.shape for w in (qkv, o, gate_up, down)]
             expected = [
                 ((heads + 2 * kv_heads) * head_dim, hidden),
                 (hidden, heads * head_dim),
@@ -190,7 +183,7 @@ class DecodeLayers:
                 self.max_rows = min(self.max_rows, cpu_gguf.max_fused_rows(part))
             else:
                 projection.part[i] = _Part(_address(cpu_matmul._functions()[0]), cpu_matmul._layout(part)[2], col0)
-            col0 += _shape(part)[0]
+            col0 += part.shape[0]
         self._structs.append(projection)
         return ctypes.addressof(projection)
 

@@ -63,9 +63,14 @@ def layout_matmul_address() -> int:
     return ctypes.cast(_KERNEL.functions()[4], ctypes.c_void_p).value or 0
 
 
+def _gemm_rows(weight: GGUFWeight) -> int:
+    """The rows of x from which ``matmul`` multiplies decoded panels with torch's GEMM."""
+    return FLOAT_GEMM_ROWS if weight.kind.values == 1 else GEMM_ROWS
+
+
 def max_fused_rows(weight: GGUFWeight) -> int:
     """The most rows of x ``matmul`` runs in C alone (beyond them it multiplies panels in torch)."""
-    return (FLOAT_GEMM_ROWS if weight.kind.values == 1 else GEMM_ROWS) - 1
+    return _gemm_rows(weight) - 1
 
 
 def _threads(num_threads: int | None) -> int:
@@ -163,7 +168,7 @@ def matmul(
         raise ValueError(f"out must be float32 CPU [{M}, {N}] with unit column stride")
     if not (M and N):
         return out
-    if M >= (FLOAT_GEMM_ROWS if weight.kind.values == 1 else GEMM_ROWS):
+    if M >= _gemm_rows(weight):
         rows = max(16, PANEL_FLOATS // K)
         panel = torch.empty(min(rows, N), K, dtype=_F32, device=_CPU)
         for start in range(0, N, rows):
