@@ -201,7 +201,7 @@ def run_bench(args: argparse.Namespace) -> None:
     from trillm.engine import (
         DEFAULT_ALIAS,
         EngineConfig,
-        LlamaShape,
+        ModelShape,
         choose_model_dtype,
         converted_default,
         default_gguf,
@@ -253,7 +253,7 @@ def run_bench(args: argparse.Namespace) -> None:
     )
 
     # A KV pool that holds every client's whole sequence: measure batching, not preemption.
-    shape = LlamaShape.from_config(model_config)
+    shape = ModelShape.from_config(model_config)
     per_token = shape.kv_bytes_per_token(dtype)
     tokens = (max(levels) + 1) * (args.shared_prefix_len + args.prompt_len + args.output_len + 32)
     kv_mb = max(512, int(1.2 * tokens * per_token / 2**20))

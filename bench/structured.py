@@ -46,10 +46,10 @@ def response_format(schema: dict[str, Any]) -> dict[str, Any]:
 def compile_report(tokenizer: Any, model_dir: Path, model_config: dict[str, Any], schema: dict[str, Any]) -> str:
     """Seconds to compile ``schema`` cold (after the vocabulary is read, a one-time cost per
     server) and to find it cached, with the engine's own compiler."""
-    from trillm.engine import GrammarCompiler, GrammarSpec, LlamaShape, eos_ids_of
+    from trillm.engine import GrammarCompiler, GrammarSpec, ModelShape, eos_ids_of
 
     eos = eos_ids_of(model_dir, model_config, tokenizer)
-    compiler = GrammarCompiler(tokenizer, LlamaShape.from_config(model_config).vocab_size, eos)
+    compiler = GrammarCompiler(tokenizer, ModelShape.from_config(model_config).vocab_size, eos)
     compiler.compile_now(GrammarSpec.json_object())
     spec = GrammarSpec.json_schema(schema)
     started = time.perf_counter()

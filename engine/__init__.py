@@ -35,7 +35,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "structured.compiler": ("GrammarCompiler", "CompiledGrammar"),
     # Model files: where a model comes from, its shape, its dtype, loading it.
     "execution.model_source": ("DEFAULT_ALIAS", "resolve_model", "default_gguf", "gguf_file", "converted_default"),
-    "execution.shape": ("LlamaShape",),
+    "execution.shape": ("ModelShape",),
     "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of"),
     # Settings declared once: flags, variables, --help and the README's table derive from them.
     "settings": ("Setting", "setting", "settings_of", "from_env", "add_arguments", "overrides_from", "markdown_table"),
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from trillm.engine.execution.parallel.topology import Topology as Topology
     from trillm.engine.execution.parallel.topology import join_group as join_group
     from trillm.engine.execution.sampler import LOGPROB_FLOOR as LOGPROB_FLOOR
-    from trillm.engine.execution.shape import LlamaShape as LlamaShape
+    from trillm.engine.execution.shape import ModelShape as ModelShape
     from trillm.engine.mailbox import OutputMailbox as OutputMailbox
     from trillm.engine.outputs import ChoiceTotals as ChoiceTotals
     from trillm.engine.outputs import EngineStats as EngineStats

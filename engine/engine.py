@@ -30,8 +30,8 @@ from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestReje
 from trillm.engine.execution import native_memory
 from trillm.engine.execution.gguf_support import available_memory
 from trillm.engine.execution.launch import Ranks, launch
-from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
 from trillm.engine.kv_budget import plan_kv_pool
 from trillm.engine.mailbox import OutputMailbox
@@ -70,7 +70,7 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        model: LlamaModel,
+        model: DecoderModel,
         tokenizer: Any,
         eos_ids: frozenset[int],
         ranks: Ranks | None = None,

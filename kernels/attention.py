@@ -65,6 +65,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    window,
     stride_qb,
     stride_qh,
     stride_cp,
@@ -84,8 +85,9 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + b)
-    split_len = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.maximum(length - window, 0)  # a sliding window's first key (window: a huge number if none)
+    split_len = tl.cdiv(tl.cdiv(length - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, length)
 
     g = tl.arange(0, BLOCK_G)
@@ -156,6 +158,11 @@ def _decode_merge_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def _window(window: int) -> int:
+    """The kernels' form of a sliding window: none (0) is wider than any context."""
+    return window if window > 0 else 1 << 30
+
+
 def _dims(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int]:
     heads, head_dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != k_cache.contiguous().stride():
@@ -170,6 +177,7 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.decode_attention``."""
     batch = q.shape[0]
@@ -186,6 +194,7 @@ def decode_attention(
         part_out,
         part_lse,
         scale,
+        _window(window),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -226,6 +235,7 @@ def _extend_kernel(
     lens_ptr,
     out_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -262,7 +272,9 @@ def _extend_kernel(
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     last = tl.minimum(length, length - new + (block + 1) * BLOCK_M)  # keys past the block's last row are future
-    for n0 in range(0, last, BLOCK_N):
+    # Keys before the block's first row's sliding window are seen by no row (window: a huge number if none).
+    lo = tl.maximum(length - new + block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, last, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         n_mask = pos < length
         m, total, acc = _attend_block(
@@ -275,7 +287,7 @@ def _extend_kernel(
             tables_ptr + seq * stride_tb,
             pos,
             n_mask,
-            n_mask[None, :] & (pos[None, :] <= q_pos[:, None]),
+            n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window),
             kvh,
             d,
             d_mask,
@@ -301,6 +313,7 @@ def extend_attention(
     query_starts: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
     max_new_tokens: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.extend_attention``; ``max_new_tokens``
@@ -321,6 +334,7 @@ def extend_attention(
         context_lens,
         out,
         scale,
+        _window(window),
         q.stride(0),
         q.stride(1),
         out.stride(0),

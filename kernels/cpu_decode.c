@@ -96,7 +96,7 @@ INLINE const float *page_start(const Layout *L, const float *cache, const int32_
 /* The G heads of kv head `kvh` over the n tokens of one sequence. Inlined with a
  * constant D for the common head sizes so the inner loops unroll completely.
  * scores: [G, L->stride]; acc: [G, D] then [G] reciprocal sums. */
-INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t kvh, int64_t G, int64_t D,
+INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t skip, int64_t kvh, int64_t G, int64_t D,
                    const float *restrict qb, float *restrict ob, float *restrict scores, float *restrict acc)
 {
     const int64_t ps = L->page_size, row = L->row, stride = L->stride;
@@ -110,6 +110,9 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t kvh
             for (int64_t g = 0; g < G; g++)
                 scores[g * stride + p0 + s] = dot(qb + g * D, page + s * row, D) * scale;
     }
+    for (int64_t g = 0; g < G; g++) /* tokens before a sliding window: weight 0 */
+        for (int64_t p = 0; p < skip; p++)
+            scores[g * stride + p] = -INFINITY;
     /* Unnormalised weights (divided at the end). Weights under e^-80 add nothing
      * visible, but their denormal products are very slow. NaN stays NaN. */
     for (int64_t g = 0; g < G; g++) {
@@ -291,8 +294,8 @@ INLINE float softmax_row(float *x, int64_t n)
  * prefetching the next (K's last chunk V's first). Two passes rather than an online
  * softmax: its max, exp and rescaling per chunk were a latency chain that cost
  * more than the score buffer sc (nh * G rows of L->stride). */
-INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t h0, int nh, int G, int DV,
-                     const float *restrict qb, float *restrict ob, float *restrict sc)
+INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t skip, int64_t h0, int nh, int G,
+                     int DV, const float *restrict qb, float *restrict ob, float *restrict sc)
 {
     const int64_t D = 16 * DV, stride = L->stride;
     const float *k = L->k_cache + h0 * D, *v = L->v_cache + h0 * D;
@@ -304,8 +307,11 @@ INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t h
             scores16(&r, h * D, qb + h * G * D, L->scale, sc + h * G * stride + p0, stride, &pf, G, DV);
     }
     float inv[MAX_HEADS * MAX_G];
-    for (int i = 0; i < nh * G; i++)
+    for (int i = 0; i < nh * G; i++) {
+        for (int64_t p = 0; p < skip; p++) /* tokens before a sliding window: weight 0 */
+            sc[i * stride + p] = -INFINITY;
         inv[i] = softmax_row(sc + i * stride, n);
+    }
     __m512 acc[MAX_HEADS][MAX_G * MAX_DV];
     for (int h = 0; h < nh; h++)
         for (int i = 0; i < G * DV; i++)
@@ -331,16 +337,18 @@ static int longer_first(const void *a, const void *b)
 
 /* Returns 0 on success; 1 if a size, a context length or a used page index is
  * out of range (nothing is computed then); 2 if a buffer could not be allocated.
- * A context length of 0 gives zeros, as the reference does. */
+ * A context length of 0 gives zeros, as the reference does. window > 0: each row
+ * attends only its last `window` tokens (a sliding-window layer); its pages before
+ * the window are not read. */
 int trillm_decode_attention(
     const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
     const int32_t *restrict block_tables, const int32_t *restrict context_lens, float *restrict out,
     int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_pages, int64_t page_size,
-    int64_t max_pages, float scale, int num_threads)
+    int64_t max_pages, float scale, int num_threads, int64_t window)
 {
     if (B == 0)
         return 0;
-    if (B < 0 || H <= 0 || KVH <= 0 || D <= 0 || H % KVH != 0 || page_size <= 0 || num_threads < 1)
+    if (B < 0 || H <= 0 || KVH <= 0 || D <= 0 || H % KVH != 0 || page_size <= 0 || num_threads < 1 || window < 0)
         return 1;
     /* Validate first so that a bad table cannot make us read outside the cache. */
     int64_t max_ctx = 0;
@@ -384,8 +392,12 @@ int trillm_decode_attention(
         }
 #pragma omp for schedule(dynamic)
         for (int64_t task = 0; task < B * per_seq; task++) {
-            const int64_t b = order[task / per_seq] & 0xFFFFFFFF, h0 = task % per_seq * nh, n = context_lens[b];
-            const int32_t *table = block_tables + b * max_pages;
+            const int64_t b = order[task / per_seq] & 0xFFFFFFFF, h0 = task % per_seq * nh;
+            /* A window starts mid-page: whole pages before it are stepped over, the rest masked. */
+            const int64_t len = context_lens[b], first = window && len > window ? len - window : 0;
+            const int64_t pages_before = first / page_size, n = len - pages_before * page_size;
+            const int64_t skip = first - pages_before * page_size;
+            const int32_t *table = block_tables + b * max_pages + pages_before;
             const float *qb = q + (b * H + h0 * G) * D;
             float *ob = out + (b * H + h0 * G) * D;
             if (!scores)
@@ -394,18 +406,18 @@ int trillm_decode_attention(
                 memset(ob, 0, sizeof(float) * (size_t)(nh * G * D));
 #ifdef AVX512_PATH
             else if (avx && G == 3 && D == 64 && nh == 3) /* SmolLM2, inlined with constants */
-                attend16(&L, table, n, h0, 3, 3, 4, qb, ob, scores);
+                attend16(&L, table, n, skip, h0, 3, 3, 4, qb, ob, scores);
             else if (avx && G == 3 && D == 64 && nh == 1)
-                attend16(&L, table, n, h0, 1, 3, 4, qb, ob, scores);
+                attend16(&L, table, n, skip, h0, 1, 3, 4, qb, ob, scores);
             else if (avx)
-                attend16(&L, table, n, h0, (int)nh, (int)G, (int)(D / 16), qb, ob, scores);
+                attend16(&L, table, n, skip, h0, (int)nh, (int)G, (int)(D / 16), qb, ob, scores);
 #endif
             else if (D == 64)
-                attend(&L, table, n, h0, G, 64, qb, ob, scores, acc);
+                attend(&L, table, n, skip, h0, G, 64, qb, ob, scores, acc);
             else if (D == 128)
-                attend(&L, table, n, h0, G, 128, qb, ob, scores, acc);
+                attend(&L, table, n, skip, h0, G, 128, qb, ob, scores, acc);
             else
-                attend(&L, table, n, h0, G, D, qb, ob, scores, acc);
+                attend(&L, table, n, skip, h0, G, D, qb, ob, scores, acc);
         }
         free(scores);
     }

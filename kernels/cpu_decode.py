@@ -13,7 +13,7 @@ import torch
 
 from trillm.kernels import cpu_build
 
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
 _SIGNATURES = {"trillm_decode_attention": _ARGTYPES}
 _KERNEL = cpu_build.CKernel("cpu_decode", _SIGNATURES, ctypes.c_int, ("-fno-math-errno",))
 available = _KERNEL.available
@@ -31,9 +31,11 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_pages] int
     context_lens: torch.Tensor,  # [B] int, tokens in the cache including the new one
     scale: float,
+    window: int = 0,
     num_threads: int | None = None,
 ) -> torch.Tensor:
-    """Each row attends all ``context_lens[b]`` tokens of its own sequence (float32, CPU)."""
+    """Each row attends all ``context_lens[b]`` tokens of its own sequence (float32, CPU), or
+    with ``window`` > 0 only the last ``window`` of them (a sliding-window layer)."""
     tensors = (q, k_cache, v_cache)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         raise ValueError("cpu_decode.decode_attention takes float32 CPU tensors only")
@@ -71,6 +73,7 @@ def decode_attention(
         tables.shape[1],
         float(scale),
         max(1, threads),
+        int(window),
     )
     if rc == 1:
         raise ValueError("a context length or page index is out of range for the cache/block table")

@@ -23,7 +23,8 @@ typedef void (*RotaryFn)(float *qk, int64_t row_stride, int64_t head_stride, con
 typedef void (*SiluMulFn)(const float *gu, int64_t gu_stride, float *out, int64_t T, int64_t I, int num_threads);
 typedef int (*DecodeFn)(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                        int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads);
+                        int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads,
+                        int64_t window);
 
 enum { ACCUMULATE = 1 }; /* the matmuls' flag: out += x @ W^T */
 
@@ -43,17 +44,20 @@ typedef struct { /* _Projection in cpu_forward.py */
 typedef struct { /* _Model in cpu_forward.py */
     RmsNormFn rms_norm;
     RotaryFn rotary;
-    SiluMulFn silu_mul;
+    SiluMulFn gated_mul; /* silu_mul or gelu_tanh_mul (GeGLU): one signature */
     DecodeFn decode;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_pages, page_size;
     float eps, scale;
 } Model;
 
-typedef struct {                                   /* _Layer in cpu_forward.py */
-    const float *input_norm, *post_norm;           /* [hidden] */
-    const float *q_norm, *k_norm;                  /* [head_dim] per-head norms (Qwen3), or NULL */
+typedef struct {                              /* _Layer in cpu_forward.py */
+    const float *input_norm, *post_norm;      /* [hidden] */
+    const float *q_norm, *k_norm;             /* [head_dim] per-head norms (Qwen3, Gemma 3), or NULL */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden] norms of each block's output (Gemma), or NULL */
     const Projection *qkv, *o, *gate_up, *down;
-    float *k_cache, *v_cache;                      /* [num_pages, page_size, kv_heads, head_dim] */
+    float *k_cache, *v_cache;                 /* [num_pages, page_size, kv_heads, head_dim] */
+    int64_t window;                           /* > 0: attends its last `window` tokens only */
+    int64_t local_rope;                       /* rotates by the local tables (Gemma 3's windowed layers) */
 } Layer;
 
 static int project(const Projection *P, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M, int flags,
@@ -76,18 +80,42 @@ static void head_norm(const Model *m, float *row, const float *w, int64_t n, flo
     memcpy(row, tmp, sizeof(float) * (size_t)(n * m->head_dim));
 }
 
+/* h += norm(out) row by row, out [M, hidden] (in place of the Python path's h + norm(out)); tmp [M, hidden]. */
+static void add_normed(const Model *m, float *h, const float *out, const float *w, float *tmp, int64_t M,
+                       int num_threads)
+{
+    m->rms_norm(out, m->hidden, w, tmp, M, m->hidden, m->eps, num_threads);
+    for (int64_t i = 0; i < M * m->hidden; i++)
+        h[i] += tmp[i];
+}
+
+/* Project x into h: accumulated (h += x @ W^T), or with an output norm (Gemma) h += norm(x @ W^T)
+ * through out and tmp ([M, hidden] each). */
+static int project_residual(const Model *m, const Projection *P, const float *norm, const float *x, int64_t ldx,
+                            float *h, float *out, float *tmp, int64_t M, int num_threads)
+{
+    if (!norm)
+        return project(P, x, ldx, h, m->hidden, M, ACCUMULATE, num_threads);
+    const int rc = project(P, x, ldx, out, m->hidden, M, 0, num_threads);
+    if (!rc)
+        add_normed(m, h, out, norm, tmp, M, num_threads);
+    return rc;
+}
+
 /* h [M, hidden] (in place): the residual stream of M sequences decoding one token each,
- * at cache slots slots[M], rotated by cos/sin [M, head_dim], attending context_lens[M]
- * tokens through block_tables [M, max_pages]. work: M * (hidden + qkv + q + 2 I + I) floats.
+ * at cache slots slots[M], rotated by cos/sin [M, head_dim] (a layer with local_rope by
+ * local_cos/local_sin), attending context_lens[M] tokens through block_tables [M, max_pages].
+ * work: M * (hidden + qkv + 2 q + 3 I + hidden) floats.
  * Returns 0, or the first non-zero code of a kernel (1: a bad table, 2: out of memory). */
 int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers, float *h, int64_t M,
-                         const float *cos_, const float *sin_, const int64_t *slots, const int32_t *block_tables,
-                         const int32_t *context_lens, int64_t max_pages, float *work, int num_threads)
+                         const float *cos_, const float *sin_, const float *local_cos, const float *local_sin,
+                         const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
+                         int64_t max_pages, float *work, int num_threads)
 {
     const int64_t E = m->hidden, D = m->head_dim, KVH = m->kv_heads, I = m->intermediate;
     const int64_t q_size = m->heads * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
     float *x = work, *qkv = x + M * E, *q = qkv + M * qkv_size, *attn = q + M * q_size, *gu = attn + M * q_size,
-          *act = gu + M * 2 * I;
+          *act = gu + M * 2 * I, *tmp = act + M * I;
     int rc = 0;
     for (int64_t r = 0; r < M; r++) { /* refuse before anything is written */
         const int64_t n = context_lens[r];
@@ -108,7 +136,8 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
                 head_norm(m, qkv + r * qkv_size + q_size, L->k_norm, KVH, attn, num_threads);
             }
         /* Q and K sit side by side: one rotary pass for both, as the Python path does. */
-        m->rotary(qkv, qkv_size, D, cos_, sin_, M, m->heads + KVH, D, num_threads);
+        m->rotary(qkv, qkv_size, D, L->local_rope ? local_cos : cos_, L->local_rope ? local_sin : sin_, M,
+                  m->heads + KVH, D, num_threads);
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * qkv_size;
             memcpy(L->k_cache + slots[r] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
@@ -116,15 +145,16 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
             memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
         }
         if ((rc = m->decode(q, L->k_cache, L->v_cache, block_tables, context_lens, attn, M, m->heads, KVH, D,
-                            m->num_pages, m->page_size, max_pages, m->scale, num_threads)))
+                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window)))
             break;
-        if ((rc = project(L->o, attn, q_size, h, E, M, ACCUMULATE, num_threads)))
+        /* x is free once QKV is projected, and again once gate_up is: the blocks' outputs go there. */
+        if ((rc = project_residual(m, L->o, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
             break;
         m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
         if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, 0, num_threads)))
             break;
-        m->silu_mul(gu, 2 * I, act, M, I, num_threads);
-        rc = project(L->down, act, I, h, E, M, ACCUMULATE, num_threads);
+        m->gated_mul(gu, 2 * I, act, M, I, num_threads);
+        rc = project_residual(m, L->down, L->mlp_out_norm, act, I, h, x, tmp, M, num_threads);
     }
     return rc;
 }

@@ -1,7 +1,8 @@
 """The layers of a decode-only step in one C call: ``cpu_forward.c``, built on first use.
 
 The C loop calls the same kernels as the Python layer loop of ``CpuBackend`` (the
-block matmul, RMSNorm, rotary, SiLU-mul and decode attention), in the same order on
+block matmul, RMSNorm, rotary, SiLU- or GELU-mul and decode attention, sliding windows and
+Gemma's output norms included), in the same order on
 the same buffers, so the logits are bit for bit the same; what goes is ~10 Python
 wrappers per layer, a third of a one-row step. ``ctypes`` releases the GIL for the
 whole call. Float32 CPU tensors, block weights, no QKV bias.
@@ -13,6 +14,7 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
+import attrs
 import torch
 
 from trillm.kernels import cpu_build, cpu_decode, cpu_gguf, cpu_matmul, cpu_ops
@@ -21,7 +23,7 @@ from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {"trillm_decode_layers": [_P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _P, _INT]}
+_SIGNATURES = {"trillm_decode_layers": [_P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _INT]}
 _KERNEL = cpu_build.CKernel("cpu_forward", _SIGNATURES, ctypes.c_int)
 _F32, _I32, _CPU = torch.float32, torch.int32, torch.device("cpu")
 MAX_PARTS = 4  # cpu_forward.c's: parts of one projection side by side
@@ -32,7 +34,7 @@ Projection: TypeAlias = BlockWeight | GGUFWeight | Stacked
 
 class _Model(ctypes.Structure):
     _fields_ = (
-        [(name, _P) for name in ("rms_norm", "rotary", "silu_mul", "decode")]
+        [(name, _P) for name in ("rms_norm", "rotary", "gated_mul", "decode")]
         + [
             (name, _I64)
             for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_pages", "page_size")
@@ -57,6 +59,8 @@ class _Layer(ctypes.Structure):
             "post_norm",
             "q_norm",
             "k_norm",
+            "attn_out_norm",
+            "mlp_out_norm",
             "qkv",
             "o",
             "gate_up",
@@ -64,7 +68,25 @@ class _Layer(ctypes.Structure):
             "k_cache",
             "v_cache",
         )
-    ]
+    ] + [("window", _I64), ("local_rope", _I64)]
+
+
+@attrs.frozen
+class LayerSpec:
+    """One decoder layer as the loop runs it: its weights, and how it attends and rotates."""
+
+    input_norm: torch.Tensor
+    qkv: Projection
+    o: Projection
+    post_norm: torch.Tensor
+    gate_up: Projection
+    down: Projection
+    q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: per-head norms
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: norms of each block's output
+    mlp_out_norm: torch.Tensor | None = None
+    window: int = 0  # > 0: attends its last ``window`` tokens
+    local_rope: bool = False  # rotates by the local tables (Gemma 3's windowed layers)
 
 
 def available() -> bool:
@@ -88,58 +110,64 @@ def fusable(weight: object) -> bool:
 class DecodeLayers:
     """One model's layer weights and one KV cache, laid out for the C loop once.
 
-    ``layers`` holds, per layer: input norm, QKV, O, post norm, gate-up, down, and Qwen3's Q and K
-    head norms (or None). It keeps a reference to every tensor and struct whose address the C
-    structs hold. ``max_rows``: the most rows a step may have here (a GGUF weight's matmul hands
-    larger batches to torch's GEMM, which the C loop cannot call).
+    It keeps a reference to every tensor and struct whose address the C structs hold.
+    ``max_rows``: the most rows a step may have here (a GGUF weight's matmul hands larger
+    batches to torch's GEMM, which the C loop cannot call). ``activation``: of the gated MLP,
+    silu or gelu_tanh.
     """
 
     def __init__(
         self,
-        layers: Sequence[tuple[Any, ...]],
+        layers: Sequence[LayerSpec],
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
         heads: int,
         eps: float,
         scale: float,
+        activation: str = "silu",
     ) -> None:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
-        hidden = layers[0][0].shape[0]
-        intermediate = layers[0][4].shape[0] // 2
+        hidden = layers[0].input_norm.shape[0]
+        intermediate = layers[0].gate_up.shape[0] // 2
         self._structs: list[Any] = []  # every ctypes struct whose address a _Layer holds
         self.max_rows = 1 << 30
-        for norm, qkv, o, post, gate_up, down, q_norm, k_norm in layers:
-            if any(t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (norm, post)):
+        for la in layers:
+            norms = [la.input_norm, la.post_norm] + [n for n in (la.attn_out_norm, la.mlp_out_norm) if n is not None]
+            if any(t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in norms):
                 raise ValueError("norm weights must be contiguous float32 CPU tensors")
-            if not all(fusable(w) for w in (qkv, o, gate_up, down)):
+            if not all(fusable(w) for w in (la.qkv, la.o, la.gate_up, la.down)):
                 raise ValueError("the C loop runs block weights only (repacked or a GGUF file's, up to 4 side by side)")
-            shapes = [w.shape for w in (qkv, o, gate_up, down)]
+            shapes = [w.shape for w in (la.qkv, la.o, la.gate_up, la.down)]
             expected = [
                 ((heads + 2 * kv_heads) * head_dim, hidden),
                 (hidden, heads * head_dim),
                 (2 * intermediate, hidden),
                 (hidden, intermediate),
             ]
-            if shapes != expected or norm.shape != (hidden,) or post.shape != (hidden,):
+            if shapes != expected or any(n.shape != (hidden,) for n in norms):
                 raise ValueError(f"layer shapes {shapes} do not match {expected}")
-            for head_norm in (q_norm, k_norm):
+            for head_norm in (la.q_norm, la.k_norm):
                 if head_norm is not None and (
                     head_norm.dtype is not _F32
                     or head_norm.shape != (head_dim,)
                     or not (head_norm.is_cpu and head_norm.is_contiguous())
                 ):
                     raise ValueError(f"Q/K norms must be contiguous float32 CPU [{head_dim}]")
+            if la.window < 0:
+                raise ValueError(f"a window of {la.window} tokens")
         for k, v in kv_cache:
             if any(t.shape != k0.shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
                 raise ValueError("the KV cache must be contiguous float32 CPU tensors of one shape")
         if len(kv_cache) != len(layers):
             raise ValueError(f"{len(layers)} layers but {len(kv_cache)} caches")
-        rms_norm, rotary, silu_mul = cpu_ops._functions()[:3]
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"no C kernel for the activation {activation!r}")
+        rms_norm, rotary, silu_mul, _, gelu_tanh_mul = cpu_ops._functions()
         (decode,) = cpu_decode._KERNEL.functions()
         self.model = _Model(
             _address(rms_norm),
             _address(rotary),
-            _address(silu_mul),
+            _address(gelu_tanh_mul if activation == "gelu_tanh" else silu_mul),
             _address(decode),
             hidden,
             heads,
@@ -151,24 +179,32 @@ class DecodeLayers:
             eps,
             scale,
         )
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return t.data_ptr() if t is not None else None
+
         self.layers = (_Layer * len(layers))(
             *(
                 _Layer(
-                    norm.data_ptr(),
-                    post.data_ptr(),
-                    q_norm.data_ptr() if q_norm is not None else None,
-                    k_norm.data_ptr() if k_norm is not None else None,
-                    *(self._projection(w) for w in (qkv, o, gate_up, down)),
+                    la.input_norm.data_ptr(),
+                    la.post_norm.data_ptr(),
+                    address(la.q_norm),
+                    address(la.k_norm),
+                    address(la.attn_out_norm),
+                    address(la.mlp_out_norm),
+                    *(self._projection(w) for w in (la.qkv, la.o, la.gate_up, la.down)),
                     k.data_ptr(),
                     v.data_ptr(),
+                    la.window,
+                    int(la.local_rope),
                 )
-                for (norm, qkv, o, post, gate_up, down, q_norm, k_norm), (k, v) in zip(layers, kv_cache)
+                for la, (k, v) in zip(layers, kv_cache)
             )
         )
         self._keep = (list(layers), list(kv_cache))
         self.hidden, self.head_dim = hidden, head_dim
         q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
-        self._work_per_row = hidden + qkv_size + 2 * q_size + 3 * intermediate
+        self._work_per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * intermediate
 
     def _projection(self, weight: Projection) -> int:
         """The address of a _Projection of ``weight``'s parts (kept alive in ``_structs``)."""
@@ -190,25 +226,23 @@ class DecodeLayers:
     def run(
         self,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Any,
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         num_threads: int,
     ) -> torch.Tensor:
         """Every layer on h [M, hidden] (updated in place and returned): M sequences decoding
-        one token each, at KV slots ``slots`` [M] (int64), rotated by cos/sin [M, head_dim],
-        attending ``context_lens`` [M] tokens (int32) through ``block_tables`` [M, pages] (int32)."""
+        one token each, at KV slots ``slots`` [M] (int64), rotated by ``rope.whole`` (cos, sin)
+        [M, head_dim] each (a layer with local_rope by ``rope.local``), attending ``context_lens``
+        [M] tokens (int32) through ``block_tables`` [M, pages] (int32)."""
+        (cos, sin), (local_cos, local_sin) = rope.whole, rope.local
         M = h.shape[0]
         if h.dtype is not _F32 or not h.is_contiguous() or h.shape != (M, self.hidden):
             raise ValueError(f"h must be contiguous float32 [M, {self.hidden}], got {tuple(h.shape)}")
-        if (
-            cos.shape != (M, self.head_dim)
-            or sin.shape != (M, self.head_dim)
-            or not (cos.is_contiguous() and sin.is_contiguous())
-        ):
-            raise ValueError("cos and sin must be contiguous [M, head_dim]")
+        tables = (cos, sin, local_cos, local_sin)
+        if any(t.shape != (M, self.head_dim) or t.dtype is not _F32 or not t.is_contiguous() for t in tables):
+            raise ValueError("cos and sin must be contiguous float32 [M, head_dim]")
         if slots.dtype is not torch.int64 or slots.shape != (M,) or not slots.is_contiguous():
             raise ValueError("slots must be contiguous int64 [M]")
         if (
@@ -233,6 +267,8 @@ class DecodeLayers:
             M,
             cos.data_ptr(),
             sin.data_ptr(),
+            local_cos.data_ptr(),
+            local_sin.data_ptr(),
             slots.data_ptr(),
             block_tables.data_ptr(),
             context_lens.data_ptr(),

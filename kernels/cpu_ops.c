@@ -104,6 +104,23 @@ void trillm_silu_mul(const float *restrict gu, int64_t gu_stride, float *restric
     }
 }
 
+/* out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i] (GeGLU, Gemma's MLP), out contiguous [T, I];
+ * gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))) as torch computes it. */
+void trillm_gelu_tanh_mul(const float *restrict gu, int64_t gu_stride, float *restrict out, int64_t T, int64_t I,
+                          int num_threads)
+{
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+#pragma omp parallel for if (T > 1 && T * 2 * I >= PARALLEL_MIN_WORK) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        const float *restrict g = gu + t * gu_stride, *restrict u = g + I;
+        float *restrict o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x))) * u[i];
+        }
+    }
+}
+
 /* Grammar masks (structured outputs): for each listed row, every logit whose bit in the
  * row's int32 bitmask is 0 becomes -inf. A word of 32 allowed tokens is skipped, a word
  * of none is 32 stores the compiler vectorises; masks of JSON grammars are mostly whole

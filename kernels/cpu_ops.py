@@ -1,9 +1,10 @@
 """Elementwise ops of the CPU forward in C (``cpu_ops.c``), loaded with ctypes.
 
-RMSNorm, rotary embedding (in place) and SiLU-and-multiply, each one C call in place
-of several small torch ops whose per-op overhead dominates at decode batch sizes.
+RMSNorm, rotary embedding (in place), SiLU- and GELU(tanh)-and-multiply, each one C call in
+place of several small torch ops whose per-op overhead dominates at decode batch sizes.
 Float32 CPU tensors only (ValueError otherwise); results match the torch versions
-(``F.rms_norm``, ``trillm.engine.execution.rope.apply_rotary``, ``F.silu(g) * u``) up to rounding.
+(``F.rms_norm``, ``trillm.engine.execution.rope.apply_rotary``, ``F.silu(g) * u``,
+``F.gelu(g, approximate="tanh") * u``) up to rounding.
 Built and cached by ``kernels.cpu_build``; the GIL is released during each call.
 """
 
@@ -21,13 +22,14 @@ _SIGNATURES = {
     "trillm_rotary": [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT],
     "trillm_silu_mul": [_P, _I64, _P, _I64, _I64, _INT],
     "trillm_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
+    "trillm_gelu_tanh_mul": [_P, _I64, _P, _I64, _I64, _INT],
 }
 # Lets GCC call glibc's vector expf in silu_mul (errno is never read); not -ffast-math.
 _EXTRA_FLAGS = ("-fno-math-errno",)
 _F32, _CPU = torch.float32, torch.device("cpu")
 
 _KERNEL = cpu_build.CKernel("cpu_ops", _SIGNATURES, None, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask)
+_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask, gelu_tanh_mul)
 available = _KERNEL.available
 
 
@@ -89,8 +91,22 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads:
 
 def silu_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
     """``F.silu(gate_up[:, :I]) * gate_up[:, I:]`` for gate_up [T, 2 * I]."""
+    return _gated(gate_up, 2, num_threads)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """``F.gelu(gate_up[:, :I], approximate="tanh") * gate_up[:, I:]`` (GeGLU) for gate_up [T, 2 * I]."""
+    return _gated(gate_up, 4, num_threads)
+
+
+def gated_mul(gate_up: torch.Tensor, activation: str, num_threads: int | None = None) -> torch.Tensor:
+    """The gated MLP's ``act(gate) * up`` for ``activation`` silu or gelu_tanh (``ModelShape.activation``)."""
+    return _gated(gate_up, 4 if activation == "gelu_tanh" else 2, num_threads)
+
+
+def _gated(gate_up: torch.Tensor, which: int, num_threads: int | None) -> torch.Tensor:
     if gate_up.dtype is not _F32 or not gate_up.is_cpu:
-        raise ValueError("cpu_ops.silu_mul takes float32 CPU tensors only")
+        raise ValueError("cpu_ops' gated activations take float32 CPU tensors only")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
@@ -98,7 +114,7 @@ def silu_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torch.Ten
         gate_up = gate_up.contiguous()
     out = torch.empty(T, I, dtype=_F32, device=_CPU)
     if T and I:
-        _functions()[2](gate_up.data_ptr(), gate_up.stride()[0], out.data_ptr(), T, I, _threads(num_threads))
+        _functions()[which](gate_up.data_ptr(), gate_up.stride()[0], out.data_ptr(), T, I, _threads(num_threads))
     return out
 
 

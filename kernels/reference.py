@@ -34,14 +34,20 @@ def _context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, H, D] at ``q_positions`` over k/v [L, KVH, D]; causal, GQA; float32 math."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float, window: int = 0
+) -> torch.Tensor:
+    """q [n, H, D] at ``q_positions`` over k/v [L, KVH, D]; causal, GQA; float32 math; with
+    ``window`` > 0 each query sees only its last ``window`` positions (itself included)."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
-    future = torch.arange(k.shape[0]).unsqueeze(0) > q_positions.unsqueeze(1)  # [n, L]
-    scores = scores.masked_fill(future, float("-inf"))
+    keys = torch.arange(k.shape[0]).unsqueeze(0)
+    hidden = keys > q_positions.unsqueeze(1)  # [n, L]: the future
+    if window > 0:
+        hidden |= keys <= q_positions.unsqueeze(1) - window  # before the sliding window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
 
 
@@ -52,13 +58,15 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_pages] int
     context_lens: torch.Tensor,  # [B] int, tokens in the cache including the new one
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Each row attends all ``context_lens[b]`` tokens of its own sequence."""
+    """Each row attends all ``context_lens[b]`` tokens of its own sequence; with ``window`` > 0
+    only the last ``window`` of them (a sliding-window layer)."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         k, v = _context(k_cache, block_tables[b], n), _context(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale)[0]
+        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale, window)[0]
     return out
 
 
@@ -70,10 +78,11 @@ def extend_attention(
     query_starts: torch.Tensor,  # [S + 1] int, row offsets of each sequence's new tokens in q
     context_lens: torch.Tensor,  # [S] int, tokens in the cache including the new ones
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached prefix plus themselves
     (their K/V already stored). Row ``i`` of a sequence with ``n`` new tokens sits at
-    position ``context_len - n + i``."""
+    position ``context_len - n + i``; with ``window`` > 0 it sees its last ``window`` positions."""
     out = torch.empty_like(q)
     for s in range(block_tables.shape[0]):
         start, end, length = int(query_starts[s]), int(query_starts[s + 1]), int(context_lens[s])
@@ -81,7 +90,7 @@ def extend_attention(
             continue
         k, v = _context(k_cache, block_tables[s], length), _context(v_cache, block_tables[s], length)
         positions = torch.arange(length - (end - start), length)
-        out[start:end] = _attend(q[start:end], k, v, positions, scale)
+        out[start:end] = _attend(q[start:end], k, v, positions, scale, window)
     return out
 
 

@@ -9,8 +9,8 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import CpuBackend
-from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model import DecoderModel
 from trillm.kernels import cpu_matmul
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize, pack_exact, pack_q4_1, pack_q8_0
 
@@ -84,7 +84,7 @@ def test_default_model_packs_every_projection_exactly(model_parts, model_dir):
     every packed value equals the float32 weight a dense load gives."""
     blocks = model_parts[0]
     config = json.loads((model_dir / "config.json").read_text())
-    dense = LlamaModel.load(
+    dense = DecoderModel.load(
         model_dir, config, torch.float32, 256, backend=CpuBackend(torch.device("cpu"), torch.float32)
     )
     assert dense.num_block_weights == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -12,10 +13,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from trillm.bench.gguf_files import requantize
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.backends.cpu import RopeRows
 from trillm.engine.execution.gguf_header import read_header
 from trillm.engine.execution.gguf_model import gguf_config
 from trillm.engine.execution.layers import Stacked
-from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.execution.model_source import fetch_default_gguf
 from trillm.engine.sampling_params import SamplingParams
@@ -101,7 +103,7 @@ def test_a_gguf_files_own_blocks_decode_in_c_as_in_python(tmp_path, monkeypatch)
     requantize(fetch_default_gguf(EngineConfig().cache_path), path, "q4_k_m", layers=3, vocabulary=False)
     header = read_header(path)
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = LlamaModel.from_gguf(header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True)
+    model = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True)
     assert any(isinstance(layer.qkv, Stacked) for layer in model.layers)
     assert cpu.fusable(model)
     _fused_equals_plain(model, _counting(monkeypatch))
@@ -122,7 +124,7 @@ def test_qwen3_head_norms_decode_in_c_as_in_python(tmp_path, monkeypatch):
     hf.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = LlamaModel.load(tmp_path, config, torch.float32, 256, backend=cpu, block_weights=True)
+    model = DecoderModel.load(tmp_path, config, torch.float32, 256, backend=cpu, block_weights=True)
     assert all(layer.q_norm is not None for layer in model.layers) and cpu.fusable(model)
     _fused_equals_plain(model, _counting(monkeypatch))
     model.backend.fuse_decode = True
@@ -132,24 +134,25 @@ def test_bad_slots_and_layouts_are_refused(fusing_model):
     model, _ = fusing_model
     runner = ModelRunner(model, 8, 16)
     layers = [
-        (la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down, la.q_norm, la.k_norm)
+        cpu_forward.LayerSpec(la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down)
         for la in model.layers
     ]
     with pytest.raises(ValueError, match="layers but"):
         cpu_forward.DecodeLayers(layers, runner.kv_cache[:-1], model.shape.num_heads, 1e-5, 0.125)
     with pytest.raises(ValueError, match="layer shapes"):
         cpu_forward.DecodeLayers(
-            [layers[0][:1] + (layers[0][5],) + layers[0][2:]], runner.kv_cache[:1], model.shape.num_heads, 1e-5, 0.125
+            [attrs.evolve(layers[0], qkv=layers[0].down)], runner.kv_cache[:1], model.shape.num_heads, 1e-5, 0.125
         )
     loop = cpu_forward.DecodeLayers(layers, runner.kv_cache, model.shape.num_heads, 1e-5, 0.125)
     h = torch.randn(1, model.shape.hidden_size)
     cos, sin = model.cos[:1].contiguous(), model.sin[:1].contiguous()
+    rope = RopeRows((cos, sin), (cos, sin))
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     before = [k.clone() for k, _ in runner.kv_cache]
     with pytest.raises(ValueError, match="out of range"):  # slot 8 * 16 is past the cache
-        loop.run(h.clone(), cos, sin, torch.tensor([8 * 16]), tables, lens, 2)
+        loop.run(h.clone(), rope, torch.tensor([8 * 16]), tables, lens, 2)
     with pytest.raises(ValueError, match="out of range"):  # page 9 of 8
-        loop.run(h.clone(), cos, sin, torch.tensor([0]), torch.full((1, 1), 9, dtype=torch.int32), lens, 2)
+        loop.run(h.clone(), rope, torch.tensor([0]), torch.full((1, 1), 9, dtype=torch.int32), lens, 2)
     with pytest.raises(ValueError, match="int32"):
-        loop.run(h.clone(), cos, sin, torch.tensor([0]), tables.long(), lens, 2)
+        loop.run(h.clone(), rope, torch.tensor([0]), tables.long(), lens, 2)
     assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_cache, before))  # nothing written by a refusal

@@ -12,9 +12,9 @@ import torch
 
 from trillm.engine.execution.backends import create_backend
 from trillm.engine.execution.cuda_graphs import batch_buckets
-from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
@@ -37,7 +37,7 @@ def test_replayed_decode_steps_match_eager_ones():
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     backend = create_backend("triton" if cuda else "reference", device, torch.float32)
-    model = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256, device, backend=backend)
+    model = DecoderModel(ModelShape.from_config(TINY), _weights(), torch.float32, 256, device, backend=backend)
     eager = ModelRunner(model, 60, 4)
     graphed = ModelRunner(model, 60, 4, graph_batch=6, max_model_len=256)
     assert graphed.graphs is not None and graphed.graphs.buckets == [1, 2, 4, 6]

@@ -21,7 +21,7 @@ from trillm.engine.execution.layers import embed_rows
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.model_source import default_gguf, fetch_default_gguf
 from trillm.engine.execution.rope import inverse_frequencies
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight, dequantize
 
 from tests.server import running_server
@@ -54,7 +54,7 @@ def test_the_config_from_the_metadata_is_the_checkpoints(model_dir):
     gguf = default_gguf(EngineConfig().cache_path)
     from_file = gguf_config(read_header(gguf))
     converted = json.loads((model_dir / "config.json").read_text())
-    mine, theirs = LlamaShape.from_config(from_file), LlamaShape.from_config(converted)
+    mine, theirs = ModelShape.from_config(from_file), ModelShape.from_config(converted)
     assert attrs.evolve(mine, rope_scaling=None) == attrs.evolve(theirs, rope_scaling=None)
     assert torch.equal(
         inverse_frequencies(64, 1e5, mine.rope_scaling), inverse_frequencies(64, 1e5, theirs.rope_scaling)
@@ -114,7 +114,7 @@ def test_a_file_with_a_damaged_norm_is_refused_naming_the_tensor(tmp_path):
 
     from trillm.engine.execution.backends import create_backend
     from trillm.engine.execution.file_checks import DamagedModelFile
-    from trillm.engine.execution.llama import LlamaModel
+    from trillm.engine.execution.model import DecoderModel
 
     path = tmp_path / "damaged.gguf"
     shutil.copy(default_gguf(EngineConfig().cache_path), path)
@@ -125,4 +125,4 @@ def test_a_file_with_a_damaged_norm_is_refused_naming_the_tensor(tmp_path):
     header = read_header(path)
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
     with pytest.raises(DamagedModelFile, match=r"damaged.gguf is damaged: tensor blk.3.ffn_norm.weight holds NaN"):
-        LlamaModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=True)
+        DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=True)

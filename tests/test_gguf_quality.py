@@ -22,7 +22,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import create_backend
 from trillm.engine.execution.gguf_header import read_header
 from trillm.engine.execution.gguf_model import gguf_config
-from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.execution.model_source import fetch_default_gguf
 from trillm.engine.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ TEXT = (
 LAYERS = 8  # of SmolLM2's 30: 72 matrices cycle through every type, and both loads take a quarter of the time
 
 
-def _all_logits(model: LlamaModel, ids: list[int], chunk: int) -> torch.Tensor:
+def _all_logits(model: DecoderModel, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position of ``ids``, prefilled ``chunk`` tokens a step (below
     ``cpu_gguf.GEMM_ROWS`` a step runs the decode path: int16 activations)."""
     sched = Scheduler(PageAllocator(256), 4, 1, chunk)
@@ -85,7 +85,7 @@ def test_a_file_of_every_type_agrees_with_transformers_reading_it(tokenizer, tmp
     assert kinds == set(MIXED_CYCLE)
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
     config = gguf_config(header)
-    ours = LlamaModel.from_gguf(header, config, torch.float32, 1024, backend=cpu, block_weights=True)
+    ours = DecoderModel.from_gguf(header, config, torch.float32, 1024, backend=cpu, block_weights=True)
     assert ours.num_block_weights == len(ours.projections()) and len(ours.layers) == LAYERS
     assert ours.projection_bytes < 0.45 * ours.shape.dense_projection_bytes(torch.float32)
     ids = tokenizer(TEXT)["input_ids"]

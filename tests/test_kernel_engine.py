@@ -19,10 +19,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.execution.backends import CpuBackend, create_backend
-from trillm.engine.execution.llama import LlamaModel, dummy_weights
 from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model import DecoderModel, dummy_weights
 from trillm.engine.execution.model_runner import ModelRunner
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.prefix_cache import PrefixCache
@@ -60,13 +60,13 @@ def _device(variant: str) -> torch.device:
 
 def _weights() -> dict[str, torch.Tensor]:
     """The tiny model's random weights, the same on every call."""
-    return dummy_weights(LlamaShape.from_config(TINY), torch.float32, seed=7)
+    return dummy_weights(ModelShape.from_config(TINY), torch.float32, seed=7)
 
 
-def _models() -> dict[str, LlamaModel]:
-    shape, weights = LlamaShape.from_config(TINY), _weights()
+def _models() -> dict[str, DecoderModel]:
+    shape, weights = ModelShape.from_config(TINY), _weights()
     return {
-        name: LlamaModel(
+        name: DecoderModel(
             shape,
             weights,
             torch.float32,
@@ -92,7 +92,7 @@ def test_every_step_matches_across_kernels_and_transformers():
     runners = {name: ModelRunner(model, 40, 4) for name, model in models.items()}
     # The CPU path without its C kernels (no compiler): torch ops, gather + SDPA for decodes.
     no_c = CpuBackend(torch.device("cpu"), torch.float32, c_kernels=False)
-    models["cpu-torch"] = LlamaModel(LlamaShape.from_config(TINY), _weights(), torch.float32, 256, backend=no_c)
+    models["cpu-torch"] = DecoderModel(ModelShape.from_config(TINY), _weights(), torch.float32, 256, backend=no_c)
     runners["cpu-torch"] = ModelRunner(models["cpu-torch"], 40, 4)
     cpu, cpu_torch = models["cpu"].backend, models["cpu-torch"].backend
     assert isinstance(cpu, CpuBackend) and isinstance(cpu_torch, CpuBackend)
@@ -217,9 +217,9 @@ def test_shape_byte_counts_match_a_built_model():
     """The bench sizes the KV pool and the weight traffic from the shape alone; a built model must agree."""
     from trillm.engine.execution.model_runner import kv_bytes_per_token
 
-    shape = LlamaShape.from_config(TINY)
+    shape = ModelShape.from_config(TINY)
     cpu = torch.device("cpu")
-    model = LlamaModel(
+    model = DecoderModel(
         shape, _weights(), torch.float32, 256, cpu, backend=create_backend("reference", cpu, torch.float32)
     )
     assert model.projection_bytes == shape.dense_projection_bytes(torch.float32)

@@ -18,10 +18,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.execution.backends import CpuBackend, create_backend
-from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import load_model
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.prefix_cache import PrefixCache
@@ -87,11 +87,11 @@ def _config(folder) -> dict:
 
 
 def test_shape_reads_head_dim_norms_and_no_bias(qwen3_dir):
-    shape = LlamaShape.from_config(_config(qwen3_dir))
+    shape = ModelShape.from_config(_config(qwen3_dir))
     assert shape.head_dim == 32 and shape.qk_norm and not shape.attention_bias and shape.tie_word_embeddings
     assert shape.kv_bytes_per_token(torch.float32) == 2 * 2 * 2 * 32 * 4  # K and V, layers, kv heads, head_dim
     reference = create_backend("reference", torch.device("cpu"), torch.float32)
-    model = LlamaModel.load(qwen3_dir, _config(qwen3_dir), torch.float32, 256, backend=reference)
+    model = DecoderModel.load(qwen3_dir, _config(qwen3_dir), torch.float32, 256, backend=reference)
     assert kv_bytes_per_token(model) == shape.kv_bytes_per_token(torch.float32)
     assert model.projection_bytes == shape.dense_projection_bytes(torch.float32)
     assert all(layer.q_norm is not None and layer.q_norm.shape == (32,) for layer in model.layers)
@@ -102,20 +102,20 @@ def _device(backend: str) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and backend != "cpu" else "cpu")
 
 
-def _models(folder) -> dict[str, LlamaModel]:
+def _models(folder) -> dict[str, DecoderModel]:
     cfg = _config(folder)
     models = {
-        name: LlamaModel.load(
+        name: DecoderModel.load(
             folder, cfg, torch.float32, 256, _device(name), backend=create_backend(name, _device(name), torch.float32)
         )
         for name in ("cpu", "reference", "triton")
     }
     # The CPU path without its C kernels (no compiler): torch ops, gather + SDPA for decodes.
     no_c = CpuBackend(torch.device("cpu"), torch.float32, c_kernels=False)
-    models["cpu-torch"] = LlamaModel.load(folder, cfg, torch.float32, 256, backend=no_c)
+    models["cpu-torch"] = DecoderModel.load(folder, cfg, torch.float32, 256, backend=no_c)
     if cpu_matmul.available():
         cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-        models["cpu-blocks"] = LlamaModel.load(folder, cfg, torch.float32, 256, backend=cpu, block_weights=True)
+        models["cpu-blocks"] = DecoderModel.load(folder, cfg, torch.float32, 256, backend=cpu, block_weights=True)
     return models
 
 

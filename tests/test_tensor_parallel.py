@@ -21,7 +21,7 @@ from trillm.engine.execution.layers import make_weight, project, project_add
 from trillm.engine.execution.parallel.group import TensorParallel
 from trillm.engine.execution.parallel.sharding import even_ranges, local_shape, partition, shard_weights
 from trillm.engine.execution.parallel.topology import WorkerDied, check_same_model
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.processes import free_port
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.structured import GrammarSpec
@@ -31,7 +31,7 @@ from tests.helpers import outputs_by_prompt, wait_idle
 SMOLLM2 = dict(num_heads=9, num_kv_heads=3, hidden_size=576, intermediate_size=1536, vocab_size=49152)
 
 
-def _shape(**fields: int) -> LlamaShape:
+def _shape(**fields: int) -> ModelShape:
     base = dict(
         vocab_size=101,
         hidden_size=64,
@@ -47,7 +47,7 @@ def _shape(**fields: int) -> LlamaShape:
         tie_word_embeddings=False,
         attention_bias=False,
     )
-    return LlamaShape(**(base | fields))  # type: ignore[arg-type]
+    return ModelShape(**(base | fields))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 8])

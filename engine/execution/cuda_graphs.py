@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trillm.engine.execution.backends import KernelMetadata, KVCache
-from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.step import StepMetadata
 
 log = logging.getLogger("trillm.engine")
@@ -70,7 +70,7 @@ class DecodeGraphs:
     """Static input buffers and one replayable decode step per bucket size."""
 
     def __init__(
-        self, model: LlamaModel, kv_cache: KVCache, max_batch: int, max_pages_per_seq: int, capture: Capture
+        self, model: DecoderModel, kv_cache: KVCache, max_batch: int, max_pages_per_seq: int, capture: Capture
     ) -> None:
         if not model.backend.supports_cuda_graphs:
             raise ValueError(

@@ -68,7 +68,7 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def gguf_config(header: GGUFHeader) -> dict[str, Any]:
-    """The model's config.json, from the file's metadata (what ``LlamaShape.from_config`` reads)."""
+    """The model's config.json, from the file's metadata (what ``ModelShape.from_config`` reads)."""
     meta = header.metadata
     arch = meta["general.architecture"]
 

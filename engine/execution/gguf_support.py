@@ -16,7 +16,7 @@ from pathlib import Path
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
-# general.architecture values of the families ``shape.LlamaShape`` serves (Mistral's GGUF files say "llama")
+# general.architecture values of the families ``shape.ModelShape`` serves (Mistral's GGUF files say "llama")
 SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Tensor types read today: plain float32, and every type of the one table of blocks (the IQ types are not yet).
 READ_TYPES = frozenset({"F32", *BLOCK_TYPES})

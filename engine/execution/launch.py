@@ -21,14 +21,14 @@ import attrs
 import torch.distributed as dist
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.loading import LoadPlan, choose_device, choose_model_dtype, load_planned, plan_load
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.execution.parallel.channel import StepChannel
 from trillm.engine.execution.parallel.group import TensorParallel
 from trillm.engine.execution.parallel.sharding import partition
 from trillm.engine.execution.parallel.topology import Topology, join_group, rank_device
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.processes import children_allowed, ignore_stop_signals, join_or_kill
 from trillm.engine.step import HEARTBEAT, RunnerSetup
 
@@ -67,7 +67,7 @@ class Launched:
     """What the engine is built from: the model (rank 0's shard under ``--tp``), its tokenizer and
     EOS ids, and the ranks this process started (None alone), which the engine watches and stops."""
 
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: Any
     eos_ids: frozenset[int]
     ranks: Ranks | None = None
@@ -90,11 +90,11 @@ def launch(config: EngineConfig) -> Launched:
         raise
 
 
-def _join_and_load(plan: LoadPlan, topology: Topology, rank: int) -> tuple[LlamaModel, Any, frozenset[int]]:
+def _join_and_load(plan: LoadPlan, topology: Topology, rank: int) -> tuple[DecoderModel, Any, frozenset[int]]:
     """Rank ``rank`` on its device, in the group, then its shard loaded."""
     device = rank_device(plan.device, topology, rank)
     groups = join_group(topology, rank, device)
-    shape = LlamaShape.from_config(plan.model_config)
+    shape = ModelShape.from_config(plan.model_config)
     tp = TensorParallel(partition(shape, topology.size, rank), groups.compute, shape.vocab_size, groups.steps)
     return load_planned(attrs.evolve(plan, device=device), tp)
 

@@ -40,9 +40,12 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Weight  # hidden -> 2 * intermediate
     down: Weight
-    # Qwen3: RMSNorm of each Q and K head ([head_dim] weights) after the projection, before RoPE.
+    # Qwen3, Gemma 3: RMSNorm of each Q and K head ([head_dim] weights) after the projection, before RoPE.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    # Gemma 2/3: RMSNorm of the attention output and of the MLP output, before each residual add.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 def transposed(weight: torch.Tensor) -> torch.Tensor:
@@ -147,6 +150,21 @@ def qk_norm_(qk: torch.Tensor, num_heads: int, layer: LayerWeights, eps: float, 
         return
     qk[:, :num_heads] = norm(qk[:, :num_heads], layer.q_norm, eps)
     qk[:, num_heads:] = norm(qk[:, num_heads:], layer.k_norm, eps)
+
+
+def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` of a fused gate/up output [T, 2 I]: SwiGLU (silu) or GeGLU (gelu_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (Gemma's final logits), in place; None: as they are."""
+    if cap is None:
+        return logits
+    return logits.div_(cap).tanh_().mul_(cap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

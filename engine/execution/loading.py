@@ -19,8 +19,8 @@ from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_config
 from trillm.engine.execution.gguf_support import check_decoded_fits
 from trillm.engine.execution.layers import kernel_paths
-from trillm.engine.execution.llama import LlamaModel
 from trillm.engine.execution.memory_fit import check_folder_fits
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.topology import check_same_model
@@ -175,7 +175,7 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     return LoadPlan(config, folder, model_config, device, dtype_choice, gguf)
 
 
-def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaModel, Any, frozenset[int]]:
+def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderModel, Any, frozenset[int]]:
     """Weights, tokenizer and EOS ids of ``plan``: the whole model, or with ``tp`` (a group already
     joined, ``launch.py``) this rank's shard, checked to be the same model on every rank. The
     backend is chosen here, from the one registry (``backends.create_backend``), and handed to
@@ -186,17 +186,17 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     backend = create_backend(config.kernels, device, dtype)
     blocks = _use_block_weights(config, backend, plan.gguf is not None)
     if config.load_format == "dummy":
-        model = LlamaModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
+        model = DecoderModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
     elif plan.gguf is not None:
         if not blocks or tp.size > 1:  # decoded at load: the file's size said nothing of that
             check_decoded_fits(plan.gguf, max(4, dtype.itemsize))  # float32 first, then the dtype
-        model = LlamaModel.from_gguf(
+        model = DecoderModel.from_gguf(
             plan.gguf, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
         )
     else:
         if not blocks:  # dense in the dtype served (block weights take less: they are not known yet)
             check_folder_fits(folder, dtype.itemsize)
-        model = LlamaModel.load(
+        model = DecoderModel.load(
             folder, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
         )
     if tp.size > 1:
@@ -227,7 +227,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[LlamaMode
     return model, tokenizer, eos_ids
 
 
-def load_model(config: EngineConfig) -> tuple[LlamaModel, Any, frozenset[int]]:
+def load_model(config: EngineConfig) -> tuple[DecoderModel, Any, frozenset[int]]:
     """Weights, tokenizer and EOS ids for ``config.model`` in one process (slow; call from a
     thread). ``--tp`` > 1 starts ranks first: that is ``launch.launch``."""
     if config.tp > 1:

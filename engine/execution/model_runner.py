@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
-from trillm.engine.execution.llama import LlamaModel
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.parallel.channel import StepChannel
 from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.execution.sampler import sample_with_logprobs
@@ -64,7 +64,7 @@ def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tupl
     return tuple(out)
 
 
-def kv_bytes_per_token(model: LlamaModel) -> int:
+def kv_bytes_per_token(model: DecoderModel) -> int:
     return model.shape.kv_bytes_per_token(model.dtype)
 
 
@@ -99,7 +99,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         num_pages: int,
         page_size: int,
         num_threads: int | None = None,

@@ -1,4 +1,9 @@
-"""The numbers of a Llama-family config that the forward pass, the sharding and the KV pool use.
+"""The description of a decoder-only model that the forward pass, the sharding and the KV pool use.
+
+One description for every family served: the numbers of a Llama-style config, and the switches
+that carry each family's differences (per-layer sliding windows and rope bases, per-head Q/K
+norms, norms around each block's output, GeGLU, a scaled embedding, soft-capped logits). The
+model (``model.py``), the backends and ``parallel/`` read the switches, never the family's name.
 
 At the bottom of ``execution/``: the model, the backends and ``parallel/`` all read it.
 """
@@ -10,12 +15,16 @@ from typing import Any
 import attrs
 import torch
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+GEMMA3 = {"Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = LLAMA_LIKE | GEMMA3
+ACTIVATIONS = ("silu", "gelu_tanh")
+_GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @attrs.frozen
-class LlamaShape:
-    """The numbers of a Llama-family config that the forward pass uses."""
+class ModelShape:
+    """The numbers of a model's config, and its family's switches (their defaults are Llama's)."""
 
     vocab_size: int
     hidden_size: int
@@ -30,7 +39,37 @@ class LlamaShape:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    qk_norm: bool = False  # Qwen3: RMSNorm over each Q and K head before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each Q and K head before RoPE
+    # Gemma: checkpoints store each RMSNorm weight as w - 1 (the norm multiplies by 1 + w); loaders add 1.
+    norm_plus_one: bool = False
+    # Gemma 2/3: an RMSNorm on the attention output and on the MLP output, before each residual add.
+    sandwich_norms: bool = False
+    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: float = 1.0  # the embedded tokens times this (Gemma: sqrt(hidden_size))
+    query_scale: float | None = None  # of the attention scores; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # Per layer: 0 attends the whole context; W > 0 only its last W tokens (sliding window). (): all whole.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # the rope base of windowed layers (Gemma 3); None: rope_theta
+
+    def __attrs_post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    @property
+    def scale(self) -> float:
+        """Of the attention scores."""
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def window(self, layer: int) -> int:
+        """How many of its last tokens layer ``layer`` attends (0: all of them)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates by the local rope table (a windowed layer of Gemma 3)."""
+        return self.local_rope_theta is not None and self.window(layer) > 0
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over every layer: what the KV pool is sized by."""
@@ -38,7 +77,7 @@ class LlamaShape:
 
     def dense_projection_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of every projection (and the LM head) as dense ``dtype`` matrices: what one decode
-        step reads of the weights unless they are kept in blocks (``LlamaModel.projection_bytes``)."""
+        step reads of the weights unless they are kept in blocks (``DecoderModel.projection_bytes``)."""
         d, h = self.head_dim, self.hidden_size
         per_layer = (
             h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + 3 * h * self.intermediate_size
@@ -46,29 +85,85 @@ class LlamaShape:
         return (self.num_layers * per_layer + self.vocab_size * h) * torch.finfo(dtype).bits // 8
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> LlamaShape:
+    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
         archs = set(cfg.get("architectures") or ["LlamaForCausalLM"])
         if not archs & SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {sorted(archs)}; trillm serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        if archs & GEMMA3:
+            return _gemma3(cfg)
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        heads = cfg["num_attention_heads"]
         return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            **_common(cfg),
             rope_theta=theta,
             rope_scaling=rope or None,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
             qk_norm="Qwen3ForCausalLM" in archs,
         )
+
+
+def _common(cfg: dict[str, Any]) -> dict[str, Any]:
+    heads = cfg["num_attention_heads"]
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+    )
+
+
+def _gemma3(cfg: dict[str, Any]) -> ModelShape:
+    """Gemma 3's text model: interleaved sliding-window and global layers, each kind with its own
+    rope base (and the global ones with the config's rope scaling), per-head Q/K norms, norms
+    around both blocks' outputs, GeGLU, an embedding scaled by sqrt(hidden), scores scaled by
+    ``query_pre_attn_scalar``."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError("attention logit soft-capping (Gemma 2) is not served yet")
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _GEMMA_ACTIVATIONS:
+        raise ValueError(f"Gemma 3 with the activation {activation!r} is not served")
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if not kinds:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    window = int(cfg.get("sliding_window") or 0)
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per kind of layer
+        full = dict(params["full_attention"])
+        local = dict(params.get("sliding_attention") or {"rope_theta": 10000.0})
+    else:
+        full = dict(cfg.get("rope_scaling") or {})
+        full["rope_theta"] = cfg.get("rope_theta", 1_000_000.0)
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"a rope scaling of Gemma 3's sliding layers ({local['rope_type']!r}) is not served")
+    theta = float(full.pop("rope_theta", 1_000_000.0))
+    scalar = cfg.get("query_pre_attn_scalar")
+    cap = cfg.get("final_logit_softcapping")
+    return ModelShape(
+        **_common(cfg),
+        rope_theta=theta,
+        rope_scaling=full if full.get("rope_type", "default") != "default" else None,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=True,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        activation=_GEMMA_ACTIVATIONS[activation],
+        embed_scale=float(cfg["hidden_size"]) ** 0.5,
+        query_scale=float(scalar) ** -0.5 if scalar else None,
+        final_logit_softcap=float(cap) if cap else None,
+        layer_windows=windows if any(windows) else (),
+        local_rope_theta=float(local.get("rope_theta", 10000.0)),
+    )

@@ -1,6 +1,6 @@
 """The one model-execution interface: a ``Backend`` prepares a batch and runs the layers.
 
-The model (``llama.py``) holds the weights, the embedding and the LM head; how the
+The model (``model.py``) holds the weights, the embedding and the LM head; how the
 decoder layers run over the paged KV cache, and which metadata they need for that,
 belongs to a backend: the CPU fast path (``cpu.py``) or a set of kernels, Triton or
 the torch references (``kernel.py``). The runner asks the backend to prepare a step
@@ -18,7 +18,7 @@ import torch
 
 from trillm.engine.execution.layers import LayerWeights
 from trillm.engine.execution.sampler import SamplingKernel
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import (
     Batch,
     PromptSpan,
@@ -43,11 +43,11 @@ class Collectives(Protocol):
 
 
 class ModelWeights(Protocol):
-    """What a backend reads of the model whose layers it runs (``llama.LlamaModel`` offers it):
+    """What a backend reads of the model whose layers it runs (``model.DecoderModel`` offers it):
     the backends never see the model class, so the model may hold any backend."""
 
     @property
-    def shape(self) -> LlamaShape: ...  # this rank's own (``parallel.sharding.local_shape``)
+    def shape(self) -> ModelShape: ...  # this rank's own (``parallel.sharding.local_shape``)
 
     @property
     def layers(self) -> list[LayerWeights]: ...
@@ -60,6 +60,12 @@ class ModelWeights(Protocol):
 
     @property
     def sin(self) -> torch.Tensor: ...
+
+    @property
+    def local_cos(self) -> torch.Tensor: ...  # of windowed layers with their own rope base (Gemma 3), else cos
+
+    @property
+    def local_sin(self) -> torch.Tensor: ...
 
     @property
     def scale(self) -> float: ...  # of the attention scores

@@ -12,8 +12,8 @@ bfloat16, the same layers run in torch: gather + SDPA for attention.
 
 from __future__ import annotations
 
+import attrs
 import torch
-import torch.nn.functional as F
 
 from trillm.engine.execution.backends.base import (
     Backend,
@@ -29,7 +29,7 @@ from trillm.engine.execution.backends.cpu_attention import (
     PrefillSpan,
     paged_attention,
 )
-from trillm.engine.execution.layers import project, project_add, qk_norm_, rms_norm
+from trillm.engine.execution.layers import gated_activation, project, project_add, qk_norm_, rms_norm
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
@@ -75,12 +75,25 @@ class CpuBackend(Backend):
         """The C layer loop over ``model``'s weights and ``kv_cache``, where it applies."""
         if not self.fusable(model):
             return None
-        layers = [
-            (la.input_norm, la.qkv, la.o_proj, la.post_norm, la.gate_up, la.down, la.q_norm, la.k_norm)
-            for la in model.layers
-        ]
         s = model.shape
-        return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale)
+        layers = [
+            cpu_forward.LayerSpec(
+                la.input_norm,
+                la.qkv,
+                la.o_proj,
+                la.post_norm,
+                la.gate_up,
+                la.down,
+                la.q_norm,
+                la.k_norm,
+                la.attn_out_norm,
+                la.mlp_out_norm,
+                s.window(i),
+                s.local_rope(i),
+            )
+            for i, la in enumerate(model.layers)
+        ]
+        return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale, s.activation)
 
     def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
         ps = page_size
@@ -139,7 +152,7 @@ class CpuBackend(Backend):
         """Decode-only steps go through ``bound``, the C loop, when there is one; the rest
         through the Python loop over the same kernels."""
         s = model.shape
-        cos, sin = model.cos[positions], model.sin[positions]
+        rope = RopeRows.at(model, positions)
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         d = meta.decode_rows
         if (
@@ -149,17 +162,16 @@ class CpuBackend(Backend):
             and d.rows is None  # a decode-only step
             and h.shape[0] <= bound.max_rows
         ):
-            h = bound.run(h, cos, sin, meta.slot_mapping, d.block_tables, d.context_lens, torch.get_num_threads())
+            h = bound.run(h, rope, meta.slot_mapping, d.block_tables, d.context_lens, torch.get_num_threads())
         else:
-            h = self._layers(model, h, cos, sin, kv_cache, meta)
+            h = self._layers(model, h, rope, kv_cache, meta)
         return norm(h.index_select(0, logits_rows), model.final_norm, s.rms_norm_eps)
 
     def _layers(
         self,
         model: ModelWeights,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeRows,
         kv_cache: KVCache,
         meta: CpuMetadata,
     ) -> torch.Tensor:
@@ -167,29 +179,52 @@ class CpuBackend(Backend):
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         reduce = model.tp.all_reduce if model.tp.size > 1 else None
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_cache):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = project(x, layer.qkv, layer.qkv_bias)
             # Q and K sit side by side in the fused projection: one rotary pass for both.
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
-            qk_norm_(qk, s.num_heads, layer, s.rms_norm_eps, norm)  # Qwen3 only
+            qk_norm_(qk, s.num_heads, layer, s.rms_norm_eps, norm)  # Qwen3, Gemma 3
+            cos, sin = rope.local if s.local_rope(i) else rope.whole
             if self.c_ops:
                 cpu_ops.rotary_(qk, cos, sin)
             else:
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale)
-            h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i))
+            if layer.attn_out_norm is None:
+                h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
+            else:  # Gemma: the attention's output normed before the residual add
+                out = project(attn.reshape(-1, q_size), layer.o_proj)
+                h = h + norm(reduce(out) if reduce else out, layer.attn_out_norm, s.rms_norm_eps)
             x = norm(h, layer.post_norm, s.rms_norm_eps)
             gate_up = project(x, layer.gate_up)
             if self.c_ops:
-                act = cpu_ops.silu_mul(gate_up)
+                act = cpu_ops.gated_mul(gate_up, s.activation)
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            h = project_add(h, act, layer.down, reduce)
+                act = gated_activation(gate_up, s.activation)
+            if layer.mlp_out_norm is None:
+                h = project_add(h, act, layer.down, reduce)
+            else:
+                out = project(act, layer.down)
+                h = h + norm(reduce(out) if reduce else out, layer.mlp_out_norm, s.rms_norm_eps)
         return h
+
+
+@attrs.frozen
+class RopeRows:
+    """The rotary tables at this step's positions: the model's, and its windowed layers' own (Gemma 3)."""
+
+    whole: tuple[torch.Tensor, torch.Tensor]
+    local: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def at(cls, model: ModelWeights, positions: torch.Tensor) -> RopeRows:
+        whole = (model.cos[positions], model.sin[positions])
+        if model.local_cos is model.cos:
+            return cls(whole, whole)
+        return cls(whole, (model.local_cos[positions], model.local_sin[positions]))
 
 
 def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], page_size: int) -> tuple[DecodeGroup, ...]:
@@ -209,5 +244,5 @@ def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], pag
         width = pages.shape[1]
         group_lens = torch.tensor([lens[i] for i in members], dtype=torch.long)
         mask = (torch.arange(width * page_size).unsqueeze(0) < group_lens.unsqueeze(1)).view(len(members), 1, 1, -1)
-        out.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), pages, mask))
+        out.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), pages, mask, group_lens))
     return tuple(out)

@@ -30,6 +30,15 @@ class PrefillSpan:
     context_len: int
     causal_mask: torch.Tensor | None  # [n, context_len] bool; None: plain causal (nothing cached before)
 
+    def window_mask(self, window: int) -> torch.Tensor | None:
+        """The causal mask less the keys before each row's last ``window`` positions (0, or a
+        window wider than the context: the causal mask as it is)."""
+        if window <= 0 or self.context_len <= window:
+            return self.causal_mask
+        rows = torch.arange(self.context_len - (self.end - self.start), self.context_len).unsqueeze(1)
+        keys = torch.arange(self.context_len).unsqueeze(0)
+        return (keys <= rows) & (keys > rows - window)
+
 
 @attrs.frozen
 class DecodeGroup:
@@ -38,6 +47,14 @@ class DecodeGroup:
     rows: torch.Tensor  # [Bd] batch rows
     pages: torch.Tensor  # [Bd, Pmax] page table per row (padded with page 0)
     mask: torch.Tensor  # [Bd, 1, 1, Pmax * page_size] True where a slot holds context
+    context_lens: torch.Tensor  # [Bd] int64
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``mask`` less each row's slots before its last ``window`` tokens (0: the whole mask)."""
+        if window <= 0:
+            return self.mask
+        slots = torch.arange(self.mask.shape[-1])
+        return self.mask & (slots >= (self.context_lens - window).view(-1, 1, 1, 1))
 
 
 @attrs.frozen
@@ -82,20 +99,22 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: CpuMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Store this step's K/V in the cache, then attend every row to its context."""
+    """Store this step's K/V in the cache, then attend every row to its context (with ``window``
+    > 0, each row only its last ``window`` tokens: a sliding-window layer)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != kv_heads
     d = meta.decode_rows
     if d is not None and d.rows is None:  # a decode-only step: no row shuffling (1/3 of it at one row)
-        return cpu_decode.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale)
+        return cpu_decode.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window)
     out = torch.empty_like(q)
 
     if d is not None and d.rows is not None:
         od = cpu_decode.decode_attention(
-            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale
+            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale, window
         )
         out.index_copy_(0, d.rows, od)
 
@@ -103,15 +122,17 @@ def paged_attention(
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bd, H, 1, D]
         kd = _gather(k_cache, group.pages).transpose(1, 2)  # [Bd, KVH, L, D]
         vd = _gather(v_cache, group.pages).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale, enable_gqa=gqa)
+        mask = group.window_mask(window)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, group.rows, od.squeeze(2))
 
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = _gather(k_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
         vp = _gather(v_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
+        causal = span.window_mask(window)
         op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=span.causal_mask, is_causal=span.causal_mask is None, scale=scale, enable_gqa=gqa
+            qp, kp, vp, attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=gqa
         )
         out[span.start : span.end] = op.squeeze(0).transpose(0, 1)
     return out

@@ -12,7 +12,6 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from trillm.engine.execution.backends.base import (
     Backend,
@@ -21,7 +20,7 @@ from trillm.engine.execution.backends.base import (
     StepRows,
     padded_tables,
 )
-from trillm.engine.execution.layers import project
+from trillm.engine.execution.layers import gated_activation, project
 from trillm.engine.execution.sampler import SamplingKernel
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import Kernels
@@ -107,27 +106,37 @@ class KernelBackend(Backend):
         ops, s = self.kernels, model.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         delta, residual = h, None
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_cache):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, s.rms_norm_eps)
             qkv = project(x, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_size].view(-1, s.num_heads, s.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(-1, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: each head normed before RoPE
+            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3, Gemma 3: each head normed
                 q = self._head_norm(q, layer.q_norm, s.rms_norm_eps)
                 k = self._head_norm(k, layer.k_norm, s.rms_norm_eps)
-            q, k = ops.rotary(q, k, positions, model.cos, model.sin)
+            local = s.local_rope(i)
+            q, k = ops.rotary(
+                q, k, positions, model.local_cos if local else model.cos, model.local_sin if local else model.sin
+            )
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            window = s.window(i)
             if meta.decode_only:
-                attn = ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale)
+                attn = ops.decode_attention(
+                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale, window
+                )
             else:
                 attn = ops.extend_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens, model.scale
+                    q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens, model.scale, window
                 )
             delta = model.tp.all_reduce(project(attn.reshape(-1, q_size), layer.o_proj))
+            if layer.attn_out_norm is not None:  # Gemma: the block's output normed before the residual add
+                delta = self._norm(delta, layer.attn_out_norm, s.rms_norm_eps)
             x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
-            gate, up = project(x, layer.gate_up).chunk(2, dim=-1)
-            delta = model.tp.all_reduce(project(F.silu(gate) * up, layer.down))
+            act = gated_activation(project(x, layer.gate_up), s.activation)
+            delta = model.tp.all_reduce(project(act, layer.down))
+            if layer.mlp_out_norm is not None:
+                delta = self._norm(delta, layer.mlp_out_norm, s.rms_norm_eps)
         assert residual is not None, "a model has at least one layer"
         rows = logits_rows.to(delta.device)
         h, _ = ops.add_rms_norm(
@@ -137,4 +146,8 @@ class KernelBackend(Backend):
 
     def _head_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of each head of ``x`` [T, heads, D] through the set's norm kernel (no residual)."""
-        return self.kernels.add_rms_norm(x.reshape(-1, x.shape[-1]), None, weight, eps)[0].view(x.shape)
+        return self._norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of the rows of ``x`` through the set's norm kernel, no residual."""
+        return self.kernels.add_rms_norm(x, None, weight, eps)[0]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 
 BLOCK = 32  # GGUF block width: row-parallel splits of the input dimension fall on its multiples
 
@@ -48,7 +48,7 @@ class Partition:
     vocab: range  # rows of the embedding and of the LM head
 
 
-def partition(shape: LlamaShape, size: int, rank: int) -> Partition:
+def partition(shape: ModelShape, size: int, rank: int) -> Partition:
     """Rank ``rank``'s part of a model of ``shape``; ValueError where heads cannot be split."""
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in a group of {size}")
@@ -80,7 +80,7 @@ def partition(shape: LlamaShape, size: int, rank: int) -> Partition:
     )
 
 
-def local_shape(shape: LlamaShape, part: Partition) -> LlamaShape:
+def local_shape(shape: ModelShape, part: Partition) -> ModelShape:
     """The shape one rank's layers compute with (the vocabulary stays whole: logits are gathered)."""
     return attrs.evolve(
         shape,
@@ -98,7 +98,7 @@ def _cols(t: torch.Tensor, r: range, per: int = 1) -> torch.Tensor:
     return t[:, r.start * per : r.stop * per].clone()
 
 
-def shard_weights(weights: dict[str, torch.Tensor], shape: LlamaShape, part: Partition) -> dict[str, torch.Tensor]:
+def shard_weights(weights: dict[str, torch.Tensor], shape: ModelShape, part: Partition) -> dict[str, torch.Tensor]:
     """Checkpoint-named weights cut to ``part`` (copies: the whole ones may be freed). Norms are
     whole on every rank; a tied LM head is the embedding's shard."""
     if part.size == 1:

@@ -1,4 +1,5 @@
-"""Our Llama-family model (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+"""Our decoder-only model over the paged KV cache: every family ``shape.ModelShape`` describes
+(Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3), one implementation read by its switches.
 
 Weights are plain tensors held by the model; Q/K/V and gate/up projections are
 fused into one matmul each at load time. ``transformers`` supplies only the config.
@@ -23,16 +24,25 @@ from trillm.engine.execution.backends import Backend, KVCache
 from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_weights
-from trillm.engine.execution.layers import LayerWeights, Weight, embed_rows, fuse, make_weight, project, weight_bytes
+from trillm.engine.execution.layers import (
+    LayerWeights,
+    Weight,
+    embed_rows,
+    fuse,
+    make_weight,
+    project,
+    soft_cap,
+    weight_bytes,
+)
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
-from trillm.engine.execution.shape import LlamaShape
+from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import StepMetadata
 
 
 def dummy_weights(
-    shape: LlamaShape, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
+    shape: ModelShape, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Checkpoint-named random weights (std 0.02, unit norms), made on ``device``."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -42,8 +52,8 @@ def dummy_weights(
     def rand(*size: int) -> torch.Tensor:
         return (torch.randn(size, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, device=device, dtype=dtype)
+    def ones(n: int) -> torch.Tensor:  # unit norms, in the checkpoint's convention
+        return torch.full((n,), 0.0 if shape.norm_plus_one else 1.0, device=device, dtype=dtype)
 
     w = {"model.embed_tokens.weight": rand(shape.vocab_size, h), "model.norm.weight": ones(h)}
     if not shape.tie_word_embeddings:
@@ -65,6 +75,8 @@ def dummy_weights(
         )
         if shape.qk_norm:
             w.update({a + "q_norm.weight": ones(d), a + "k_norm.weight": ones(d)})
+        if shape.sandwich_norms:
+            w.update({p + f"{where}_feedforward_layernorm.weight": ones(h) for where in ("pre", "post")})
         if shape.attention_bias:
             w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
     return w
@@ -83,13 +95,13 @@ def fingerprint(weights: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-class LlamaModel:
+class DecoderModel:
     """Weights, the embedding and the LM head; the backend runs the layers. The KV cache
     is owned by the caller."""
 
     def __init__(
         self,
-        shape: LlamaShape,
+        shape: ModelShape,
         weights: dict[str, Any],
         dtype: torch.dtype,
         max_len: int,
@@ -119,6 +131,9 @@ class LlamaModel:
             raise ValueError("block weights run on the CPU fast path in float32 only")
         # Tensors move to the device and dtype; weights a GGUF file keeps in blocks stay as they are.
         w = {k: v.to(self.device, dtype) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+        if shape.norm_plus_one:  # Gemma's checkpoints store w - 1: the norms multiply by 1 + w
+            for key in [k for k in w if k.endswith("norm.weight")]:
+                w[key] = (1.0 + w[key].float()).to(dtype)
         self.embed = w["model.embed_tokens.weight"]
         head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head = make_weight(head, block_weights) if isinstance(head, torch.Tensor) else head
@@ -130,22 +145,34 @@ class LlamaModel:
             bias = None
             if shape.attention_bias and a + "q_proj.bias" in w:
                 bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            # With norms around each block's output (Gemma), post_attention_layernorm is the
+            # attention output's, and the MLP's input norm is pre_feedforward_layernorm.
+            sandwich = shape.sandwich_norms
+            pre_mlp = p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
             self.layers.append(
                 LayerWeights(
                     input_norm=w[p + "input_layernorm.weight"],
                     qkv=fuse([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]], block_weights),
                     qkv_bias=bias,
                     o_proj=fuse([w[a + "o_proj.weight"]], block_weights),
-                    post_norm=w[p + "post_attention_layernorm.weight"],
+                    post_norm=w[pre_mlp],
                     gate_up=fuse([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], block_weights),
                     down=fuse([w[p + "mlp.down_proj.weight"]], block_weights),
                     q_norm=w[a + "q_norm.weight"] if shape.qk_norm else None,
                     k_norm=w[a + "k_norm.weight"] if shape.qk_norm else None,
+                    attn_out_norm=w[p + "post_attention_layernorm.weight"] if sandwich else None,
+                    mlp_out_norm=w[p + "post_feedforward_layernorm.weight"] if sandwich else None,
                 )
             )
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
-        self.scale = shape.head_dim**-0.5
+        # Windowed layers of Gemma 3 rotate by their own base (no scaling); else the same table.
+        self.local_cos, self.local_sin = self.cos, self.sin
+        if shape.local_rope_theta is not None:
+            cos, sin = cos_sin_table(shape.head_dim, shape.local_rope_theta, None, max_len)
+            self.local_cos, self.local_sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
+        self.scale = shape.scale
+        self.embed_scale = torch.tensor(shape.embed_scale, dtype=dtype)  # rounded as the checkpoint's model does
 
     def projections(self) -> list[Weight]:
         return [
@@ -174,11 +201,11 @@ class LlamaModel:
         backend: Backend,
         seed: int = 0,
         tp: TensorParallel = SINGLE,
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """Random weights for ``config``: throughput of any model size can be measured
         without downloading it. Every rank makes the whole model's (same seed) and keeps its part."""
         return cls.sharded(
-            LlamaShape.from_config(config),
+            ModelShape.from_config(config),
             lambda shape: dummy_weights(shape, dtype, device, seed),
             dtype,
             max_len,
@@ -191,8 +218,8 @@ class LlamaModel:
     @classmethod
     def sharded(
         cls,
-        shape: LlamaShape,
-        weights: Callable[[LlamaShape], dict[str, Any]],
+        shape: ModelShape,
+        weights: Callable[[ModelShape], dict[str, Any]],
         dtype: torch.dtype,
         max_len: int,
         device: torch.device | str,
@@ -200,7 +227,7 @@ class LlamaModel:
         backend: Backend,
         block_weights: bool,
         tp: TensorParallel,
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """The model of the whole ``shape``, or ``tp``'s rank's shard of it: ``weights`` (of the whole
         model) are cut before they are moved or fused, and the rest freed."""
         whole = weights(shape)
@@ -225,8 +252,8 @@ class LlamaModel:
         backend: Backend,
         block_weights: bool = False,
         tp: TensorParallel = SINGLE,
-    ) -> LlamaModel:
-        def read(shape: LlamaShape) -> dict[str, torch.Tensor]:
+    ) -> DecoderModel:
+        def read(shape: ModelShape) -> dict[str, torch.Tensor]:
             weights: dict[str, torch.Tensor] = {}
             cure = cure_for(folder)
             for file in sorted(folder.glob("*.safetensors")):
@@ -238,13 +265,15 @@ class LlamaModel:
                 raise FileNotFoundError(f"no .safetensors files in {folder}")
             return weights
 
-        shape = LlamaShape.from_config(config)
+        shape = ModelShape.from_config(config)
         return cls.sharded(shape, read, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
-            return self.tp.embed(self.embed, ids)
-        return embed_rows(self.embed, ids)  # in blocks: one process, decoded row by row
+            h = self.tp.embed(self.embed, ids)
+        else:
+            h = embed_rows(self.embed, ids)  # in blocks: one process, decoded row by row
+        return h if self.shape.embed_scale == 1.0 else h.mul_(self.embed_scale.to(h.device))
 
     @classmethod
     def from_gguf(
@@ -258,14 +287,14 @@ class LlamaModel:
         backend: Backend,
         block_weights: bool = False,
         tp: TensorParallel = SINGLE,
-    ) -> LlamaModel:
+    ) -> DecoderModel:
         """The model of a GGUF file, its matrices kept in the file's blocks with ``block_weights``
         (in one process: tensor-parallel ranks cut dense weights, and keep what is exactly Q4_1 or
         Q8_0 in those blocks), else decoded to ``dtype``."""
         in_blocks = block_weights and tp.part is None
-        shape = LlamaShape.from_config(config)
+        shape = ModelShape.from_config(config)
 
-        def read(shape: LlamaShape) -> dict[str, Any]:
+        def read(shape: ModelShape) -> dict[str, Any]:
             return gguf_weights(header, in_blocks)
 
         return cls.sharded(shape, read, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
@@ -284,4 +313,5 @@ class LlamaModel:
         ``bound``: what the backend's ``bind`` made for this ``kv_cache``, if the caller
         keeps it (the runner does; on the CPU path, the C layer loop of decode steps)."""
         h = self.backend.run_layers(self, self._embed(input_ids), positions, kv_cache, meta, logits_rows, bound)
-        return self.tp.gather_vocab(project(h, self.lm_head).float())
+        logits = self.tp.gather_vocab(project(h, self.lm_head).float())
+        return soft_cap(logits, self.shape.final_logit_softcap)
