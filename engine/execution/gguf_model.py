@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose converter interleaved Q/K rows per head (llama.cpp's convert_hf_to_gguf)
 PERMUTED_QK = frozenset({"llama", "mistral"})
@@ -50,6 +51,19 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's layer norms: llama.cpp calls the MLP's input norm ffn_norm, as for Llama, but the
+# checkpoint's post_attention_layernorm is the attention output's (post_attention_norm).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Architectures whose converter stored each RMSNorm weight as 1 + w (the checkpoint keeps w)
+NORM_PLUS_ONE = frozenset({"gemma3"})
+# Gemma 3 (llama.cpp's reading, the file says neither): every 6th layer global, the others
+# windowed with a rope base of 10,000.
+GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10_000.0
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -57,13 +71,14 @@ _TOP_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The checkpoint name of a GGUF tensor (None: one the model does not use, e.g. ``rope_freqs``)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -102,7 +117,33 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     scaling = _rope_scaling(header, arch)
     if scaling:
         config["rope_scaling"] = scaling
+    if arch == "gemma3":
+        config.update(_gemma3_config(header, config))
     return config
+
+
+def _gemma3_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 3's config.json says beyond a Llama's, as llama.cpp reads the file: the window
+    and its pattern, the local rope base, the score scale (27B: hidden / heads; else the head
+    size), and the turn's end as a second end of sequence (chat replies stop there). A rope
+    scaling in the file (4B and up: linear, factor 8) is the global layers'."""
+    meta = header.metadata
+    layers = config["num_hidden_layers"]
+    pattern = int(meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_PATTERN))
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    extra: dict[str, Any] = {
+        "sliding_window": int(meta.get("gemma3.attention.sliding_window", 4096)),
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+        "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": config["tie_word_embeddings"],
+    }
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    eos = config.get("eos_token_id")
+    if "<end_of_turn>" in tokens and isinstance(eos, int):
+        extra["eos_token_id"] = [eos, tokens.index("<end_of_turn>")]
+    return extra
 
 
 def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
@@ -163,7 +204,7 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
     file = _mapped(header)
     out: dict[str, Tensorish] = {}
     for info in header.tensors:
-        name = hf_name(info.name)
+        name = hf_name(info.name, arch)
         if name is None:
             continue
         order = None
@@ -178,5 +219,7 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
         else:
             dense = _dense(header, info, file)
             check_finite(header.path, info.name, dense, "replace it with an intact copy")
+            if arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
+                dense = dense - 1.0  # back to the checkpoint's w: the model adds 1 to every norm's
             out[name] = dense[order] if order is not None else dense
     return out

@@ -17,10 +17,15 @@ from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
 # general.architecture values of the families ``shape.ModelShape`` serves (Mistral's GGUF files say "llama")
-SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # Tensor types read today: plain float32, and every type of the one table of blocks (the IQ types are not yet).
 READ_TYPES = frozenset({"F32", *BLOCK_TYPES})
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+# Each family's tensors beyond a Llama's, per layer
+EXTRA_LAYER_TENSORS = {
+    "qwen3": ("attn_q_norm", "attn_k_norm"),
+    "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
+}
 
 
 class UnsupportedModel(ValueError):
@@ -85,7 +90,8 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
         raise UnsupportedModel(f"{path}: no {arch}.block_count in its metadata")
     present = {t.name for t in header.tensors}
     wanted = ["token_embd.weight", "output_norm.weight"]
-    wanted += [f"blk.{i}.{part}.weight" for i in range(layers) for part in LAYER_TENSORS]
+    parts = LAYER_TENSORS + EXTRA_LAYER_TENSORS.get(arch, ())
+    wanted += [f"blk.{i}.{part}.weight" for i in range(layers) for part in parts]
     missing = [name for name in wanted if name not in present]
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""

