@@ -12,6 +12,8 @@ bfloat16, the same layers run in torch: gather + SDPA for attention.
 
 from __future__ import annotations
 
+from typing import cast
+
 import attrs
 import torch
 
@@ -29,7 +31,7 @@ from trillm.engine.execution.backends.cpu_attention import (
     PrefillSpan,
     paged_attention,
 )
-from trillm.engine.execution.layers import gated_activation, project, project_add, qk_norm_, rms_norm
+from trillm.engine.execution.layers import Weight, gated_activation, project, project_add, qk_norm_, rms_norm
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
@@ -76,14 +78,18 @@ class CpuBackend(Backend):
         if not self.fusable(model):
             return None
         s = model.shape
+
+        def blocks(w: Weight) -> cpu_forward.Projection:
+            return cast(cpu_forward.Projection, w)  # every projection is: ``fusable`` said so
+
         layers = [
             cpu_forward.LayerSpec(
                 la.input_norm,
-                la.qkv,
-                la.o_proj,
+                blocks(la.qkv),
+                blocks(la.o_proj),
                 la.post_norm,
-                la.gate_up,
-                la.down,
+                blocks(la.gate_up),
+                blocks(la.down),
                 la.q_norm,
                 la.k_norm,
                 la.attn_out_norm,
