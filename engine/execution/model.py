@@ -26,11 +26,13 @@ from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_weights
 from trillm.engine.execution.layers import (
     LayerWeights,
+    MoEWeights,
     Weight,
     embed_rows,
     fuse,
     make_weight,
     project,
+    transposed,
     soft_cap,
     weight_bytes,
 )
@@ -68,11 +70,28 @@ def dummy_weights(
                 a + "k_proj.weight": rand(kv, h),
                 a + "v_proj.weight": rand(kv, h),
                 a + "o_proj.weight": rand(h, q),
-                p + "mlp.gate_proj.weight": rand(inter, h),
-                p + "mlp.up_proj.weight": rand(inter, h),
-                p + "mlp.down_proj.weight": rand(h, inter),
             }
         )
+        if shape.is_moe(i):
+            e_inter = shape.expert_intermediate_size
+            w[p + "mlp.gate.weight"] = rand(shape.num_experts, h)
+            for e in range(shape.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                w.update(
+                    {
+                        x + "gate_proj.weight": rand(e_inter, h),
+                        x + "up_proj.weight": rand(e_inter, h),
+                        x + "down_proj.weight": rand(h, e_inter),
+                    }
+                )
+        else:
+            w.update(
+                {
+                    p + "mlp.gate_proj.weight": rand(inter, h),
+                    p + "mlp.up_proj.weight": rand(inter, h),
+                    p + "mlp.down_proj.weight": rand(h, inter),
+                }
+            )
         if shape.qk_norm:
             w.update({a + "q_norm.weight": ones(d), a + "k_norm.weight": ones(d)})
         if shape.sandwich_norms:
@@ -80,6 +99,27 @@ def dummy_weights(
         if shape.attention_bias:
             w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
     return w
+
+
+# Mixtral's checkpoint names for its mixture, and ours (Qwen3-MoE's): w1 is the gate, w3 the up, w2 the down.
+_MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_names(weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` under the names the model reads: Mixtral's ``block_sparse_moe.experts.E.w1``
+    as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``."""
+    if not any(".block_sparse_moe." in name for name in weights):
+        return weights
+    out = {}
+    for name, w in weights.items():
+        if ".block_sparse_moe." in name:
+            name = name.replace(".block_sparse_moe.", ".mlp.")
+            parts = name.split(".")
+            if len(parts) > 2 and parts[-2] in _MIXTRAL_NAMES:
+                parts[-2] = _MIXTRAL_NAMES[parts[-2]]
+            name = ".".join(parts)
+        out[name] = w
+    return out
 
 
 def fingerprint(weights: dict[str, Any]) -> str:
@@ -149,6 +189,7 @@ class DecoderModel:
             # attention output's, and the MLP's input norm is pre_feedforward_layernorm.
             sandwich = shape.sandwich_norms
             pre_mlp = p + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")
+            moe = self._experts(w, i, block_weights) if shape.is_moe(i) else None
             self.layers.append(
                 LayerWeights(
                     input_norm=w[p + "input_layernorm.weight"],
@@ -156,12 +197,15 @@ class DecoderModel:
                     qkv_bias=bias,
                     o_proj=fuse([w[a + "o_proj.weight"]], block_weights),
                     post_norm=w[pre_mlp],
-                    gate_up=fuse([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], block_weights),
-                    down=fuse([w[p + "mlp.down_proj.weight"]], block_weights),
+                    gate_up=None
+                    if moe
+                    else fuse([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], block_weights),
+                    down=None if moe else fuse([w[p + "mlp.down_proj.weight"]], block_weights),
                     q_norm=w[a + "q_norm.weight"] if shape.qk_norm else None,
                     k_norm=w[a + "k_norm.weight"] if shape.qk_norm else None,
                     attn_out_norm=w[p + "post_attention_layernorm.weight"] if sandwich else None,
                     mlp_out_norm=w[p + "post_feedforward_layernorm.weight"] if sandwich else None,
+                    moe=moe,
                 )
             )
         cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
@@ -174,16 +218,30 @@ class DecoderModel:
         self.scale = shape.scale
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=dtype)  # rounded as the checkpoint's model does
 
+    def _experts(self, w: dict[str, Any], layer: int, block_weights: bool) -> MoEWeights:
+        """Layer ``layer``'s mixture: its router (kept dense) and each expert's fused gate/up and down."""
+        p = f"model.layers.{layer}.mlp."
+        experts = range(self.shape.num_experts)
+        return MoEWeights(
+            router=transposed(w[p + "gate.weight"]),
+            gate_up=[
+                fuse([w[f"{p}experts.{e}.gate_proj.weight"], w[f"{p}experts.{e}.up_proj.weight"]], block_weights)
+                for e in experts
+            ],
+            down=[fuse([w[f"{p}experts.{e}.down_proj.weight"]], block_weights) for e in experts],
+            top_k=self.shape.experts_per_token,
+            normalize=self.shape.normalize_top_k,
+        )
+
     def projections(self) -> list[Weight]:
-        return [
-            self.lm_head,
-            *(p for layer in self.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)),
-        ]
+        """Every matrix: the LM head and each layer's (the experts' included)."""
+        return [self.lm_head, *(p for layer in self.layers for p in layer.projections())]
 
     @property
     def projection_bytes(self) -> int:
-        """Bytes of projection weights a decode step reads: the floor of its memory traffic."""
-        return sum(weight_bytes(p) for p in self.projections())
+        """Bytes of projection weights a one-token decode step reads (of a mixture's experts, the
+        ``top_k`` it runs): the floor of its memory traffic."""
+        return weight_bytes(self.lm_head) + sum(layer.active_bytes() for layer in self.layers)
 
     @property
     def num_block_weights(self) -> int:
@@ -230,7 +288,7 @@ class DecoderModel:
     ) -> DecoderModel:
         """The model of the whole ``shape``, or ``tp``'s rank's shard of it: ``weights`` (of the whole
         model) are cut before they are moved or fused, and the rest freed."""
-        whole = weights(shape)
+        whole = canonical_names(weights(shape))
         if tp.part is None:
             model = cls(shape, whole, dtype, max_len, device, backend=backend, block_weights=block_weights)
         else:

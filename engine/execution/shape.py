@@ -16,8 +16,11 @@ import attrs
 import torch
 
 LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+MIXTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
 GEMMA3 = {"Gemma3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_LIKE | GEMMA3
+SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA3
+# Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
+_WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_tanh")
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -51,6 +54,14 @@ class ModelShape:
     # Per layer: 0 attends the whole context; W > 0 only its last W tokens (sliding window). (): all whole.
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the rope base of windowed layers (Gemma 3); None: rope_theta
+    # Mixtures of experts (Mixtral, Qwen3-MoE): the MLP of each layer not in ``dense_layers`` is
+    # ``num_experts`` gated MLPs of ``expert_intermediate_size``; a router picks ``experts_per_token``
+    # of them per token (softmax, top-k, renormalised with ``normalize_top_k``), their outputs weighed.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_top_k: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -71,18 +82,28 @@ class ModelShape:
         """Whether layer ``layer`` rotates by the local rope table (a windowed layer of Gemma 3)."""
         return self.local_rope_theta is not None and self.window(layer) > 0
 
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token over every layer: what the KV pool is sized by."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
 
     def dense_projection_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of every projection (and the LM head) as dense ``dtype`` matrices: what one decode
-        step reads of the weights unless they are kept in blocks (``DecoderModel.projection_bytes``)."""
+        """Bytes of the projections (and the LM head) one token's decode step reads as dense ``dtype``
+        matrices, unless they are kept in blocks (``DecoderModel.projection_bytes``): of a mixture's
+        experts, the ``experts_per_token`` it runs, and its router."""
         d, h = self.head_dim, self.hidden_size
-        per_layer = (
-            h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + 3 * h * self.intermediate_size
-        )
-        return (self.num_layers * per_layer + self.vocab_size * h) * torch.finfo(dtype).bits // 8
+        attention = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        total = self.vocab_size * h
+        for layer in range(self.num_layers):
+            if self.is_moe(layer):
+                mlp = self.experts_per_token * 3 * h * self.expert_intermediate_size + h * self.num_experts
+            else:
+                mlp = 3 * h * self.intermediate_size
+            total += attention + mlp
+        return total * torch.finfo(dtype).bits // 8
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -102,7 +123,9 @@ class ModelShape:
             rope_scaling=rope or None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
-            qk_norm="Qwen3ForCausalLM" in archs,
+            qk_norm=bool(archs & {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}),
+            layer_windows=_windows(cfg, bool(archs & _WINDOWED_ALL)),
+            **(_mixture(cfg, archs) if archs & MIXTURES else {}),
         )
 
 
@@ -118,6 +141,52 @@ def _common(cfg: dict[str, Any]) -> dict[str, Any]:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+    )
+
+
+def _windows(cfg: dict[str, Any], every_layer: bool) -> tuple[int, ...]:
+    """Per-layer sliding windows: from ``layer_types`` where the config lists them, else every layer's
+    for Mistral and Mixtral (``sliding_window``, 4,096 in Mistral 7B v0.1), and for Qwen2/3 only
+    with ``use_sliding_window``, from layer ``max_window_layers`` on (as transformers reads them)."""
+    window = int(cfg.get("sliding_window") or 0)
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if not window:
+        return ()
+    if kinds:
+        windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+    elif every_layer:
+        windows = (window,) * n
+    elif cfg.get("use_sliding_window"):
+        first = int(cfg.get("max_window_layers", n))
+        windows = tuple(window if i >= first else 0 for i in range(n))
+    else:
+        return ()
+    return windows if any(windows) else ()
+
+
+def _mixture(cfg: dict[str, Any], archs: set[str]) -> dict[str, Any]:
+    """Mixtral's and Qwen3-MoE's experts: their count, how many a token runs, their size, and
+    which layers keep a dense MLP (Qwen3-MoE's ``mlp_only_layers``, ``decoder_sparse_step``)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if experts < 1:
+        raise ValueError(f"a mixture of experts ({sorted(archs)[0]}) with no experts in its config")
+    n = cfg["num_hidden_layers"]
+    if "MixtralForCausalLM" in archs:
+        return dict(
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok", 2)),
+            expert_intermediate_size=cfg["intermediate_size"],
+            normalize_top_k=True,
+        )
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()} | {i for i in range(n) if (i + 1) % step}
+    return dict(
+        num_experts=experts,
+        experts_per_token=int(cfg.get("num_experts_per_tok", 8)),
+        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+        normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=tuple(sorted(dense)),
     )
 
 

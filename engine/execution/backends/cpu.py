@@ -31,7 +31,15 @@ from trillm.engine.execution.backends.cpu_attention import (
     PrefillSpan,
     paged_attention,
 )
-from trillm.engine.execution.layers import Weight, gated_activation, project, project_add, qk_norm_, rms_norm
+from trillm.engine.execution.layers import (
+    Weight,
+    gated_activation,
+    moe_mlp,
+    project,
+    project_add,
+    qk_norm_,
+    rms_norm,
+)
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
@@ -68,6 +76,7 @@ class CpuBackend(Backend):
             and model.tp.size == 1  # the C loop has no all-reduce between layers
             and all(
                 layer.qkv_bias is None
+                and layer.moe is None  # the C loop has no router: mixtures run the Python loop
                 and all(cpu_forward.fusable(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
                 for layer in model.layers
             )
@@ -79,7 +88,7 @@ class CpuBackend(Backend):
             return None
         s = model.shape
 
-        def blocks(w: Weight) -> cpu_forward.Projection:
+        def blocks(w: Weight | None) -> cpu_forward.Projection:
             return cast(cpu_forward.Projection, w)  # every projection is: ``fusable`` said so
 
         layers = [
@@ -185,6 +194,12 @@ class CpuBackend(Backend):
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         reduce = model.tp.all_reduce if model.tp.size > 1 else None
+
+        def act(gate_up: torch.Tensor) -> torch.Tensor:  # the gated MLP's act(gate) * up
+            if self.c_ops:
+                return cpu_ops.gated_mul(gate_up, s.activation)
+            return gated_activation(gate_up, s.activation)
+
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = project(x, layer.qkv, layer.qkv_bias)
@@ -205,15 +220,17 @@ class CpuBackend(Backend):
                 out = project(attn.reshape(-1, q_size), layer.o_proj)
                 h = h + norm(reduce(out) if reduce else out, layer.attn_out_norm, s.rms_norm_eps)
             x = norm(h, layer.post_norm, s.rms_norm_eps)
-            gate_up = project(x, layer.gate_up)
-            if self.c_ops:
-                act = cpu_ops.gated_mul(gate_up, s.activation)
-            else:
-                act = gated_activation(gate_up, s.activation)
+            if layer.moe is not None:  # a mixture of experts: its output, then the residual add
+                out = moe_mlp(x, layer.moe, act)
+                out = reduce(out) if reduce else out
+                h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
+                continue
+            assert layer.gate_up is not None and layer.down is not None
+            gated = act(project(x, layer.gate_up))
             if layer.mlp_out_norm is None:
-                h = project_add(h, act, layer.down, reduce)
+                h = project_add(h, gated, layer.down, reduce)
             else:
-                out = project(act, layer.down)
+                out = project(gated, layer.down)
                 h = h + norm(reduce(out) if reduce else out, layer.mlp_out_norm, s.rms_norm_eps)
         return h
 

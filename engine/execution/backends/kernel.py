@@ -20,7 +20,7 @@ from trillm.engine.execution.backends.base import (
     StepRows,
     padded_tables,
 )
-from trillm.engine.execution.layers import gated_activation, project
+from trillm.engine.execution.layers import gated_activation, moe_mlp, project
 from trillm.engine.execution.sampler import SamplingKernel
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import Kernels
@@ -133,8 +133,12 @@ class KernelBackend(Backend):
             if layer.attn_out_norm is not None:  # Gemma: the block's output normed before the residual add
                 delta = self._norm(delta, layer.attn_out_norm, s.rms_norm_eps)
             x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
-            act = gated_activation(project(x, layer.gate_up), s.activation)
-            delta = model.tp.all_reduce(project(act, layer.down))
+            if layer.moe is not None:
+                out = moe_mlp(x, layer.moe, lambda gate_up: gated_activation(gate_up, s.activation))
+            else:
+                assert layer.gate_up is not None and layer.down is not None
+                out = project(gated_activation(project(x, layer.gate_up), s.activation), layer.down)
+            delta = model.tp.all_reduce(out)
             if layer.mlp_out_norm is not None:
                 delta = self._norm(delta, layer.mlp_out_norm, s.rms_norm_eps)
         assert residual is not None, "a model has at least one layer"

@@ -4,7 +4,8 @@ Attention splits by whole GQA groups (a KV head and the query heads that read it
 rank's attention is an ordinary smaller attention: Q/K/V are column-parallel (each rank
 projects its heads), O is row-parallel (each rank multiplies its heads' columns; an
 all-reduce sums the partial outputs). The MLP splits the same way: gate/up by columns,
-down by rows. The embedding and the LM head split by vocabulary rows.
+down by rows; in a mixture of experts, every expert's MLP so (each rank runs every expert on
+its slice; the router is whole on every rank). The embedding and the LM head split by vocabulary rows.
 
 Groups need not divide evenly: SmolLM2-135M has 3 KV heads, so at ``--tp 2`` rank 0 holds
 two groups (6 query heads) and rank 1 one (3), where vLLM refuses. With fewer KV heads
@@ -46,6 +47,7 @@ class Partition:
     kv_heads: range
     intermediate: range  # MLP columns
     vocab: range  # rows of the embedding and of the LM head
+    expert_intermediate: range = range(0)  # each expert's MLP columns (a mixture of experts)
 
 
 def partition(shape: ModelShape, size: int, rank: int) -> Partition:
@@ -77,6 +79,9 @@ def partition(shape: ModelShape, size: int, rank: int) -> Partition:
         kv_heads=kv_range,
         intermediate=even_ranges(shape.intermediate_size, size, BLOCK)[rank],
         vocab=even_ranges(shape.vocab_size, size)[rank],
+        expert_intermediate=(
+            even_ranges(shape.expert_intermediate_size, size, BLOCK)[rank] if shape.num_experts else range(0)
+        ),
     )
 
 
@@ -87,6 +92,7 @@ def local_shape(shape: ModelShape, part: Partition) -> ModelShape:
         num_heads=len(part.heads),
         num_kv_heads=len(part.kv_heads),
         intermediate_size=len(part.intermediate),
+        expert_intermediate_size=len(part.expert_intermediate),
     )
 
 
@@ -108,6 +114,7 @@ def shard_weights(weights: dict[str, torch.Tensor], shape: ModelShape, part: Par
     for name, w in weights.items():
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
         kind = name.rsplit(".", 1)[-1]  # weight or bias
+        inter = part.expert_intermediate if ".experts." in name else part.intermediate
         if leaf == "q_proj":
             out[name] = _rows(w, part.heads, d)
         elif leaf in ("k_proj", "v_proj"):
@@ -115,9 +122,9 @@ def shard_weights(weights: dict[str, torch.Tensor], shape: ModelShape, part: Par
         elif leaf == "o_proj":
             out[name] = _cols(w, part.heads, d) if kind == "weight" else w
         elif leaf in ("gate_proj", "up_proj"):
-            out[name] = _rows(w, part.intermediate)
+            out[name] = _rows(w, inter)
         elif leaf == "down_proj":
-            out[name] = _cols(w, part.intermediate) if kind == "weight" else w
+            out[name] = _cols(w, inter) if kind == "weight" else w
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(w, part.vocab)
         else:
