@@ -32,8 +32,8 @@ from trillm.engine.execution.layers import (
     fuse,
     make_weight,
     project,
-    transposed,
     soft_cap,
+    transposed,
     weight_bytes,
 )
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
