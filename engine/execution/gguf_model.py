@@ -15,6 +15,7 @@ permutation, exact in blocks: a block never spans rows).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -32,9 +33,12 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # Architectures whose converter interleaved Q/K rows per head (llama.cpp's convert_hf_to_gguf)
 PERMUTED_QK = frozenset({"llama", "mistral"})
+# Mixtures whose router renormalises the top-k weights (llama.cpp's norm_w: Mixtral and Qwen3-MoE)
+NORMALISED_MIXTURES = frozenset({"llama", "qwen3moe"})
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -50,6 +54,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture's router
+}
+# A mixture's experts, one 3-D tensor each [experts, rows, cols], and their checkpoint names
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
 }
 # Gemma's layer norms: llama.cpp calls the MLP's input norm ffn_norm, as for Llama, but the
 # checkpoint's post_attention_layernorm is the attention output's (post_attention_norm).
@@ -119,7 +130,19 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         config["rope_scaling"] = scaling
     if arch == "gemma3":
         config.update(_gemma3_config(header, config))
+    experts = int(get("expert_count", 0) or 0)
+    if experts:
+        config.update(_mixture_config(arch, experts, int(get("expert_used_count", 2))))
+        if arch == "qwen3moe":
+            config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
     return config
+
+
+def _mixture_config(arch: str, experts: int, used: int) -> dict[str, Any]:
+    """A mixture's config.json keys: Mixtral's files say ``llama`` with experts."""
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "num_local_experts": experts, "num_experts_per_tok": used}
+    return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": arch in NORMALISED_MIXTURES}
 
 
 def _gemma3_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
@@ -178,9 +201,27 @@ def _dense(header: GGUFHeader, info: TensorInfo, file: np.ndarray | None = None)
     shape = tuple(reversed(info.dims))
     if info.type == 0:  # F32
         return torch.from_numpy(raw.view(np.float32).reshape(shape))
-    weight = from_bytes(BY_ID[info.type], raw, shape[0] if len(shape) == 2 else 1, info.dims[0])
+    weight = from_bytes(BY_ID[info.type], raw, math.prod(shape[:-1]), info.dims[0])
     values = cpu_gguf.dequantize(weight) if cpu_gguf.available() else reference_dequantize(weight)
     return values.reshape(shape)
+
+
+def _experts(
+    header: GGUFHeader, info: TensorInfo, file: np.ndarray, prefix: str, kind: str, blocks: bool
+) -> dict[str, Tensorish]:
+    """Each expert's matrix of a [experts, rows, cols] tensor, named ``{prefix}.E.{kind}.weight``:
+    with ``blocks`` each a view of its own rows of the mapped file (nothing copied), else decoded."""
+    cols, rows, experts = info.dims
+    names = [f"{prefix}.{e}.{kind}.weight" for e in range(experts)]
+    if blocks and info.type in BY_ID:
+        whole = from_bytes(BY_ID[info.type], _raw(file, info), experts * rows, cols)
+        return {
+            name: repacked(GGUFWeight(whole.kind, whole.data[e * rows : (e + 1) * rows], cols))
+            for e, name in enumerate(names)
+        }
+    dense = _dense(header, info, file).reshape(experts, rows, cols)
+    check_finite(header.path, info.name, dense, "replace it with an intact copy")
+    return {name: dense[e] for e, name in enumerate(names)}
 
 
 def _unpermute_rows(heads: int, rows: int) -> torch.Tensor:
@@ -204,6 +245,10 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
     file = _mapped(header)
     out: dict[str, Tensorish] = {}
     for info in header.tensors:
+        layer, _, leaf = info.name.removeprefix("blk.").partition(".")
+        if leaf in _EXPERT_NAMES:  # one tensor of every expert: each expert's rows kept apart
+            out.update(_experts(header, info, file, f"model.layers.{layer}.mlp.experts", _EXPERT_NAMES[leaf], blocks))
+            continue
         name = hf_name(info.name, arch)
         if name is None:
             continue

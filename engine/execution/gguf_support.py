@@ -17,13 +17,15 @@ from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
 # general.architecture values of the families ``shape.ModelShape`` serves (Mistral's GGUF files say "llama")
-SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe")
 # Tensor types read today: plain float32, and every type of the one table of blocks (the IQ types are not yet).
 READ_TYPES = frozenset({"F32", *BLOCK_TYPES})
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+MIXTURE_TENSORS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # Each family's tensors beyond a Llama's, per layer
 EXTRA_LAYER_TENSORS = {
     "qwen3": ("attn_q_norm", "attn_k_norm"),
+    "qwen3moe": ("attn_q_norm", "attn_k_norm"),
     "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
 }
 
@@ -91,6 +93,9 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
     present = {t.name for t in header.tensors}
     wanted = ["token_embd.weight", "output_norm.weight"]
     parts = LAYER_TENSORS + EXTRA_LAYER_TENSORS.get(arch, ())
+    if header.metadata.get(f"{arch}.expert_count"):  # a mixture: a router and experts in place of the MLP
+        dense = ("ffn_gate", "ffn_up", "ffn_down")
+        parts = tuple(p for p in parts if p not in dense) + MIXTURE_TENSORS
     wanted += [f"blk.{i}.{part}.weight" for i in range(layers) for part in parts]
     missing = [name for name in wanted if name not in present]
     if missing:

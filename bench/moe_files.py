@@ -1,0 +1,205 @@
+"""GGUF files of mixtures of experts (llama.cpp's ``qwen3moe`` layout): from a checkpoint's weights,
+or random blocks of a real model's shape for benchmarks.
+
+A mixture's experts are one 3-D tensor per projection and layer (``blk.N.ffn_gate_exps.weight``,
+[experts, rows, cols]) beside the router (``ffn_gate_inp``). Random files are written block by
+block from random bytes (valid scales put in place), not encoded from random floats: a
+Qwen3-30B-A3B-shaped Q4_K_M file is ~17 GB, and encoding 30 billion floats would take an hour.
+
+    python -m trillm.bench.moe_files TOKENIZER.gguf DST.gguf --shape qwen3-30b-a3b [--layers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trillm.bench.gguf_files import FALLBACK, QK_K, encode
+
+# Qwen3-30B-A3B's shape (SmolLM2's vocabulary, so its tokenizer serves the file)
+MOE_SHAPES: dict[str, dict[str, int]] = {
+    "qwen3-30b-a3b": {
+        "hidden": 2048,
+        "layers": 48,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "experts": 128,
+        "used": 8,
+        "expert_inter": 768,
+    },
+}
+# Bytes of a block, and where its float16 scales sit with their size against ``scale``: d, and
+# Q4_K's dmin at 7.5 d, so that d * sc * q - dmin * m is centred on 0 for random q, sc and m.
+_BLOCKS = {
+    "Q4_K": (144, ((0, 1.0), (2, 7.5))),
+    "Q6_K": (210, ((208, 1.0),)),
+    "Q8_0": (34, ((0, 1.0),)),
+    "Q5_0": (22, ((0, 1.0),)),
+}
+_VALUES = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32}
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """uint8 [rows, row bytes]: random quants and (for k-quants) random sub-block scales, with every
+    block's float16 scale ``scale`` (and its minimum's): valid blocks of values of about zero mean."""
+    size, scales = _BLOCKS[type_name]
+    blocks = rows * cols // _VALUES[type_name]
+    raw = rng.integers(0, 256, size=(blocks, size), dtype=np.uint8)
+    for at, factor in scales:
+        raw[:, at : at + 2] = np.frombuffer(np.float16(scale * factor).tobytes(), dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _write(dst: Path, arch: str, meta: dict[str, Any], tokenizer: Path | None, tensors: Iterator[tuple]) -> None:
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    writer = GGUFWriter(dst, arch)
+    if tokenizer is not None:
+        for key, field in GGUFReader(tokenizer).fields.items():
+            if key.startswith("tokenizer."):
+                vtype = field.types[0]
+                sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, value in meta.items():
+        kind = {float: GGUFValueType.FLOAT32, str: GGUFValueType.STRING}.get(type(value), GGUFValueType.UINT32)
+        writer.add_key_value(f"{arch}.{key}" if not key.startswith("general.") else key, value, kind)
+    for name, raw, type_name in tensors:
+        if type_name == "F32":
+            writer.add_tensor(name, raw.astype(np.float32))
+        else:
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[type_name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _metadata(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    return {
+        "block_count": layers,
+        "context_length": int(cfg.get("max_position_embeddings", 4096)),
+        "embedding_length": cfg["hidden_size"],
+        "feed_forward_length": cfg.get("intermediate_size", cfg["moe_intermediate_size"]),
+        "attention.head_count": cfg["num_attention_heads"],
+        "attention.head_count_kv": cfg["num_key_value_heads"],
+        "attention.key_length": cfg["head_dim"],
+        "attention.value_length": cfg["head_dim"],
+        "attention.layer_norm_rms_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope.freq_base": float(cfg.get("rope_theta", 1_000_000.0)),
+        "expert_count": cfg["num_experts"],
+        "expert_used_count": cfg["num_experts_per_tok"],
+        "expert_feed_forward_length": cfg["moe_intermediate_size"],
+    }
+
+
+def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Path, type_name: str) -> None:
+    """A Qwen3-MoE checkpoint (HF names, float tensors) as a ``qwen3moe`` GGUF file with every
+    matrix in ``type_name`` (``gguf``'s encoders: Q8_0, Q4_0, ...); vectors and the router float32.
+    Every layer must be a mixture (llama.cpp's layout has no dense MLP layers in this family)."""
+
+    def arr(name: str) -> np.ndarray:
+        return weights[name].float().numpy()
+
+    def tensors() -> Iterator[tuple]:
+        yield "token_embd.weight", encode(arr("model.embed_tokens.weight"), type_name), type_name
+        yield "output_norm.weight", arr("model.norm.weight"), "F32"
+        if "lm_head.weight" in weights and not cfg.get("tie_word_embeddings"):
+            yield "output.weight", encode(arr("lm_head.weight"), type_name), type_name
+        for i in range(cfg["num_hidden_layers"]):
+            p, g = f"model.layers.{i}.", f"blk.{i}."
+            yield g + "attn_norm.weight", arr(p + "input_layernorm.weight"), "F32"
+            yield g + "ffn_norm.weight", arr(p + "post_attention_layernorm.weight"), "F32"
+            yield g + "attn_q_norm.weight", arr(p + "self_attn.q_norm.weight"), "F32"
+            yield g + "attn_k_norm.weight", arr(p + "self_attn.k_norm.weight"), "F32"
+            for ours, theirs in (
+                ("attn_q", "q_proj"),
+                ("attn_k", "k_proj"),
+                ("attn_v", "v_proj"),
+                ("attn_output", "o_proj"),
+            ):
+                yield g + ours + ".weight", encode(arr(f"{p}self_attn.{theirs}.weight"), type_name), type_name
+            yield g + "ffn_gate_inp.weight", arr(p + "mlp.gate.weight"), "F32"
+            for ours, theirs in (
+                ("ffn_gate_exps", "gate_proj"),
+                ("ffn_up_exps", "up_proj"),
+                ("ffn_down_exps", "down_proj"),
+            ):
+                stacked = np.stack([arr(f"{p}mlp.experts.{e}.{theirs}.weight") for e in range(cfg["num_experts"])])
+                experts, rows, cols = stacked.shape
+                raw = encode(stacked.reshape(experts * rows, cols), type_name).reshape(experts, rows, -1)
+                yield g + ours + ".weight", raw, type_name
+
+    _write(dst, "qwen3moe", _metadata(cfg, cfg["num_hidden_layers"]), None, tensors())
+
+
+def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | None = None, seed: int = 0) -> None:
+    """A Qwen3-MoE-shaped file of random Q4_K_M-style blocks (Q4_K, with V, the experts' down and
+    the embedding in Q6_K), ``tokenizer``'s vocabulary and tokenizer: the memory traffic of the real
+    model, for benchmarks (its text is noise). ``layers``: fewer than the shape's."""
+    from gguf import GGUFReader
+
+    s = MOE_SHAPES[shape_name]
+    hidden, n = s["hidden"], layers or s["layers"]
+    vocab = len(GGUFReader(tokenizer).fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(seed)
+    cfg = {
+        "hidden_size": hidden,
+        "moe_intermediate_size": s["expert_inter"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["used"],
+        "max_position_embeddings": 8192,
+    }
+
+    def kind(type_name: str, cols: int) -> str:
+        return FALLBACK[type_name] if cols % QK_K and type_name in FALLBACK else type_name
+
+    def matrix(rows: int, cols: int, type_name: str, scale: float = 2e-4) -> tuple[np.ndarray, str]:
+        t = kind(type_name, cols)
+        return random_blocks(t, rows, cols, rng, scale), t
+
+    def tensors() -> Iterator[tuple]:
+        yield ("token_embd.weight", *matrix(vocab, hidden, "Q6_K", 2e-3))
+        yield "output_norm.weight", np.ones(hidden, dtype=np.float32), "F32"
+        d, q, kv, e, inter = s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["expert_inter"]
+        for i in range(n):
+            g = f"blk.{i}."
+            for norm, size in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", d), ("attn_k_norm", d)):
+                yield g + norm + ".weight", np.ones(size, dtype=np.float32), "F32"
+            yield (g + "attn_q.weight", *matrix(q * d, hidden, "Q4_K"))
+            yield (g + "attn_k.weight", *matrix(kv * d, hidden, "Q4_K"))
+            yield (g + "attn_v.weight", *matrix(kv * d, hidden, "Q6_K"))
+            yield (g + "attn_output.weight", *matrix(hidden, q * d, "Q4_K"))
+            yield g + "ffn_gate_inp.weight", rng.standard_normal((e, hidden), dtype=np.float32) * 0.02, "F32"
+            for name, rows, cols, t in (
+                ("ffn_gate_exps", inter, hidden, "Q4_K"),
+                ("ffn_up_exps", inter, hidden, "Q4_K"),
+                ("ffn_down_exps", hidden, inter, "Q6_K"),
+            ):
+                raw, t = matrix(e * rows, cols, t)
+                yield g + name + ".weight", raw.reshape(e, rows, -1), t
+
+    meta = _metadata(cfg, n) | {"general.name": f"random {shape_name} ({n} layers, Q4_K_M-style)"}
+    _write(dst, "qwen3moe", meta, tokenizer, tensors())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("tokenizer", type=Path, help="a GGUF file whose tokenizer the new file takes")
+    parser.add_argument("dst", type=Path)
+    parser.add_argument("--shape", choices=sorted(MOE_SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's")
+    args = parser.parse_args()
+    random_qwen3_moe(args.tokenizer, args.dst, args.shape, args.layers)
+    print(f"wrote {args.dst} ({args.dst.stat().st_size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""A mixture of experts from a GGUF file (``qwen3moe``: the experts of a layer as one 3-D tensor
+per projection, a float32 router): each expert's rows kept in the file's blocks, held to
+``transformers`` on the same weights (a Qwen3-MoE checkpoint whose matrices are exact Q8_0 blocks,
+written as the file), and the header checks that refuse a mixture with a tensor missing."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from trillm.bench.moe_files import qwen3_moe_from_weights, random_blocks
+from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.gguf_support import UnsupportedModel, check_servable
+from trillm.engine.execution.model import DecoderModel
+from trillm.kernels import cpu_gguf
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize
+
+from tests.test_gguf_quality import _all_logits
+from tests.test_qwen3 import _q8_0_exact
+
+pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs a C compiler")
+
+CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,  # llama.cpp's qwen3moe always renormalises
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture(scope="module")
+def hf_and_file(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif p.dim() >= 2 and not name.endswith("gate.weight"):  # the router stays float32 in the file
+                p.copy_(_q8_0_exact((torch.randn_like(p) * 0.1).reshape(-1, p.shape[-1])).view_as(p))
+    folder = tmp_path_factory.mktemp("qwen3moe")
+    hf.save_pretrained(folder)
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "model.safetensors")  # the checkpoint's own names: one matrix per expert
+    path = folder / "qwen3moe-q8_0.gguf"
+    qwen3_moe_from_weights(weights, CONFIG, path, "Q8_0")
+    return hf, path
+
+
+def test_the_config_and_experts_come_from_the_file(hf_and_file):
+    _, path = hf_and_file
+    header = read_header(path)
+    config = gguf_config(header)
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (8, 2, 32)
+    assert config["norm_topk_prob"]
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, config, torch.float32, 256, backend=cpu, block_weights=True)
+    moe = model.layers[0].moe
+    assert moe is not None and len(moe.gate_up) == 8 and moe.router.shape == (64, 8)
+    assert model.num_block_weights == len(model.projections())  # every expert in blocks
+    dense = DecoderModel.from_gguf(header, config, torch.float32, 256, backend=cpu, block_weights=False)
+    assert dense.layers[1].moe is not None and isinstance(dense.layers[1].moe.down[7], torch.Tensor)
+
+
+def test_teacher_forced_logits_are_transformers(hf_and_file):
+    """Prefilled whole (float32 activations) and a token a step (int16 activations) against
+    transformers on the checkpoint: the experts' blocks are its values exactly."""
+    hf, path = hf_and_file
+    header = read_header(path)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=True)
+    ids = list(range(3, 80, 2))
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=1e-4, rtol=1e-4)
+    decoded = _all_logits(model, ids, 1)
+    assert (decoded.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
+    assert (decoded - theirs).abs().max() < 0.05
+
+
+def test_a_mixture_missing_an_experts_tensor_is_one_line(hf_and_file, tmp_path):
+    _, path = hf_and_file
+    header = read_header(path)
+    cut = attrs.evolve(header, tensors=tuple(t for t in header.tensors if t.name != "blk.1.ffn_up_exps.weight"))
+    with pytest.raises(UnsupportedModel, match="blk.1.ffn_up_exps.weight missing"):
+        check_servable(cut, available=1 << 40, native=True)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_random_blocks_are_valid_and_centred(type_name):
+    """The benchmark files' blocks: finite values of about zero mean, as ``gguf`` decodes them."""
+    raw = random_blocks(type_name, 64, 512, np.random.default_rng(0), 2e-4)
+    values = reference_dequantize(GGUFWeight(BLOCK_TYPES[type_name], torch.from_numpy(raw), 512))
+    assert torch.isfinite(values).all() and values.abs().max() > 0
+    assert abs(values.mean().item()) < 0.1 * values.std().item()
