@@ -12,7 +12,8 @@ Qwen3-30B-A3B-shaped Q4_K_M file is ~17 GB, and encoding 30 billion floats would
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,12 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
     return raw.reshape(rows, -1)
 
 
-def _write(dst: Path, arch: str, meta: dict[str, Any], tokenizer: Path | None, tensors: Iterator[tuple]) -> None:
+# A tensor to write: (name, its shape (in bytes per row for blocks), its type, what makes its data)
+Planned = tuple[str, tuple[int, ...], str, Callable[[], np.ndarray]]
+
+
+def _write(dst: Path, arch: str, meta: dict[str, Any], tokenizer: Path | None, tensors: list[Planned]) -> None:
+    """The file, its tensors made one at a time as they are written (a 17 GB file never in memory)."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     writer = GGUFWriter(dst, arch)
@@ -68,15 +74,27 @@ def _write(dst: Path, arch: str, meta: dict[str, Any], tokenizer: Path | None, t
     for key, value in meta.items():
         kind = {float: GGUFValueType.FLOAT32, str: GGUFValueType.STRING}.get(type(value), GGUFValueType.UINT32)
         writer.add_key_value(f"{arch}.{key}" if not key.startswith("general.") else key, value, kind)
-    for name, raw, type_name in tensors:
+    for name, shape, type_name, _ in tensors:
         if type_name == "F32":
-            writer.add_tensor(name, raw.astype(np.float32))
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * math.prod(shape))
         else:
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType[type_name])
+            qtype = GGMLQuantizationType[type_name]  # gguf reads ``shape`` as bytes per row for this
+            writer.add_tensor_info(name, shape, np.dtype(np.uint8), math.prod(shape), qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, shape, type_name, make in tensors:
+        data = make()
+        writer.write_tensor_data(data.astype(np.float32) if type_name == "F32" else data.reshape(shape))
     writer.close()
+
+
+def _bytes_shape(type_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` of values as the file's byte shape: each row's values as its blocks' bytes."""
+    if type_name == "F32":
+        return shape
+    size, _ = _BLOCKS[type_name]
+    return (*shape[:-1], shape[-1] // _VALUES[type_name] * size)
 
 
 def _metadata(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -105,7 +123,7 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
     def arr(name: str) -> np.ndarray:
         return weights[name].float().numpy()
 
-    def tensors() -> Iterator[tuple]:
+    def tensors() -> Iterator[tuple[str, np.ndarray, str]]:
         yield "token_embd.weight", encode(arr("model.embed_tokens.weight"), type_name), type_name
         yield "output_norm.weight", arr("model.norm.weight"), "F32"
         if "lm_head.weight" in weights and not cfg.get("tie_word_embeddings"):
@@ -134,7 +152,8 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
                 raw = encode(stacked.reshape(experts * rows, cols), type_name).reshape(experts, rows, -1)
                 yield g + ours + ".weight", raw, type_name
 
-    _write(dst, "qwen3moe", _metadata(cfg, cfg["num_hidden_layers"]), None, tensors())
+    planned = [(name, data.shape, t, lambda data=data: data) for name, data, t in tensors()]  # small: made at once
+    _write(dst, "qwen3moe", _metadata(cfg, cfg["num_hidden_layers"]), None, planned)
 
 
 def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | None = None, seed: int = 0) -> None:
@@ -146,7 +165,6 @@ def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | 
     s = MOE_SHAPES[shape_name]
     hidden, n = s["hidden"], layers or s["layers"]
     vocab = len(GGUFReader(tokenizer).fields["tokenizer.ggml.tokens"].contents())
-    rng = np.random.default_rng(seed)
     cfg = {
         "hidden_size": hidden,
         "moe_intermediate_size": s["expert_inter"],
@@ -158,36 +176,40 @@ def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | 
         "max_position_embeddings": 8192,
     }
 
-    def kind(type_name: str, cols: int) -> str:
-        return FALLBACK[type_name] if cols % QK_K and type_name in FALLBACK else type_name
+    planned: list[Planned] = []
 
-    def matrix(rows: int, cols: int, type_name: str, scale: float = 2e-4) -> tuple[np.ndarray, str]:
-        t = kind(type_name, cols)
-        return random_blocks(t, rows, cols, rng, scale), t
+    def matrix(name: str, shape: tuple[int, ...], type_name: str, scale: float = 2e-4) -> None:
+        t = FALLBACK[type_name] if shape[-1] % QK_K and type_name in FALLBACK else type_name
+        seed_of = len(planned)  # each tensor its own stream: made when written, the same every time
 
-    def tensors() -> Iterator[tuple]:
-        yield ("token_embd.weight", *matrix(vocab, hidden, "Q6_K", 2e-3))
-        yield "output_norm.weight", np.ones(hidden, dtype=np.float32), "F32"
-        d, q, kv, e, inter = s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["expert_inter"]
-        for i in range(n):
-            g = f"blk.{i}."
-            for norm, size in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", d), ("attn_k_norm", d)):
-                yield g + norm + ".weight", np.ones(size, dtype=np.float32), "F32"
-            yield (g + "attn_q.weight", *matrix(q * d, hidden, "Q4_K"))
-            yield (g + "attn_k.weight", *matrix(kv * d, hidden, "Q4_K"))
-            yield (g + "attn_v.weight", *matrix(kv * d, hidden, "Q6_K"))
-            yield (g + "attn_output.weight", *matrix(hidden, q * d, "Q4_K"))
-            yield g + "ffn_gate_inp.weight", rng.standard_normal((e, hidden), dtype=np.float32) * 0.02, "F32"
-            for name, rows, cols, t in (
-                ("ffn_gate_exps", inter, hidden, "Q4_K"),
-                ("ffn_up_exps", inter, hidden, "Q4_K"),
-                ("ffn_down_exps", hidden, inter, "Q6_K"),
-            ):
-                raw, t = matrix(e * rows, cols, t)
-                yield g + name + ".weight", raw.reshape(e, rows, -1), t
+        def make() -> np.ndarray:
+            rng = np.random.default_rng([seed, seed_of])
+            return random_blocks(t, math.prod(shape[:-1]), shape[-1], rng, scale)
+
+        planned.append((name, _bytes_shape(t, shape), t, make))
+
+    def vector(name: str, size: int) -> None:
+        planned.append((name, (size,), "F32", lambda: np.ones(size, dtype=np.float32)))
+
+    d, q, kv, e, inter = s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["expert_inter"]
+    matrix("token_embd.weight", (vocab, hidden), "Q6_K", 2e-3)
+    vector("output_norm.weight", hidden)
+    for i in range(n):
+        g = f"blk.{i}."
+        for norm, size in (("attn_norm", hidden), ("ffn_norm", hidden), ("attn_q_norm", d), ("attn_k_norm", d)):
+            vector(g + norm + ".weight", size)
+        matrix(g + "attn_q.weight", (q * d, hidden), "Q4_K")
+        matrix(g + "attn_k.weight", (kv * d, hidden), "Q4_K")
+        matrix(g + "attn_v.weight", (kv * d, hidden), "Q6_K")
+        matrix(g + "attn_output.weight", (hidden, q * d), "Q4_K")
+        router = np.random.default_rng([seed, 1_000_000 + i]).standard_normal((e, hidden), dtype=np.float32) * 0.02
+        planned.append((g + "ffn_gate_inp.weight", router.shape, "F32", lambda router=router: router))
+        matrix(g + "ffn_gate_exps.weight", (e, inter, hidden), "Q4_K")
+        matrix(g + "ffn_up_exps.weight", (e, inter, hidden), "Q4_K")
+        matrix(g + "ffn_down_exps.weight", (e, hidden, inter), "Q6_K")
 
     meta = _metadata(cfg, n) | {"general.name": f"random {shape_name} ({n} layers, Q4_K_M-style)"}
-    _write(dst, "qwen3moe", meta, tokenizer, tensors())
+    _write(dst, "qwen3moe", meta, tokenizer, planned)
 
 
 def main() -> None:

@@ -221,7 +221,9 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
     if plan.device.type == "cpu":
         roles = {"lm_head": [model.lm_head]}
         for role in ("qkv", "o_proj", "gate_up", "down"):
-            roles[role] = [w for layer in model.layers if (w := getattr(layer, role)) is not None]
+            weights = [w for layer in model.layers if (w := getattr(layer, role)) is not None]
+            if weights:
+                roles[role] = weights
         experts = [w for layer in model.layers if layer.moe is not None for w in layer.moe.projections()]
         if experts:
             roles["experts"] = experts
