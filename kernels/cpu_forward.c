@@ -47,6 +47,7 @@ typedef struct { /* _Model in cpu_forward.py */
     SiluMulFn gated_mul; /* silu_mul or gelu_tanh_mul (GeGLU): one signature */
     DecodeFn decode;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_pages, page_size;
+    int64_t rotary_dim; /* the rotated part of each head (< head_dim: partial rotary) */
     float eps, scale;
 } Model;
 
@@ -103,7 +104,7 @@ static int project_residual(const Model *m, const Projection *P, const float *no
 }
 
 /* h [M, hidden] (in place): the residual stream of M sequences decoding one token each,
- * at cache slots slots[M], rotated by cos/sin [M, head_dim] (a layer with local_rope by
+ * at cache slots slots[M], rotated by cos/sin [M, rotary_dim] (a layer with local_rope by
  * local_cos/local_sin), attending context_lens[M] tokens through block_tables [M, max_pages].
  * work: M * (hidden + qkv + 2 q + 3 I + hidden) floats.
  * Returns 0, or the first non-zero code of a kernel (1: a bad table, 2: out of memory). */
@@ -137,7 +138,7 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
             }
         /* Q and K sit side by side: one rotary pass for both, as the Python path does. */
         m->rotary(qkv, qkv_size, D, L->local_rope ? local_cos : cos_, L->local_rope ? local_sin : sin_, M,
-                  m->heads + KVH, D, num_threads);
+                  m->heads + KVH, m->rotary_dim, num_threads);
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * qkv_size;
             memcpy(L->k_cache + slots[r] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);

@@ -37,7 +37,16 @@ class _Model(ctypes.Structure):
         [(name, _P) for name in ("rms_norm", "rotary", "gated_mul", "decode")]
         + [
             (name, _I64)
-            for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "num_pages", "page_size")
+            for name in (
+                "hidden",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "intermediate",
+                "num_pages",
+                "page_size",
+                "rotary_dim",
+            )
         ]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     )
@@ -113,7 +122,7 @@ class DecodeLayers:
     It keeps a reference to every tensor and struct whose address the C structs hold.
     ``max_rows``: the most rows a step may have here (a GGUF weight's matmul hands larger
     batches to torch's GEMM, which the C loop cannot call). ``activation``: of the gated MLP,
-    silu or gelu_tanh.
+    silu or gelu_tanh; ``rotary_dim``: the rotated part of each head (None: all of it).
     """
 
     def __init__(
@@ -124,6 +133,7 @@ class DecodeLayers:
         eps: float,
         scale: float,
         activation: str = "silu",
+        rotary_dim: int | None = None,
     ) -> None:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
@@ -176,6 +186,7 @@ class DecodeLayers:
             intermediate,
             num_pages,
             page_size,
+            rotary_dim or head_dim,
             eps,
             scale,
         )
@@ -202,7 +213,7 @@ class DecodeLayers:
             )
         )
         self._keep = (list(layers), list(kv_cache))
-        self.hidden, self.head_dim = hidden, head_dim
+        self.hidden, self.rotary_dim = hidden, rotary_dim or head_dim
         q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
         self._work_per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * intermediate
 
@@ -241,8 +252,8 @@ class DecodeLayers:
         if h.dtype is not _F32 or not h.is_contiguous() or h.shape != (M, self.hidden):
             raise ValueError(f"h must be contiguous float32 [M, {self.hidden}], got {tuple(h.shape)}")
         tables = (cos, sin, local_cos, local_sin)
-        if any(t.shape != (M, self.head_dim) or t.dtype is not _F32 or not t.is_contiguous() for t in tables):
-            raise ValueError("cos and sin must be contiguous float32 [M, head_dim]")
+        if any(t.shape != (M, self.rotary_dim) or t.dtype is not _F32 or not t.is_contiguous() for t in tables):
+            raise ValueError("cos and sin must be contiguous float32 [M, rotary_dim]")
         if slots.dtype is not torch.int64 or slots.shape != (M,) or not slots.is_contiguous():
             raise ValueError("slots must be contiguous int64 [M]")
         if (

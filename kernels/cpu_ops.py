@@ -62,7 +62,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int
 
 
 def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads: int | None = None) -> None:
-    """``qk[:] = apply_rotary(qk, cos, sin)`` in place: qk [T, heads, D], cos/sin [T, D].
+    """``qk[:] = apply_rotary(qk, cos, sin)`` in place: qk [T, heads, D], cos/sin [T, R], R <= D
+    (R < D: the first R values of each head rotated, the rest untouched: partial rotary).
 
     qk may be a view with any row and head strides (e.g. the Q and K columns of a
     fused QKV matrix), but each head's D values must be contiguous; columns outside
@@ -74,7 +75,8 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads:
     if qk.dim() != 3:
         raise ValueError(f"qk must be [T, heads, D], got {tuple(qk.shape)}")
     T, H, D = qk.shape
-    if D % 2 or cos.shape != (T, D) or sin.shape != (T, D):
+    R = cos.shape[-1]
+    if R % 2 or R > D or cos.shape != (T, R) or sin.shape != (T, R):
         raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} do not match qk {tuple(qk.shape)}")
     row_stride, head_stride, column_stride = qk.stride()
     if column_stride != 1 and D > 1:
@@ -85,7 +87,7 @@ def rotary_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_threads:
         return
     cos, sin = cos.contiguous(), sin.contiguous()
     _functions()[1](
-        qk.data_ptr(), row_stride, head_stride, cos.data_ptr(), sin.data_ptr(), T, H, D, _threads(num_threads)
+        qk.data_ptr(), row_stride, head_stride, cos.data_ptr(), sin.data_ptr(), T, H, R, _threads(num_threads)
     )
 
 

@@ -115,13 +115,17 @@ def rotary(
     cos: torch.Tensor,  # [max_len, D], rotate-half layout (both halves equal)
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding, rotate-half convention (as Llama in transformers)."""
+    """Rotary embedding, rotate-half convention (as Llama in transformers); tables [max_len, R] with
+    R < D rotate the first R values of each head and pass the rest (partial rotary)."""
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotary = cos.shape[-1]
 
     def turn(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x.float() * c.float() + rotated.float() * s.float()).to(x.dtype)
+        part, rest = x[..., :rotary], x[..., rotary:]
+        half = rotary // 2
+        rotated = torch.cat([-part[..., half:], part[..., :half]], dim=-1)
+        turned = (part.float() * c.float() + rotated.float() * s.float()).to(x.dtype)
+        return torch.cat([turned, rest], dim=-1) if rest.shape[-1] else turned
 
     return turn(q), turn(k)
 

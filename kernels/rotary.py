@@ -79,11 +79,12 @@ def rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``kernels.reference.rotary``."""
+    """Same contract as ``kernels.reference.rotary`` (partial rotary included)."""
     if q.stride(2) != 1 or k.stride(2) != 1 or cos.stride(1) != 1 or cos.stride() != sin.stride():
         raise ValueError("q, k and the tables must be contiguous in their last dimension")
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    half = q.shape[2] // 2
+    partial = cos.shape[1] < q.shape[2]  # the rest of each head passes as it is
+    q_out, k_out = (q.clone(), k.clone()) if partial else (torch.empty_like(q), torch.empty_like(k))
+    half = cos.shape[1] // 2
     _rotary_kernel[(q.shape[0],)](
         q,
         k,

@@ -103,15 +103,27 @@ def dummy_weights(
 
 # Mixtral's checkpoint names for its mixture, and ours (Qwen3-MoE's): w1 is the gate, w3 the up, w2 the down.
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_FUSED = (".qkv_proj.weight", ".gate_up_proj.weight")  # Phi-3's checkpoints
 
 
-def canonical_names(weights: dict[str, Any]) -> dict[str, Any]:
+def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
     """``weights`` under the names the model reads: Mixtral's ``block_sparse_moe.experts.E.w1``
-    as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``."""
-    if not any(".block_sparse_moe." in name for name in weights):
+    as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``;
+    Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` cut into their parts (views, nothing copied),
+    so that sharding and fusing treat every family alike."""
+    if not any(".block_sparse_moe." in name or name.endswith(_FUSED) for name in weights):
         return weights
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     out = {}
     for name, w in weights.items():
+        if name.endswith(".qkv_proj.weight") and isinstance(w, torch.Tensor):
+            stem = name.removesuffix("qkv_proj.weight")
+            out.update(zip((stem + f"{x}_proj.weight" for x in "qkv"), w.split([q, kv, kv])))
+            continue
+        if name.endswith(".gate_up_proj.weight") and isinstance(w, torch.Tensor):
+            stem = name.removesuffix("gate_up_proj.weight")
+            out.update(zip((stem + "gate_proj.weight", stem + "up_proj.weight"), w.chunk(2)))
+            continue
         if ".block_sparse_moe." in name:
             name = name.replace(".block_sparse_moe.", ".mlp.")
             parts = name.split(".")
@@ -208,12 +220,12 @@ class DecoderModel:
                     moe=moe,
                 )
             )
-        cos, sin = cos_sin_table(shape.head_dim, shape.rope_theta, shape.rope_scaling, max_len)
+        cos, sin = cos_sin_table(shape.rope_dim, shape.rope_theta, shape.rope_scaling, max_len)
         self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         # Windowed layers of Gemma 3 rotate by their own base (no scaling); else the same table.
         self.local_cos, self.local_sin = self.cos, self.sin
         if shape.local_rope_theta is not None:
-            cos, sin = cos_sin_table(shape.head_dim, shape.local_rope_theta, None, max_len)
+            cos, sin = cos_sin_table(shape.rope_dim, shape.local_rope_theta, None, max_len)
             self.local_cos, self.local_sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
         self.scale = shape.scale
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=dtype)  # rounded as the checkpoint's model does
@@ -288,7 +300,7 @@ class DecoderModel:
     ) -> DecoderModel:
         """The model of the whole ``shape``, or ``tp``'s rank's shard of it: ``weights`` (of the whole
         model) are cut before they are moved or fused, and the rest freed."""
-        whole = canonical_names(weights(shape))
+        whole = canonical_names(weights(shape), shape)
         if tp.part is None:
             model = cls(shape, whole, dtype, max_len, device, backend=backend, block_weights=block_weights)
         else:

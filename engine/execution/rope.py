@@ -23,6 +23,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         if factors.shape != inv.shape:
             raise ValueError(f"rope freq_factors hold {factors.numel()} values for {inv.numel()} frequencies")
         return (inv / factors).float()
+    if kind == "longrope":  # the short factors' frequencies; ``cos_sin_table`` switches past the original length
+        return (inv / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -41,15 +43,43 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 def cos_sin_table(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[max_len, head_dim] cos and sin tables in the rotate-half layout."""
+    """[max_len, head_dim] cos and sin tables in the rotate-half layout (``head_dim``: the rotated
+    part of a head, where only a part is rotated)."""
     inv = inverse_frequencies(head_dim, theta, scaling)
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
+    positions = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(positions, inv)
+    scale = 1.0
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        freqs, scale = _longrope(head_dim, theta, scaling, positions, freqs)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _longrope(
+    head_dim: int, theta: float, scaling: dict[str, Any], positions: torch.Tensor, short: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: positions past the original context rotate by the long factors' frequencies
+    (per position, so cached K never changes; transformers switches a whole sequence once it is
+    longer), and both tables are scaled by the attention factor (from the length ratio)."""
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or float(scaling.get("max_position_embeddings", original)) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    long = (base / torch.tensor(scaling["long_factor"], dtype=torch.float64)).float()
+    far = positions >= original
+    freqs = short.clone()
+    freqs[far] = torch.outer(positions[far], long)
+    return freqs, float(attention)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D] already gathered at each row's position."""
-    half = x.shape[-1] // 2
+    """x: [T, heads, D]; cos/sin: [T, R] already gathered at each row's position: the first R
+    values of each head rotated (R < D: partial rotary, as Phi-4-mini), the rest as they are."""
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
+    half = rotary // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

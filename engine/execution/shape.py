@@ -15,12 +15,12 @@ from typing import Any
 import attrs
 import torch
 
-LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
 MIXTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
 GEMMA3 = {"Gemma3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA3
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
-_WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM"}
+_WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_tanh")
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -54,6 +54,7 @@ class ModelShape:
     # Per layer: 0 attends the whole context; W > 0 only its last W tokens (sliding window). (): all whole.
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the rope base of windowed layers (Gemma 3); None: rope_theta
+    rotary_dim: int = 0  # the rotated part of each head (Phi-4-mini: 3/4 of it); 0: all of it
     # Mixtures of experts (Mixtral, Qwen3-MoE): the MLP of each layer not in ``dense_layers`` is
     # ``num_experts`` gated MLPs of ``expert_intermediate_size``; a router picks ``experts_per_token``
     # of them per token (softmax, top-k, renormalised with ``normalize_top_k``), their outputs weighed.
@@ -68,6 +69,11 @@ class ModelShape:
             raise ValueError(f"activation {self.activation!r} is not one of {ACTIVATIONS}")
         if self.layer_windows and len(self.layer_windows) != self.num_layers:
             raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    @property
+    def rope_dim(self) -> int:
+        """How many values of each head rotary embedding turns."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def scale(self) -> float:
@@ -117,10 +123,17 @@ class ModelShape:
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+        common = _common(cfg)
+        if rope.get("rope_type", rope.get("type")) in ("longrope", "su"):  # Phi-3: the lengths its factor comes from
+            rope["rope_type"] = "longrope"
+            rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+            rope.setdefault("max_position_embeddings", common["max_position_embeddings"])
         return cls(
-            **_common(cfg),
+            **common,
             rope_theta=theta,
             rope_scaling=rope or None,
+            rotary_dim=int(common["head_dim"] * partial) if partial < 1.0 else 0,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
             qk_norm=bool(archs & {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}),

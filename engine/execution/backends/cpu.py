@@ -108,7 +108,9 @@ class CpuBackend(Backend):
             )
             for i, la in enumerate(model.layers)
         ]
-        return cpu_forward.DecodeLayers(layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale, s.activation)
+        return cpu_forward.DecodeLayers(
+            layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale, s.activation, s.rope_dim
+        )
 
     def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
         ps = page_size
