@@ -12,6 +12,7 @@ Qwen3-30B-A3B-shaped Q4_K_M file is ~17 GB, and encoding 30 billion floats would
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -152,7 +153,7 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
                 raw = encode(stacked.reshape(experts * rows, cols), type_name).reshape(experts, rows, -1)
                 yield g + ours + ".weight", raw, type_name
 
-    planned = [(name, data.shape, t, lambda data=data: data) for name, data, t in tensors()]  # small: made at once
+    planned: list[Planned] = [(name, data.shape, t, functools.partial(np.asarray, data)) for name, data, t in tensors()]
     _write(dst, "qwen3moe", _metadata(cfg, cfg["num_hidden_layers"]), None, planned)
 
 
@@ -203,7 +204,7 @@ def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | 
         matrix(g + "attn_v.weight", (kv * d, hidden), "Q6_K")
         matrix(g + "attn_output.weight", (hidden, q * d), "Q4_K")
         router = np.random.default_rng([seed, 1_000_000 + i]).standard_normal((e, hidden), dtype=np.float32) * 0.02
-        planned.append((g + "ffn_gate_inp.weight", router.shape, "F32", lambda router=router: router))
+        planned.append((g + "ffn_gate_inp.weight", router.shape, "F32", functools.partial(np.asarray, router)))
         matrix(g + "ffn_gate_exps.weight", (e, inter, hidden), "Q4_K")
         matrix(g + "ffn_up_exps.weight", (e, inter, hidden), "Q4_K")
         matrix(g + "ffn_down_exps.weight", (e, hidden, inter), "Q6_K")

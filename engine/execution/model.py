@@ -114,7 +114,7 @@ def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any
     if not any(".block_sparse_moe." in name or name.endswith(_FUSED) for name in weights):
         return weights
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    out = {}
+    out: dict[str, Any] = {}
     for name, w in weights.items():
         if name.endswith(".qkv_proj.weight") and isinstance(w, torch.Tensor):
             stem = name.removesuffix("qkv_proj.weight")
