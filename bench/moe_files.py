@@ -118,17 +118,24 @@ def _metadata(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
 
 def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Path, type_name: str) -> None:
     """A Qwen3-MoE checkpoint (HF names, float tensors) as a ``qwen3moe`` GGUF file with every
-    matrix in ``type_name`` (``gguf``'s encoders: Q8_0, Q4_0, ...); vectors and the router float32.
+    matrix in ``type_name`` (a k-quant's fallback where rows are not whole super-blocks, as
+    llama.cpp writes them); vectors and the router float32.
     Every layer must be a mixture (llama.cpp's layout has no dense MLP layers in this family)."""
 
     def arr(name: str) -> np.ndarray:
         return weights[name].float().numpy()
 
+    def kind(cols: int) -> str:  # rows not in whole k-quant super-blocks: llama.cpp's fallback type
+        return FALLBACK[type_name] if cols % QK_K and type_name in FALLBACK else type_name
+
+    def enc(w: np.ndarray) -> tuple[np.ndarray, str]:
+        return encode(w, kind(w.shape[-1])), kind(w.shape[-1])
+
     def tensors() -> Iterator[tuple[str, np.ndarray, str]]:
-        yield "token_embd.weight", encode(arr("model.embed_tokens.weight"), type_name), type_name
+        yield ("token_embd.weight", *enc(arr("model.embed_tokens.weight")))
         yield "output_norm.weight", arr("model.norm.weight"), "F32"
         if "lm_head.weight" in weights and not cfg.get("tie_word_embeddings"):
-            yield "output.weight", encode(arr("lm_head.weight"), type_name), type_name
+            yield ("output.weight", *enc(arr("lm_head.weight")))
         for i in range(cfg["num_hidden_layers"]):
             p, g = f"model.layers.{i}.", f"blk.{i}."
             yield g + "attn_norm.weight", arr(p + "input_layernorm.weight"), "F32"
@@ -141,7 +148,7 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
                 ("attn_v", "v_proj"),
                 ("attn_output", "o_proj"),
             ):
-                yield g + ours + ".weight", encode(arr(f"{p}self_attn.{theirs}.weight"), type_name), type_name
+                yield (g + ours + ".weight", *enc(arr(f"{p}self_attn.{theirs}.weight")))
             yield g + "ffn_gate_inp.weight", arr(p + "mlp.gate.weight"), "F32"
             for ours, theirs in (
                 ("ffn_gate_exps", "gate_proj"),
@@ -150,8 +157,8 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
             ):
                 stacked = np.stack([arr(f"{p}mlp.experts.{e}.{theirs}.weight") for e in range(cfg["num_experts"])])
                 experts, rows, cols = stacked.shape
-                raw = encode(stacked.reshape(experts * rows, cols), type_name).reshape(experts, rows, -1)
-                yield g + ours + ".weight", raw, type_name
+                raw, t = enc(stacked.reshape(experts * rows, cols))
+                yield g + ours + ".weight", raw.reshape(experts, rows, -1), t
 
     planned: list[Planned] = [(name, data.shape, t, functools.partial(np.asarray, data)) for name, data, t in tensors()]
     _write(dst, "qwen3moe", _metadata(cfg, cfg["num_hidden_layers"]), None, planned)

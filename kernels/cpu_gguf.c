@@ -439,6 +439,50 @@ int trillm_gguf_matmul(const float *x, int64_t ldx, int type, const uint8_t *w, 
     return failed;
 }
 
+/* G matrices of one type and shape at once (a mixture's chosen experts), int16 path only:
+ * out[:, g] = x_g . W_g^T for g < G, W_g at ws[g] ([N, K] rows of row_bytes), x_g at
+ * x + g * x_step (x_step 0: one x for every group, quantized once), out_g at out + g * out_step.
+ * One parallel region over every group's rows: at one token, 16 small matrices cost one
+ * thread start instead of 16. Returns 0; 1 when a buffer could not be allocated; 2 for a type
+ * without the int16 path or more rows than it takes (the caller multiplies one by one). */
+int trillm_gguf_matmul_grouped(const float *x, int64_t ldx, int64_t x_step, int type, const uint8_t *const *ws,
+                               int64_t G, int64_t row_bytes, int64_t N, int64_t K, float *out, int64_t ldo,
+                               int64_t out_step, int64_t M, int num_threads)
+{
+    const BlockType bt = block_type(type);
+    if (!known(type, bt) || !bt.unpack || M > MAX_INT_ROWS)
+        return 2;
+    if (G <= 0 || M <= 0 || N <= 0)
+        return 0;
+    const int64_t xs = x_step ? G : 1, per = M * K, scales = 2 * M * (K / 32) + M * (K / 16);
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)(xs * per));
+    float *dx = malloc(sizeof(float) * (size_t)(xs * scales));
+    XRows *X = malloc(sizeof(XRows) * (size_t)xs);
+    if (!xq || !dx || !X) {
+        free(xq), free(dx), free(X);
+        return 1;
+    }
+    for (int64_t g = 0; g < xs; g++) {
+        float *d = dx + g * scales, *s16 = d + M * (K / 32), *s32 = s16 + M * (K / 16);
+        quantize_x(x + g * x_step, ldx, M, K, xq + g * per, d, s16, s32);
+        X[g] = (XRows){xq + g * per, d, s16, s32, M, K};
+    }
+    const DirectKernel direct = direct_kernel(type);
+    const int64_t units = (N + ROWS - 1) / ROWS, tasks = G * units;
+#pragma omp parallel num_threads(num_threads) if (tasks > 1 && G * N * K * (M + 4) >= PARALLEL_MIN_WORK)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        for (int64_t task = tasks * t / T, end = tasks * (t + 1) / T; task < end;) {
+            const int64_t g = task / units, u0 = task % units, u1 = MIN(units, u0 + end - task);
+            rows_int(bt, direct, ws[g], row_bytes, &X[x_step ? g : 0], out + g * out_step, ldo, u0 * ROWS,
+                     MIN(u1 * ROWS, N), 0);
+            task += u1 - u0;
+        }
+    }
+    free(xq), free(dx), free(X);
+    return 0;
+}
+
 /* What the fused decode loop (cpu_forward.c) holds of a weight: the matmul's arguments. */
 typedef struct {
     int64_t type;

@@ -26,6 +26,7 @@ _SIGNATURES: dict[str, list] = {
     "trillm_gguf_dequantize": [_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _INT],
     "trillm_gguf_simd": [],
     "trillm_gguf_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
+    "trillm_gguf_matmul_grouped": [_P, _I64, _I64, _INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _INT],
 }
 # The decoders round as gguf's numpy reference does: no fused multiply-add.
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
@@ -199,4 +200,59 @@ def matmul(
         raise MemoryError("the GGUF matmul could not allocate its scratch buffer")
     if rc:
         raise ValueError(f"cpu_gguf cannot decode {weight.kind.name}")
+    return out
+
+
+def groupable(weights: list[GGUFWeight], rows: int) -> bool:
+    """Whether ``matmul_grouped`` runs these at ``rows`` rows of x: one type and shape, the int16 path."""
+    first = weights[0]
+    return (
+        rows < _gemm_rows(first)
+        and first.kind.values > 1
+        and all(
+            w.kind is first.kind and w.shape == first.shape and w.data.stride(0) == first.data.stride(0)
+            for w in weights
+        )
+    )
+
+
+def matmul_grouped(
+    x: torch.Tensor, weights: list[GGUFWeight], per_group_x: bool, num_threads: int | None = None
+) -> torch.Tensor:
+    """[M, G * N]: column block g is x_g @ dequantize(weights[g]).T, in one call (``groupable``
+    weights). ``per_group_x``: x is [M, G * K], group g's input its columns g*K:(g+1)*K; else x
+    [M, K] for every group. The int16 path, as ``matmul`` takes below ``GEMM_ROWS`` rows."""
+    first = weights[0]
+    for w in weights:
+        _check(w)
+    N, K = first.shape
+    G = len(weights)
+    if x.dtype is not _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != (G * K if per_group_x else K):
+        raise ValueError(f"x must be float32 CPU [M, {G * K if per_group_x else K}], got {tuple(x.shape)}")
+    if not groupable(weights, x.shape[0]):
+        raise ValueError("matmul_grouped takes weights of one type and shape, at rows the int16 path runs")
+    x = x.contiguous()
+    M = x.shape[0]
+    out = torch.empty(M, G * N, dtype=_F32, device=_CPU)
+    pointers = (ctypes.c_void_p * G)(*(w.data.data_ptr() for w in weights))
+    rc = _KERNEL.functions()[5](
+        x.data_ptr(),
+        x.stride(0),
+        K if per_group_x else 0,
+        first.kind.id,
+        pointers,
+        G,
+        first.data.stride(0),
+        N,
+        K,
+        out.data_ptr(),
+        out.stride(0),
+        N,
+        M,
+        _threads(num_threads),
+    )
+    if rc == 1:
+        raise MemoryError("the grouped GGUF matmul could not allocate its scratch buffers")
+    if rc:
+        raise ValueError(f"cpu_gguf cannot group {first.kind.name}")
     return out

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from trillm.bench.moe_files import qwen3_moe_from_weights, random_blocks
@@ -56,8 +57,6 @@ def hf_and_file(tmp_path_factory):
                 p.copy_(_q8_0_exact((torch.randn_like(p) * 0.1).reshape(-1, p.shape[-1])).view_as(p))
     folder = tmp_path_factory.mktemp("qwen3moe")
     hf.save_pretrained(folder)
-    from safetensors.torch import load_file
-
     weights = load_file(folder / "model.safetensors")  # the checkpoint's own names: one matrix per expert
     path = folder / "qwen3moe-q8_0.gguf"
     qwen3_moe_from_weights(weights, CONFIG, path, "Q8_0")
@@ -111,3 +110,44 @@ def test_random_blocks_are_valid_and_centred(type_name):
     values = reference_dequantize(GGUFWeight(BLOCK_TYPES[type_name], torch.from_numpy(raw), 512))
     assert torch.isfinite(values).all() and values.abs().max() > 0
     assert abs(values.mean().item()) < 0.1 * values.std().item()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_grouped_matmul_is_each_matmul_bit_for_bit(type_name, rows):
+    """Five experts of one type in one call, one x for all or one x each: the per-matrix results exactly."""
+    rng = np.random.default_rng(1)
+    weights = [
+        GGUFWeight(BLOCK_TYPES[type_name], torch.from_numpy(random_blocks(type_name, 96, 512, rng, 1e-2)), 512)
+        for _ in range(5)
+    ]
+    x, xs = torch.randn(rows, 512), torch.randn(rows, 5 * 512)
+    assert torch.equal(
+        cpu_gguf.matmul_grouped(x, weights, False), torch.cat([cpu_gguf.matmul(x, w) for w in weights], 1)
+    )
+    each = [cpu_gguf.matmul(xs[:, g * 512 : (g + 1) * 512], w) for g, w in enumerate(weights)]
+    assert torch.equal(cpu_gguf.matmul_grouped(xs, weights, True), torch.cat(each, 1))
+    assert not cpu_gguf.groupable(weights[:2] + [GGUFWeight(BLOCK_TYPES["Q8_0"], weights[0].data, 512)], 1)
+
+
+def test_k_quant_experts_run_grouped_at_one_token_as_the_dense_file(tmp_path, monkeypatch):
+    """Q4_K experts (the real files' kind): a token a step goes through the grouped calls, and its
+    logits are those of the same file decoded to float32 within the int16 path's rounding."""
+    torch.manual_seed(1)
+    config = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
+    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).eval()
+    hf.save_pretrained(tmp_path)  # the checkpoint's names: one matrix per expert
+    path = tmp_path / "qwen3moe-q4_k.gguf"
+    qwen3_moe_from_weights(load_file(tmp_path / "model.safetensors"), config, path, "Q4_K")
+    header = read_header(path)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    blocks = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=True)
+    dense = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=False)
+    calls = []
+    real = cpu_gguf.matmul_grouped
+    monkeypatch.setattr(cpu_gguf, "matmul_grouped", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    ids = list(range(3, 60, 2))
+    mine, theirs = _all_logits(blocks, ids, 1), _all_logits(dense, ids, 64)
+    assert len(calls) == 2 * 2 * len(ids)  # two calls per mixture layer per step
+    assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
+    assert (mine - theirs).abs().max() < 0.05 * theirs.abs().max()

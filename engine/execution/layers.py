@@ -9,7 +9,7 @@ or several of these side by side (``Stacked``: Q, K and V of different block typ
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import attrs
 import torch
@@ -21,31 +21,15 @@ from trillm.kernels.block_weights import dequantize as dequantize_blocks
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked, nbytes, out_features
 
+if TYPE_CHECKING:
+    from trillm.engine.execution.experts import MoEWeights
+
 # A projection: dense and transposed, [in, out]; blocks, [out, in]; or several side by side.
 Weight: TypeAlias = torch.Tensor | BlockWeight | GGUFWeight | Stacked
 # Sums a row-parallel projection's partial outputs over the ranks, in place.
 Reduce: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 # An RMSNorm over the last dimension: (x, weight, eps) -> normed x of x's shape.
 Norm: TypeAlias = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-@attrs.define
-class MoEWeights:
-    """A mixture-of-experts MLP: the router, and each expert's fused gate/up and down projections."""
-
-    router: torch.Tensor  # [hidden, experts], dense and transposed (routing is where rounding shows)
-    gate_up: list[Weight]  # per expert: hidden -> 2 * expert intermediate
-    down: list[Weight]  # per expert: expert intermediate -> hidden
-    top_k: int
-    normalize: bool  # the top-k weights renormalised to sum to 1
-
-    def projections(self) -> list[Weight]:
-        return [*self.gate_up, *self.down]
-
-    def active_bytes(self) -> int:
-        """What one token reads: the router and ``top_k`` average experts."""
-        experts = sum(nbytes(w) for w in self.projections())
-        return self.router.numel() * self.router.element_size() + experts * self.top_k // len(self.gate_up)
 
 
 @attrs.define
@@ -65,7 +49,7 @@ class LayerWeights:
     # Gemma 2/3: RMSNorm of the attention output and of the MLP output, before each residual add.
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
-    moe: MoEWeights | None = None  # the MLP as a mixture of experts (gate_up and down are None)
+    moe: MoEWeights | None = None  # the MLP as a mixture of experts (gate_up and down are None; ``experts.py``)
 
     def projections(self) -> list[Weight]:
         """Every matrix of the layer, the experts' included."""
@@ -189,32 +173,6 @@ def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     return F.silu(gate) * up
-
-
-def moe_mlp(x: torch.Tensor, moe: MoEWeights, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The mixture's output for ``x`` [T, hidden]: each token's ``top_k`` experts by the router's
-    softmax (float32), their weights renormalised where the family does; then one pass per expert
-    that any token chose, over its tokens gathered together (tokens sorted by expert), each output
-    weighed and added into its token's row. ``act``: the gated activation, [T, 2 I] -> [T, I]."""
-    probs = torch.softmax(torch.mm(x, moe.router).float(), dim=-1)
-    weights, experts = probs.topk(moe.top_k, dim=-1)
-    if moe.normalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    weights = weights.to(x.dtype)
-    flat = experts.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=len(moe.gate_up)).tolist()
-    tokens, weighed = order // moe.top_k, weights.flatten()[order]
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
-        y = project(act(project(x.index_select(0, rows), moe.gate_up[expert])), moe.down[expert])
-        out.index_add_(0, rows, y.mul_(weighed[start : start + n, None]))
-        start += n
-    return out
 
 
 def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

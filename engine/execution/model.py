@@ -21,12 +21,12 @@ import torch
 from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache
+from trillm.engine.execution.experts import MoEWeights
 from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_weights
 from trillm.engine.execution.layers import (
     LayerWeights,
-    MoEWeights,
     Weight,
     embed_rows,
     fuse,

@@ -31,10 +31,10 @@ from trillm.engine.execution.backends.cpu_attention import (
     PrefillSpan,
     paged_attention,
 )
+from trillm.engine.execution.experts import moe_mlp
 from trillm.engine.execution.layers import (
     Weight,
     gated_activation,
-    moe_mlp,
     project,
     project_add,
     qk_norm_,

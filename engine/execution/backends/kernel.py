@@ -20,7 +20,8 @@ from trillm.engine.execution.backends.base import (
     StepRows,
     padded_tables,
 )
-from trillm.engine.execution.layers import gated_activation, moe_mlp, project
+from trillm.engine.execution.experts import moe_mlp
+from trillm.engine.execution.layers import gated_activation, project
 from trillm.engine.execution.sampler import SamplingKernel
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import Kernels

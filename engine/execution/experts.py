@@ -1,0 +1,110 @@
+"""A mixture of experts' MLP (Mixtral, Qwen3-MoE): the router, and each token's chosen experts.
+
+The router's softmax (float32) picks ``top_k`` experts per token, their weights renormalised where
+the family does. A batch runs one pass per expert that any token chose, over its tokens gathered
+together (tokens sorted by expert), each output weighed and added into its token's row. A single
+token (a decode step of one sequence, the common case on a CPU) runs its experts straight; where
+they are a GGUF file's blocks of one type (every expert's rows in one tensor of the file), the
+gate and up projections of all of them are one C call and the down projections another
+(``cpu_gguf.matmul_grouped``): 2 calls a layer instead of 3 per expert, one quantization of x,
+one thread start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from trillm.engine.execution.layers import Weight, project
+from trillm.kernels import cpu_gguf
+from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels.stacked import Stacked, nbytes
+
+# The gated activation: [T, 2 I] (gate, then up) -> [T, I]
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+@attrs.define
+class MoEWeights:
+    """A mixture-of-experts MLP: the router, and each expert's fused gate/up and down projections."""
+
+    router: torch.Tensor  # [hidden, experts], dense and transposed (routing is where rounding shows)
+    gate_up: list[Weight]  # per expert: hidden -> 2 * expert intermediate
+    down: list[Weight]  # per expert: expert intermediate -> hidden
+    top_k: int
+    normalize: bool  # the top-k weights renormalised to sum to 1
+
+    def projections(self) -> list[Weight]:
+        return [*self.gate_up, *self.down]
+
+    def active_bytes(self) -> int:
+        """What one token reads: the router and ``top_k`` average experts."""
+        experts = sum(nbytes(w) for w in self.projections())
+        return self.router.numel() * self.router.element_size() + experts * self.top_k // len(self.gate_up)
+
+
+def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] in x's dtype, experts [T, top_k]): each token's chosen experts."""
+    probs = torch.softmax(torch.mm(x, moe.router).float(), dim=-1)
+    weights, experts = probs.topk(moe.top_k, dim=-1)
+    if moe.normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def moe_mlp(x: torch.Tensor, moe: MoEWeights, act: Activation) -> torch.Tensor:
+    """The mixture's output for ``x`` [T, hidden]."""
+    weights, experts = route(x, moe)
+    if x.shape[0] == 1:
+        return _one_token(x, moe, act, weights[0], experts[0].tolist())
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=len(moe.gate_up)).tolist()
+    tokens, weighed = order // moe.top_k, weights.flatten()[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        y = project(act(project(x.index_select(0, rows), moe.gate_up[expert])), moe.down[expert])
+        out.index_add_(0, rows, y.mul_(weighed[start : start + n, None]))
+        start += n
+    return out
+
+
+def _one_token(
+    x: torch.Tensor, moe: MoEWeights, act: Activation, weights: torch.Tensor, chosen: list[int]
+) -> torch.Tensor:
+    """One token's experts, straight (no sorting); grouped into two C calls where they allow it."""
+    grouped = _grouped(x, moe, act, chosen)
+    if grouped is not None:
+        return (weights.unsqueeze(1) * grouped).sum(0, keepdim=True)
+    out = torch.zeros_like(x)
+    for weight, expert in zip(weights.tolist(), chosen):
+        out.add_(project(act(project(x, moe.gate_up[expert])), moe.down[expert]), alpha=weight)
+    return out
+
+
+def _grouped(x: torch.Tensor, moe: MoEWeights, act: Activation, chosen: list[int]) -> torch.Tensor | None:
+    """[k, hidden]: the chosen experts' outputs through ``cpu_gguf.matmul_grouped``, or None where
+    their weights are not GGUF blocks of one type (gate and up in the same one)."""
+    gate_ups = [moe.gate_up[e] for e in chosen]
+    downs = [moe.down[e] for e in chosen]
+    if not all(isinstance(w, Stacked) and len(w.parts) == 2 for w in gate_ups):
+        return None
+    halves = [w.parts[0] for w in gate_ups] + [w.parts[1] for w in gate_ups]  # type: ignore[union-attr]
+    if not (_groupable(halves) and _groupable(downs)):
+        return None
+    k = len(chosen)
+    gate_up = cpu_gguf.matmul_grouped(x, halves, per_group_x=False)  # [1, 2 k I]: the gates, then the ups
+    inter = gate_up.shape[1] // (2 * k)
+    rows = gate_up.view(2, k, inter).transpose(0, 1).reshape(k, 2 * inter)  # each expert's (gate, up)
+    hidden = act(rows).view(1, k * inter)
+    return cpu_gguf.matmul_grouped(hidden, downs, per_group_x=True).view(k, -1)  # type: ignore[arg-type]
+
+
+def _groupable(weights: list) -> bool:
+    return cpu_gguf.available() and all(isinstance(w, GGUFWeight) for w in weights) and cpu_gguf.groupable(weights, 1)
