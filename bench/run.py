@@ -343,7 +343,7 @@ def run_bench(args: argparse.Namespace) -> None:
     if "on" in structured:
         print(compile_report(tokenizer, model_dir, model_config, schema), file=sys.stderr, flush=True)
     bandwidth = memory_bandwidth(device)
-    step_bytes = shape.dense_projection_bytes(dtype)
+    step_bytes = server_bytes or shape.dense_projection_bytes(dtype)  # the served model's, blocks and experts counted
     print(
         f"[bench] device={device} copy bandwidth {bandwidth / 1e9:.1f} GB/s; one decode step reads "
         f">= {step_bytes / 1e6:.0f} MB of weights",

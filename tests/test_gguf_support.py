@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from trillm.engine.execution.gguf_header import read_header
 from trillm.engine.execution.gguf_support import LAYER_TENSORS, UnsupportedModel, check_servable, float32_bytes
 from trillm.engine.execution.model_source import resolve_model
+from trillm.engine.execution.native_memory import resident_file_bytes
 
 HIDDEN, LAYERS = 64, 2
 
@@ -55,8 +56,27 @@ def test_a_served_architecture_with_read_types_passes(tmp_path):
     check_servable(read_header(write_model(tmp_path / "q6k.gguf", odd_type=GGMLQuantizationType.Q6_K)), 1 << 40)
 
 
-def test_regression_gemma3_is_refused_by_its_architecture(tmp_path):
-    assert "architecture 'gemma3' is not served yet" in refusal(write_model(tmp_path / "g.gguf", arch="gemma3"))
+def test_an_architecture_not_served_is_refused_by_name(tmp_path):
+    assert "architecture 'falcon' is not served yet" in refusal(write_model(tmp_path / "f.gguf", arch="falcon"))
+
+
+def test_regression_a_gemma3_file_is_checked_for_its_own_tensors(tmp_path):
+    """Gemma 3 is served now; a file of it without the norms around each block's output is refused."""
+    assert "tensor blk.0.attn_q_norm.weight and 7 more missing for a 2-layer gemma3 model" in refusal(
+        write_model(tmp_path / "g.gguf", arch="gemma3")
+    )
+
+
+def test_a_mapped_file_already_in_memory_needs_no_more(tmp_path):
+    """Its blocks mapped, a file another process holds in the page cache (llama-server on the same
+    GGUF) costs nothing more: the memory check counts its resident pages as room."""
+    path = write_model(tmp_path / "held.gguf")
+    path.read_bytes()  # now in the page cache
+    header = read_header(path)
+    assert resident_file_bytes(path) >= header.file_size - 4096
+    check_servable(header, available=0, native=True)
+    with pytest.raises(UnsupportedModel, match="GiB of memory is available"):
+        check_servable(header, available=0)  # dequantized to float32: new memory all of it
 
 
 def test_an_iq_tensor_is_refused_naming_the_tensor_and_its_type(tmp_path):

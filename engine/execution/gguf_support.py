@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from trillm.engine.execution.gguf_header import GGUFHeader
+from trillm.engine.execution.native_memory import resident_file_bytes
 from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
 # general.architecture values of the families ``shape.ModelShape`` serves (Mistral's GGUF files say "llama")
@@ -71,6 +72,17 @@ def available_memory() -> int | None:
     return free
 
 
+def _total_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def check_servable(header: GGUFHeader, available: int | None = None, native: bool = False) -> None:
     """Raise ``UnsupportedModel`` unless ``header``'s file can be served here: converted to float32
     first (the default model), or with ``native`` as it is, in its blocks (``gguf_model``).
@@ -103,6 +115,11 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
         raise UnsupportedModel(f"{path}: tensor {missing[0]}{more} missing for a {layers}-layer {arch} model")
     need = header.file_size if native else float32_bytes(header)
     free = available_memory() if available is None else available
+    if free is not None and native and need > free:
+        # Mapped, the file's pages already in memory (another server on the same file) cost nothing
+        # more; what the machine has in all still bounds it.
+        total = _total_memory()
+        free = min(free + resident_file_bytes(path), total if total is not None else free)
     if free is not None and need > free:
         held = "in their blocks" if native else "dequantized to float32 (as the default model is converted)"
         raise UnsupportedModel(

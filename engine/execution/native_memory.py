@@ -1,4 +1,5 @@
-"""glibc's malloc, set for a process that allocates and frees vocabulary-sized tensors every step.
+"""glibc's malloc, set for a process that allocates and frees vocabulary-sized tensors every step;
+and how much of a file the page cache already holds (``resident_file_bytes``).
 
 glibc serves a block at or above its mmap threshold (128 KiB at start) with its own
 ``mmap``, returned to the kernel when freed. But the threshold is dynamic: each time
@@ -23,6 +24,8 @@ import ctypes.util
 import functools
 import logging
 import os
+
+import numpy as np
 
 log = logging.getLogger("trillm.engine")
 
@@ -63,3 +66,32 @@ def trim() -> bool:
     whether any was. Takes a few milliseconds on a model-sized heap: call it when idle."""
     libc = _glibc()
     return bool(libc.malloc_trim(0)) if libc is not None else False
+
+
+def resident_file_bytes(path: os.PathLike[str] | str) -> int:
+    """Bytes of ``path`` already in the page cache (``mincore`` over a mapping of it): a file another
+    process maps (a second server on the same GGUF file) needs no memory of its own when we map it
+    too. 0 where it cannot be told (no libc, an empty file)."""
+    libc = _glibc()
+    size = os.path.getsize(path)
+    if libc is None or size == 0:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED: nothing is read
+        if address in (None, ctypes.c_void_p(-1).value):
+            return 0
+        try:
+            pages = ctypes.create_string_buffer((size + page - 1) // page)
+            if libc.mincore(address, size, pages) != 0:
+                return 0
+            return int((np.frombuffer(pages.raw, dtype=np.uint8) & 1).sum()) * page
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
