@@ -9,8 +9,11 @@ def scrape(text: str, prefix: str = "trillm:") -> dict[str, float]:
     """Each sample named ``prefix…`` as ``{name without prefix: value}`` (labels dropped: one model per server;
     with ``--dp``, the totals, not each replica's)."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(prefix) and not sample.labels.get("replica"):
-                values[sample.name[len(prefix) :]] = sample.value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name.startswith(prefix) and not sample.labels.get("replica"):
+                    values[sample.name[len(prefix) :]] = sample.value
+    except ValueError:  # not Prometheus text: a peer without metrics (llama-server without --metrics)
+        return {}
     return values
