@@ -139,12 +139,14 @@ def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    sinks_ptr,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -152,9 +154,16 @@ def _decode_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     part = (b * NUM_HEADS + h) * NUM_SPLITS + s
     lse = tl.load(part_lse_ptr + part)
-    weight = tl.exp(lse - tl.max(lse, axis=0))
+    top = tl.max(lse, axis=0)
+    if HAS_SINKS:  # gpt-oss: the head's sink logit joins the denominator, its value zero
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        top = tl.maximum(top, sink)
+    weight = tl.exp(lse - top)
+    denominator = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp(sink - top)
     parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
-    out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / denominator
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -178,6 +187,7 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.decode_attention``."""
     batch = q.shape[0]
@@ -215,12 +225,14 @@ def decode_attention(
         part_out,
         part_lse,
         out,
+        sinks if sinks is not None else part_lse,  # not read without sinks
         out.stride(0),
         out.stride(1),
         HEAD_DIM=q.shape[2],
         BLOCK_D=block_d,
         NUM_SPLITS=NUM_SPLITS,
         NUM_HEADS=heads,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -234,6 +246,7 @@ def _extend_kernel(
     starts_ptr,
     lens_ptr,
     out_ptr,
+    sinks_ptr,
     scale,
     window,
     stride_qt,
@@ -250,6 +263,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -297,6 +311,12 @@ def _extend_kernel(
             stride_ch,
             PAGE_SIZE,
         )
+    if HAS_SINKS:  # gpt-oss: the head's sink logit joins each row's denominator, its value zero
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha[:, None]
+        total = total * alpha + tl.exp(sink - m_new)
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + h * stride_oh + d[None, :],
@@ -314,6 +334,7 @@ def extend_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
     max_new_tokens: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.extend_attention``; ``max_new_tokens``
@@ -333,6 +354,7 @@ def extend_attention(
         query_starts,
         context_lens,
         out,
+        sinks if sinks is not None else out,  # not read without sinks
         scale,
         _window(window),
         q.stride(0),
@@ -349,5 +371,6 @@ def extend_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=32,
+        HAS_SINKS=sinks is not None,
     )
     return out

@@ -97,7 +97,8 @@ INLINE const float *page_start(const Layout *L, const float *cache, const int32_
  * constant D for the common head sizes so the inner loops unroll completely.
  * scores: [G, L->stride]; acc: [G, D] then [G] reciprocal sums. */
 INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t skip, int64_t kvh, int64_t G, int64_t D,
-                   const float *restrict qb, float *restrict ob, float *restrict scores, float *restrict acc)
+                   const float *restrict sinks, const float *restrict qb, float *restrict ob, float *restrict scores,
+                   float *restrict acc)
 {
     const int64_t ps = L->page_size, row = L->row, stride = L->stride;
     const float scale = L->scale, *k_cache = L->k_cache + kvh * D, *v_cache = L->v_cache + kvh * D;
@@ -117,12 +118,13 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t ski
      * visible, but their denormal products are very slow. NaN stays NaN. */
     for (int64_t g = 0; g < G; g++) {
         float *restrict sg = scores + g * stride;
-        const float mx = max_of(sg, n);
+        const float sink = sinks ? sinks[kvh * G + g] : -INFINITY, top = max_of(sg, n);
+        const float mx = sink > top ? sink : top;
         for (int64_t p = 0; p < n; p++) { /* no sum here: an ordered sum would stop vectorisation */
             const float x = sg[p] - mx;
             sg[p] = x < -80.0f ? 0.0f : expf(x);
         }
-        inv[g] = 1.0f / sum_of(sg, n);
+        inv[g] = 1.0f / (sum_of(sg, n) + (sinks ? expf(sink - mx) : 0.0f)); /* a sink: one more term below */
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * D));
     for (int64_t p0 = 0; p0 < n; p0 += ps) {
@@ -267,10 +269,11 @@ INLINE void values16(const Rows *r, int64_t off, const float *w, int64_t stride,
 }
 
 /* x[0..n) = exp(x - max x), with weights under e^-80 set to 0 as in attend (NaN
- * stays NaN); returns 1 / their sum. x has room for n rounded up to 16. */
-INLINE float softmax_row(float *x, int64_t n)
+ * stays NaN); returns 1 / their sum (with exp(sink - max) in it: -INFINITY for none).
+ * x has room for n rounded up to 16. */
+INLINE float softmax_row(float *x, int64_t n, float sink)
 {
-    __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    __m512 mx = _mm512_set1_ps(sink), sum = _mm512_setzero_ps();
     int64_t p = 0;
     for (; p + 16 <= n; p += 16)
         mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + p));
@@ -285,7 +288,8 @@ INLINE float softmax_row(float *x, int64_t n)
         _mm512_storeu_ps(x + p, e);
         sum = _mm512_add_ps(sum, e);
     }
-    return 1.0f / _mm512_reduce_add_ps(sum);
+    const float top = _mm512_reduce_max_ps(m);
+    return 1.0f / (_mm512_reduce_add_ps(sum) + (sink > -INFINITY ? expf(sink - top) : 0.0f));
 }
 
 /* As attend, for D = 16 * DV and the nh kv heads from h0 of one sequence (qb,
@@ -295,7 +299,8 @@ INLINE float softmax_row(float *x, int64_t n)
  * softmax: its max, exp and rescaling per chunk were a latency chain that cost
  * more than the score buffer sc (nh * G rows of L->stride). */
 INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t skip, int64_t h0, int nh, int G,
-                     int DV, const float *restrict qb, float *restrict ob, float *restrict sc)
+                     int DV, const float *restrict sinks, const float *restrict qb, float *restrict ob,
+                     float *restrict sc)
 {
     const int64_t D = 16 * DV, stride = L->stride;
     const float *k = L->k_cache + h0 * D, *v = L->v_cache + h0 * D;
@@ -310,7 +315,7 @@ INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t s
     for (int i = 0; i < nh * G; i++) {
         for (int64_t p = 0; p < skip; p++) /* tokens before a sliding window: weight 0 */
             sc[i * stride + p] = -INFINITY;
-        inv[i] = softmax_row(sc + i * stride, n);
+        inv[i] = softmax_row(sc + i * stride, n, sinks ? sinks[h0 * G + i] : -INFINITY);
     }
     __m512 acc[MAX_HEADS][MAX_G * MAX_DV];
     for (int h = 0; h < nh; h++)
@@ -339,12 +344,13 @@ static int longer_first(const void *a, const void *b)
  * out of range (nothing is computed then); 2 if a buffer could not be allocated.
  * A context length of 0 gives zeros, as the reference does. window > 0: each row
  * attends only its last `window` tokens (a sliding-window layer); its pages before
- * the window are not read. */
+ * the window are not read. sinks [H] (or NULL): a logit per query head added to each
+ * softmax's denominator, its value row zero (gpt-oss). */
 int trillm_decode_attention(
     const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
     const int32_t *restrict block_tables, const int32_t *restrict context_lens, float *restrict out,
     int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_pages, int64_t page_size,
-    int64_t max_pages, float scale, int num_threads, int64_t window)
+    int64_t max_pages, float scale, int num_threads, int64_t window, const float *restrict sinks)
 {
     if (B == 0)
         return 0;
@@ -406,18 +412,18 @@ int trillm_decode_attention(
                 memset(ob, 0, sizeof(float) * (size_t)(nh * G * D));
 #ifdef AVX512_PATH
             else if (avx && G == 3 && D == 64 && nh == 3) /* SmolLM2, inlined with constants */
-                attend16(&L, table, n, skip, h0, 3, 3, 4, qb, ob, scores);
+                attend16(&L, table, n, skip, h0, 3, 3, 4, sinks, qb, ob, scores);
             else if (avx && G == 3 && D == 64 && nh == 1)
-                attend16(&L, table, n, skip, h0, 1, 3, 4, qb, ob, scores);
+                attend16(&L, table, n, skip, h0, 1, 3, 4, sinks, qb, ob, scores);
             else if (avx)
-                attend16(&L, table, n, skip, h0, (int)nh, (int)G, (int)(D / 16), qb, ob, scores);
+                attend16(&L, table, n, skip, h0, (int)nh, (int)G, (int)(D / 16), sinks, qb, ob, scores);
 #endif
             else if (D == 64)
-                attend(&L, table, n, skip, h0, G, 64, qb, ob, scores, acc);
+                attend(&L, table, n, skip, h0, G, 64, sinks, qb, ob, scores, acc);
             else if (D == 128)
-                attend(&L, table, n, skip, h0, G, 128, qb, ob, scores, acc);
+                attend(&L, table, n, skip, h0, G, 128, sinks, qb, ob, scores, acc);
             else
-                attend(&L, table, n, skip, h0, G, D, qb, ob, scores, acc);
+                attend(&L, table, n, skip, h0, G, D, sinks, qb, ob, scores, acc);
         }
         free(scores);
     }

@@ -13,7 +13,9 @@ import torch
 
 from trillm.kernels import cpu_build
 
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+_ARGTYPES = (
+    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+)
 _SIGNATURES = {"trillm_decode_attention": _ARGTYPES}
 _KERNEL = cpu_build.CKernel("cpu_decode", _SIGNATURES, ctypes.c_int, ("-fno-math-errno",))
 available = _KERNEL.available
@@ -24,6 +26,14 @@ def _library() -> ctypes.CDLL | None:
     return _KERNEL.library()
 
 
+def _sinks(sinks: torch.Tensor | None, heads: int) -> int | None:
+    if sinks is None:
+        return None
+    if sinks.dtype != torch.float32 or sinks.shape != (heads,) or not (sinks.is_cpu and sinks.is_contiguous()):
+        raise ValueError(f"sinks must be contiguous float32 CPU [{heads}]")
+    return sinks.data_ptr()
+
+
 def decode_attention(
     q: torch.Tensor,  # [B, H, D], one new token per sequence
     k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D], contiguous
@@ -32,10 +42,12 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B] int, tokens in the cache including the new one
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
     num_threads: int | None = None,
 ) -> torch.Tensor:
     """Each row attends all ``context_lens[b]`` tokens of its own sequence (float32, CPU), or
-    with ``window`` > 0 only the last ``window`` of them (a sliding-window layer)."""
+    with ``window`` > 0 only the last ``window`` of them (a sliding-window layer); ``sinks`` [H]
+    float32: a logit per query head in each softmax's denominator (gpt-oss)."""
     tensors = (q, k_cache, v_cache)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         raise ValueError("cpu_decode.decode_attention takes float32 CPU tensors only")
@@ -74,6 +86,7 @@ def decode_attention(
         float(scale),
         max(1, threads),
         int(window),
+        _sinks(sinks, H),
     )
     if rc == 1:
         raise ValueError("a context length or page index is out of range for the cache/block table")

@@ -101,6 +101,9 @@ def gelu_tanh_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torc
     return _gated(gate_up, 4, num_threads)
 
 
+GATED = ("silu", "gelu_tanh")  # the gated activations with a C kernel here
+
+
 def gated_mul(gate_up: torch.Tensor, activation: str, num_threads: int | None = None) -> torch.Tensor:
     """The gated MLP's ``act(gate) * up`` for ``activation`` silu or gelu_tanh (``ModelShape.activation``)."""
     return _gated(gate_up, 4 if activation == "gelu_tanh" else 2, num_threads)

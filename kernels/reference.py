@@ -35,10 +35,17 @@ def _context(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Ten
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] at ``q_positions`` over k/v [L, KVH, D]; causal, GQA; float32 math; with
-    ``window`` > 0 each query sees only its last ``window`` positions (itself included)."""
+    ``window`` > 0 each query sees only its last ``window`` positions (itself included); ``sinks``
+    [H]: a logit per head in the softmax's denominator, its value zero."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
     vf = v.float().repeat_interleave(group, dim=1)
@@ -48,7 +55,12 @@ def _attend(
     if window > 0:
         hidden |= keys <= q_positions.unsqueeze(1) - window  # before the sliding window
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", torch.softmax(scores, dim=-1), vf).to(q.dtype)
+    if sinks is not None:
+        sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("hnl,lhd->nhd", weights, vf).to(q.dtype)
 
 
 def decode_attention(
@@ -59,14 +71,16 @@ def decode_attention(
     context_lens: torch.Tensor,  # [B] int, tokens in the cache including the new one
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each row attends all ``context_lens[b]`` tokens of its own sequence; with ``window`` > 0
-    only the last ``window`` of them (a sliding-window layer)."""
+    only the last ``window`` of them (a sliding-window layer); ``sinks`` [H]: gpt-oss's logits
+    in each softmax's denominator."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         k, v = _context(k_cache, block_tables[b], n), _context(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale, window)[0]
+        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale, window, sinks)[0]
     return out
 
 
@@ -79,6 +93,7 @@ def extend_attention(
     context_lens: torch.Tensor,  # [S] int, tokens in the cache including the new ones
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached prefix plus themselves
     (their K/V already stored). Row ``i`` of a sequence with ``n`` new tokens sits at
@@ -90,7 +105,7 @@ def extend_attention(
             continue
         k, v = _context(k_cache, block_tables[s], length), _context(v_cache, block_tables[s], length)
         positions = torch.arange(length - (end - start), length)
-        out[start:end] = _attend(q[start:end], k, v, positions, scale, window)
+        out[start:end] = _attend(q[start:end], k, v, positions, scale, window, sinks)
     return out
 
 

@@ -35,6 +35,9 @@ class MoEWeights:
     down: list[Weight]  # per expert: expert intermediate -> hidden
     top_k: int
     normalize: bool  # the top-k weights renormalised to sum to 1
+    router_bias: torch.Tensor | None = None  # gpt-oss: the router's, and each expert's projections'
+    gate_up_bias: list[torch.Tensor | None] | None = None
+    down_bias: list[torch.Tensor] | None = None
 
     def projections(self) -> list[Weight]:
         return [*self.gate_up, *self.down]
@@ -47,18 +50,47 @@ class MoEWeights:
 
 def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] in x's dtype, experts [T, top_k]): each token's chosen experts."""
-    probs = torch.softmax(torch.mm(x, moe.router).float(), dim=-1)
+    logits = torch.mm(x, moe.router)
+    if moe.router_bias is not None:
+        logits = logits + moe.router_bias
+    probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = probs.topk(moe.top_k, dim=-1)
     if moe.normalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights.to(x.dtype), experts
 
 
-def moe_mlp(x: torch.Tensor, moe: MoEWeights, act: Activation) -> torch.Tensor:
-    """The mixture's output for ``x`` [T, hidden]."""
+def moe_mlp(
+    x: torch.Tensor,
+    moe: MoEWeights,
+    act: Activation,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The mixture's output for ``x`` [T, hidden]. ``reduce``: the experts are this rank's slices
+    (``--tp``): their partial sums are all-reduced, and the down projections' biases (gpt-oss)
+    added once, after."""
     weights, experts = route(x, moe)
     if x.shape[0] == 1:
-        return _one_token(x, moe, act, weights[0], experts[0].tolist())
+        out = _one_token(x, moe, act, weights[0], experts[0].tolist())
+    else:
+        out = _sorted_by_expert(x, moe, act, weights, experts)
+    if reduce is not None:
+        out = reduce(out)
+    if moe.down_bias is not None:
+        biases = torch.stack(moe.down_bias)  # [experts, hidden]
+        out = out + (weights.unsqueeze(-1) * biases[experts]).sum(1)
+    return out
+
+
+def _gate_up(x: torch.Tensor, moe: MoEWeights, expert: int) -> torch.Tensor:
+    bias = moe.gate_up_bias[expert] if moe.gate_up_bias is not None else None
+    return project(x, moe.gate_up[expert], bias)
+
+
+def _sorted_by_expert(
+    x: torch.Tensor, moe: MoEWeights, act: Activation, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """One pass per expert any token chose, over its tokens gathered together."""
     flat = experts.flatten()
     order = flat.argsort(stable=True)
     counts = torch.bincount(flat, minlength=len(moe.gate_up)).tolist()
@@ -69,7 +101,7 @@ def moe_mlp(x: torch.Tensor, moe: MoEWeights, act: Activation) -> torch.Tensor:
         if n == 0:
             continue
         rows = tokens[start : start + n]
-        y = project(act(project(x.index_select(0, rows), moe.gate_up[expert])), moe.down[expert])
+        y = project(act(_gate_up(x.index_select(0, rows), moe, expert)), moe.down[expert])
         out.index_add_(0, rows, y.mul_(weighed[start : start + n, None]))
         start += n
     return out
@@ -84,7 +116,7 @@ def _one_token(
         return (weights.unsqueeze(1) * grouped).sum(0, keepdim=True)
     out = torch.zeros_like(x)
     for weight, expert in zip(weights.tolist(), chosen):
-        out.add_(project(act(project(x, moe.gate_up[expert])), moe.down[expert]), alpha=weight)
+        out.add_(project(act(_gate_up(x, moe, expert)), moe.down[expert]), alpha=weight)
     return out
 
 
@@ -102,6 +134,8 @@ def _grouped(x: torch.Tensor, moe: MoEWeights, act: Activation, chosen: list[int
     gate_up = cpu_gguf.matmul_grouped(x, halves, per_group_x=False)  # [1, 2 k I]: the gates, then the ups
     inter = gate_up.shape[1] // (2 * k)
     rows = gate_up.view(2, k, inter).transpose(0, 1).reshape(k, 2 * inter)  # each expert's (gate, up)
+    if moe.gate_up_bias is not None:
+        rows = rows + torch.stack([moe.gate_up_bias[e] for e in chosen])  # type: ignore[misc]
     hidden = act(rows).view(1, k * inter)
     return cpu_gguf.matmul_grouped(hidden, downs, per_group_x=True).view(k, -1)  # type: ignore[arg-type]
 

@@ -50,6 +50,8 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     moe: MoEWeights | None = None  # the MLP as a mixture of experts (gate_up and down are None; ``experts.py``)
+    sinks: torch.Tensor | None = None  # gpt-oss: [heads] float32, a logit in each softmax's denominator
+    o_bias: torch.Tensor | None = None  # gpt-oss: o_proj's bias, added once after the all-reduce
 
     def projections(self) -> list[Weight]:
         """Every matrix of the layer, the experts' included."""
@@ -167,11 +169,15 @@ def qk_norm_(qk: torch.Tensor, num_heads: int, layer: LayerWeights, eps: float, 
     qk[:, num_heads:] = norm(qk[:, num_heads:], layer.k_norm, eps)
 
 
-def gated_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(gate) * up`` of a fused gate/up output [T, 2 I]: SwiGLU (silu) or GeGLU (gelu_tanh)."""
+def gated_activation(gate_up: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """``act(gate) * up`` of a fused gate/up output [T, 2 I]: SwiGLU (silu), GeGLU (gelu_tanh), or
+    gpt-oss's (swiglu_oai: both clamped at ``limit``, gate * sigmoid(alpha gate) * (up + 1))."""
     gate, up = gate_up.chunk(2, dim=-1)
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     return F.silu(gate) * up
 
 

@@ -98,6 +98,22 @@ def dummy_weights(
             w.update({p + f"{where}_feedforward_layernorm.weight": ones(h) for where in ("pre", "post")})
         if shape.attention_bias:
             w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
+        if shape.output_bias:
+            w[a + "o_proj.bias"] = rand(h)
+        if shape.attention_sinks:
+            w[a + "sinks"] = rand(shape.num_heads)
+        if shape.expert_bias and shape.is_moe(i):
+            e_inter = shape.expert_intermediate_size
+            w[p + "mlp.gate.bias"] = rand(shape.num_experts)
+            for e in range(shape.num_experts):
+                x = f"{p}mlp.experts.{e}."
+                w.update(
+                    {
+                        x + "gate_proj.bias": rand(e_inter),
+                        x + "up_proj.bias": rand(e_inter),
+                        x + "down_proj.bias": rand(h),
+                    }
+                )
     return w
 
 
@@ -106,12 +122,48 @@ _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _FUSED = (".qkv_proj.weight", ".gate_up_proj.weight")  # Phi-3's checkpoints
 
 
+def _cat_or_none(w: dict[str, Any], *names: str) -> torch.Tensor | None:
+    return torch.cat([w[n] for n in names]) if all(n in w for n in names) else None
+
+
+def _gpt_oss_experts(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts, one tensor per layer ([E, H, 2I] with gate and up interleaved, [E, I, H],
+    their biases), as one matrix ([out, in]) and bias per expert and projection."""
+    stem, leaf = name.rsplit(".", 1)  # model.layers.N.mlp.experts, gate_up_proj(_bias) / down_proj(_bias)
+    out: dict[str, torch.Tensor] = {}
+    for e in range(w.shape[0]):
+        x = f"{stem}.{e}."
+        if leaf == "gate_up_proj":
+            out[x + "gate_proj.weight"] = w[e, :, 0::2].t().contiguous()
+            out[x + "up_proj.weight"] = w[e, :, 1::2].t().contiguous()
+        elif leaf == "gate_up_proj_bias":
+            out[x + "gate_proj.bias"], out[x + "up_proj.bias"] = w[e, 0::2].contiguous(), w[e, 1::2].contiguous()
+        elif leaf == "down_proj":
+            out[x + "down_proj.weight"] = w[e].t().contiguous()
+        else:
+            out[x + "down_proj.bias"] = w[e]
+    return out
+
+
+_GPT_OSS_EXPERTS = (
+    ".experts.gate_up_proj",
+    ".experts.gate_up_proj_bias",
+    ".experts.down_proj",
+    ".experts.down_proj_bias",
+)
+
+
 def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
     """``weights`` under the names the model reads: Mixtral's ``block_sparse_moe.experts.E.w1``
     as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``;
+    gpt-oss's experts (a tensor per layer, gate and up interleaved) one matrix per expert, its
+    ``mlp.router`` as ``mlp.gate``;
     Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` cut into their parts (views, nothing copied),
     so that sharding and fusing treat every family alike."""
-    if not any(".block_sparse_moe." in name or name.endswith(_FUSED) for name in weights):
+    if not any(
+        ".block_sparse_moe." in name or name.endswith(_FUSED + _GPT_OSS_EXPERTS) or ".mlp.router." in name
+        for name in weights
+    ):
         return weights
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     out: dict[str, Any] = {}
@@ -123,6 +175,12 @@ def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any
         if name.endswith(".gate_up_proj.weight") and isinstance(w, torch.Tensor):
             stem = name.removesuffix("gate_up_proj.weight")
             out.update(zip((stem + "gate_proj.weight", stem + "up_proj.weight"), w.chunk(2)))
+            continue
+        if name.endswith(_GPT_OSS_EXPERTS) and isinstance(w, torch.Tensor):
+            out.update(_gpt_oss_experts(name, w))
+            continue
+        if ".mlp.router." in name:  # gpt-oss's router, with its bias
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = w
             continue
         if ".block_sparse_moe." in name:
             name = name.replace(".block_sparse_moe.", ".mlp.")
@@ -218,6 +276,8 @@ class DecoderModel:
                     attn_out_norm=w[p + "post_attention_layernorm.weight"] if sandwich else None,
                     mlp_out_norm=w[p + "post_feedforward_layernorm.weight"] if sandwich else None,
                     moe=moe,
+                    sinks=w[a + "sinks"].float().contiguous() if shape.attention_sinks else None,
+                    o_bias=w.get(a + "o_proj.bias") if shape.output_bias else None,
                 )
             )
         cos, sin = cos_sin_table(shape.rope_dim, shape.rope_theta, shape.rope_scaling, max_len)
@@ -243,6 +303,13 @@ class DecoderModel:
             down=[fuse([w[f"{p}experts.{e}.down_proj.weight"]], block_weights) for e in experts],
             top_k=self.shape.experts_per_token,
             normalize=self.shape.normalize_top_k,
+            router_bias=w.get(p + "gate.bias"),
+            gate_up_bias=[
+                _cat_or_none(w, f"{p}experts.{e}.gate_proj.bias", f"{p}experts.{e}.up_proj.bias") for e in experts
+            ]
+            if self.shape.expert_bias
+            else None,
+            down_bias=[w[f"{p}experts.{e}.down_proj.bias"] for e in experts] if self.shape.expert_bias else None,
         )
 
     def projections(self) -> list[Weight]:

@@ -23,6 +23,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         if factors.shape != inv.shape:
             raise ValueError(f"rope freq_factors hold {factors.numel()} values for {inv.numel()} frequencies")
         return (inv / factors).float()
+    if kind == "yarn":
+        return _yarn(inv, head_dim, theta, scaling)
     if kind == "longrope":  # the short factors' frequencies; ``cos_sin_table`` switches past the original length
         return (inv / torch.tensor(scaling["short_factor"], dtype=torch.float64)).float()
     if kind == "llama3":
@@ -49,10 +51,49 @@ def cos_sin_table(
     positions = torch.arange(max_len, dtype=torch.float32)
     freqs = torch.outer(positions, inv)
     scale = 1.0
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if scaling and kind == "longrope":
         freqs, scale = _longrope(head_dim, theta, scaling, positions, freqs)
+    elif scaling and kind == "yarn":
+        scale = _yarn_attention_factor(scaling)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos() * scale, emb.sin() * scale
+
+
+def _yarn(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss, DeepSeek): frequencies between interpolated (divided by ``factor``) and as
+    they are, by a ramp over the dimensions between the ``beta_fast`` and ``beta_slow`` rotations
+    of the original context."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(fast), dimension(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each frequency left as it is
+    return (inv / factor * (1 - kept) + inv * kept).float()
+
+
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN's scale of cos and sin: 0.1 ln(factor) + 1 unless the config says."""
+    given = scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = float(scaling["factor"])
+    mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return get(mscale) / get(all_dims) if mscale and all_dims else get(1.0)
 
 
 def _longrope(

@@ -16,12 +16,12 @@ import attrs
 import torch
 
 LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
-MIXTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+MIXTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
 GEMMA3 = {"Gemma3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA3
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
 _WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"}
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 _GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -47,7 +47,11 @@ class ModelShape:
     norm_plus_one: bool = False
     # Gemma 2/3: an RMSNorm on the attention output and on the MLP output, before each residual add.
     sandwich_norms: bool = False
-    activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)
+    # Of the gated MLP: silu (SwiGLU), gelu_tanh (GeGLU), or swiglu_oai (gpt-oss: gate and up clamped
+    # at ``swiglu_limit``, gate * sigmoid(alpha gate) * (up + 1))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     embed_scale: float = 1.0  # the embedded tokens times this (Gemma: sqrt(hidden_size))
     query_scale: float | None = None  # of the attention scores; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
@@ -55,6 +59,8 @@ class ModelShape:
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the rope base of windowed layers (Gemma 3); None: rope_theta
     rotary_dim: int = 0  # the rotated part of each head (Phi-4-mini: 3/4 of it); 0: all of it
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each softmax's denominator
+    output_bias: bool = False  # gpt-oss: o_proj has a bias (added once, after the all-reduce)
     # Mixtures of experts (Mixtral, Qwen3-MoE): the MLP of each layer not in ``dense_layers`` is
     # ``num_experts`` gated MLPs of ``expert_intermediate_size``; a router picks ``experts_per_token``
     # of them per token (softmax, top-k, renormalised with ``normalize_top_k``), their outputs weighed.
@@ -63,6 +69,7 @@ class ModelShape:
     expert_intermediate_size: int = 0
     normalize_top_k: bool = True
     dense_layers: tuple[int, ...] = ()
+    expert_bias: bool = False  # gpt-oss: the router and every expert's projections have biases
 
     def __attrs_post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -185,6 +192,19 @@ def _mixture(cfg: dict[str, Any], archs: set[str]) -> dict[str, Any]:
     if experts < 1:
         raise ValueError(f"a mixture of experts ({sorted(archs)[0]}) with no experts in its config")
     n = cfg["num_hidden_layers"]
+    if "GptOssForCausalLM" in archs:  # softmax over the top-k logits: renormalised top-k probabilities
+        return dict(
+            num_experts=experts,
+            experts_per_token=int(cfg.get("num_experts_per_tok", 4)),
+            expert_intermediate_size=cfg["intermediate_size"],
+            normalize_top_k=True,
+            expert_bias=True,
+            activation="swiglu_oai",
+            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            attention_sinks=True,
+            output_bias=bool(cfg.get("attention_bias", True)),
+        )
     if "MixtralForCausalLM" in archs:
         return dict(
             num_experts=experts,

@@ -77,6 +77,9 @@ class CpuBackend(Backend):
             and all(
                 layer.qkv_bias is None
                 and layer.moe is None  # the C loop has no router: mixtures run the Python loop
+                and layer.sinks is None  # nor sinks, nor O's bias (gpt-oss)
+                and layer.o_bias is None
+                and model.shape.activation in cpu_ops.GATED
                 and all(cpu_forward.fusable(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
                 for layer in model.layers
             )
@@ -198,9 +201,9 @@ class CpuBackend(Backend):
         reduce = model.tp.all_reduce if model.tp.size > 1 else None
 
         def act(gate_up: torch.Tensor) -> torch.Tensor:  # the gated MLP's act(gate) * up
-            if self.c_ops:
+            if self.c_ops and s.activation in cpu_ops.GATED:
                 return cpu_ops.gated_mul(gate_up, s.activation)
-            return gated_activation(gate_up, s.activation)
+            return gated_activation(gate_up, s.activation, s.swiglu_alpha, s.swiglu_limit)
 
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
@@ -215,16 +218,18 @@ class CpuBackend(Backend):
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i))
-            if layer.attn_out_norm is None:
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks)
+            if layer.attn_out_norm is None and layer.o_bias is None:
                 h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
-            else:  # Gemma: the attention's output normed before the residual add
+            else:  # Gemma: the attention's output normed before the residual add; gpt-oss: O's bias, once
                 out = project(attn.reshape(-1, q_size), layer.o_proj)
-                h = h + norm(reduce(out) if reduce else out, layer.attn_out_norm, s.rms_norm_eps)
-            x = norm(h, layer.post_norm, s.rms_norm_eps)
-            if layer.moe is not None:  # a mixture of experts: its output, then the residual add
-                out = moe_mlp(x, layer.moe, act)
                 out = reduce(out) if reduce else out
+                if layer.o_bias is not None:
+                    out = out.add_(layer.o_bias)
+                h = h + (out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, s.rms_norm_eps))
+            x = norm(h, layer.post_norm, s.rms_norm_eps)
+            if layer.moe is not None:  # a mixture of experts: its output (all-reduced), then the residual add
+                out = moe_mlp(x, layer.moe, act, reduce)
                 h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
                 continue
             assert layer.gate_up is not None and layer.down is not None

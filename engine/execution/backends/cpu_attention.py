@@ -91,6 +91,33 @@ def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return blocks.view(*pages.shape[:-1], -1, *cache.shape[2:])
 
 
+def _attention(
+    q: torch.Tensor,  # [B, H, n, D]
+    k: torch.Tensor,  # [B, KVH, L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # True where a key is seen; None: causal with nothing cached before
+    scale: float,
+    gqa: bool,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA; with sinks (which it has no room for), the same softmax written out with one more
+    logit per head in each denominator."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, n, L]
+    if mask is None:
+        n, length = scores.shape[-2:]
+        mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(weights, v)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D]
@@ -100,21 +127,23 @@ def paged_attention(
     meta: CpuMetadata,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend every row to its context (with ``window``
-    > 0, each row only its last ``window`` tokens: a sliding-window layer)."""
+    > 0, each row only its last ``window`` tokens: a sliding-window layer; ``sinks`` [H], gpt-oss's
+    logit per head in each softmax's denominator)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != kv_heads
     d = meta.decode_rows
     if d is not None and d.rows is None:  # a decode-only step: no row shuffling (1/3 of it at one row)
-        return cpu_decode.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window)
+        return cpu_decode.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks)
     out = torch.empty_like(q)
 
     if d is not None and d.rows is not None:
         od = cpu_decode.decode_attention(
-            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale, window
+            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks
         )
         out.index_copy_(0, d.rows, od)
 
@@ -122,17 +151,13 @@ def paged_attention(
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bd, H, 1, D]
         kd = _gather(k_cache, group.pages).transpose(1, 2)  # [Bd, KVH, L, D]
         vd = _gather(v_cache, group.pages).transpose(1, 2)
-        mask = group.window_mask(window)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        od = _attention(qd, kd, vd, group.window_mask(window), scale, gqa, sinks)
         out.index_copy_(0, group.rows, od.squeeze(2))
 
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = _gather(k_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
         vp = _gather(v_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
-        causal = span.window_mask(window)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=causal, is_causal=causal is None, scale=scale, enable_gqa=gqa
-        )
+        op = _attention(qp, kp, vp, span.window_mask(window), scale, gqa, sinks)
         out[span.start : span.end] = op.squeeze(0).transpose(0, 1)
     return out

@@ -107,6 +107,10 @@ class KernelBackend(Backend):
         ops, s = self.kernels, model.shape
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         delta, residual = h, None
+
+        def act(gate_up: torch.Tensor) -> torch.Tensor:
+            return gated_activation(gate_up, s.activation, s.swiglu_alpha, s.swiglu_limit)
+
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x, residual = ops.add_rms_norm(delta, residual, layer.input_norm, s.rms_norm_eps)
             qkv = project(x, layer.qkv, layer.qkv_bias)
@@ -121,25 +125,35 @@ class KernelBackend(Backend):
                 q, k, positions, model.local_cos if local else model.cos, model.local_sin if local else model.sin
             )
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            window = s.window(i)
+            window, sinks = s.window(i), layer.sinks
             if meta.decode_only:
                 attn = ops.decode_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale, window
+                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale, window, sinks
                 )
             else:
                 attn = ops.extend_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.query_starts, meta.context_lens, model.scale, window
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta.block_tables,
+                    meta.query_starts,
+                    meta.context_lens,
+                    model.scale,
+                    window,
+                    sinks,
                 )
             delta = model.tp.all_reduce(project(attn.reshape(-1, q_size), layer.o_proj))
+            if layer.o_bias is not None:  # gpt-oss: once, after the all-reduce
+                delta = delta + layer.o_bias
             if layer.attn_out_norm is not None:  # Gemma: the block's output normed before the residual add
                 delta = self._norm(delta, layer.attn_out_norm, s.rms_norm_eps)
             x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
+
             if layer.moe is not None:
-                out = moe_mlp(x, layer.moe, lambda gate_up: gated_activation(gate_up, s.activation))
+                delta = moe_mlp(x, layer.moe, act, model.tp.all_reduce)
             else:
                 assert layer.gate_up is not None and layer.down is not None
-                out = project(gated_activation(project(x, layer.gate_up), s.activation), layer.down)
-            delta = model.tp.all_reduce(out)
+                delta = model.tp.all_reduce(project(act(project(x, layer.gate_up)), layer.down))
             if layer.mlp_out_norm is not None:
                 delta = self._norm(delta, layer.mlp_out_norm, s.rms_norm_eps)
         assert residual is not None, "a model has at least one layer"

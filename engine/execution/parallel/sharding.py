@@ -125,6 +125,8 @@ def shard_weights(weights: dict[str, torch.Tensor], shape: ModelShape, part: Par
             out[name] = _rows(w, inter)
         elif leaf == "down_proj":
             out[name] = _cols(w, inter) if kind == "weight" else w
+        elif name.endswith(".self_attn.sinks"):  # gpt-oss: one per query head
+            out[name] = _rows(w, part.heads)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(w, part.vocab)
         else:
