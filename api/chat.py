@@ -49,6 +49,9 @@ def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequ
         if not renders_tools(getattr(engine.tokenizer, "chat_template", None)):
             req = attrs.evolve(req, tool_format=IMITATION)  # unwrap a reply that imitates the generic JSON
     style = request_style(ctx.reasoning_parser, req.chat_template_kwargs)
+    if style == "gpt_oss":  # the harmony markers are special tokens: the parser reads them
+        params = attrs.evolve(req.common.params, skip_special_tokens=False)
+        req = attrs.evolve(req, common=attrs.evolve(req.common, params=params))
     if style is not None and req.common.grammar is not None:
         spec, param = req.common.grammar
         req = attrs.evolve(req, common=attrs.evolve(req.common, grammar=(spec.after_thinking(THINKING[style]), param)))

@@ -18,6 +18,10 @@ for the request (the template then puts an empty think block in the prompt, and 
 whole reply is the answer). After ``</think>`` everything is content, tags included, but
 the blank characters that open it (templates write ``</think>\n\n``) are dropped, as SGLang does.
 
+* ``gpt_oss``: harmony channels (``api/harmony.py``): ``analysis`` is thinking, ``final`` and
+  ``commentary`` the answer; the request's text then keeps the special tokens the channels are
+  marked with, and the parser takes them out.
+
 The parser is incremental: a tag split across deltas (``"</th"`` + ``"ink>"``) is held
 back until it is complete or proven not to be a tag, so no piece of a tag leaks out.
 Pure: no Trio, no HTTP; the chat module calls it through ``ChoiceSplitter``.
@@ -27,12 +31,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.api.harmony import HarmonyParser
 from trillm.engine import ThinkingMode
 
 START, END = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
 # Where a grammar (structured output, tool calls) starts under each style: after the thinking.
-THINKING: dict[str, ThinkingMode] = {"deepseek_r1": "required", "qwen3": "optional"}
+# gpt-oss's thinking is a harmony channel, not a tag the grammars know: a grammar holds the whole
+# reply there (tool calls are triggered, so the analysis before them stays free).
+THINKING: dict[str, ThinkingMode] = {"deepseek_r1": "required", "qwen3": "optional", "gpt_oss": "none"}
 
 
 def _held_back(text: str, tag: str) -> int:
@@ -92,9 +99,14 @@ class ReasoningParser:
         return (rest, "") if in_reasoning else ("", rest)
 
 
+def parser_for(style: str) -> ReasoningParser | HarmonyParser:
+    """The incremental parser of ``style``: the think-tag styles, or gpt-oss's harmony channels."""
+    return HarmonyParser() if style == "gpt_oss" else ReasoningParser(style)
+
+
 def split_reasoning(style: str, text: str) -> tuple[str, str]:
     """A whole reply -> (reasoning, content): the non-streaming form of the same rules."""
-    parser = ReasoningParser(style)
+    parser = parser_for(style)
     reasoning, content = parser.feed(text)
     tail_reasoning, tail_content = parser.finish()
     return reasoning + tail_reasoning, content + tail_content
@@ -112,7 +124,7 @@ class ChoiceSplitter:
 
     def __init__(self, style: str | None) -> None:
         self.style = style
-        self._parsers: dict[int, ReasoningParser] = {}
+        self._parsers: dict[int, ReasoningParser | HarmonyParser] = {}
 
     def delta(self, index: int, text: str, final: bool) -> dict[str, str]:
         """The streamed ``delta`` fields for ``text`` of choice ``index`` (``final``: its last piece).
@@ -120,7 +132,7 @@ class ChoiceSplitter:
         Without a parser, ``{"content": text}``; with one, only the non-empty fields."""
         if self.style is None:
             return {"content": text}
-        parser = self._parsers.setdefault(index, ReasoningParser(self.style))
+        parser = self._parsers.get(index) or self._parsers.setdefault(index, parser_for(self.style))
         reasoning, content = parser.feed(text)
         if final:
             tail_reasoning, tail_content = parser.finish()

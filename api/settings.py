@@ -90,14 +90,15 @@ class ServerConfig:
     tool_call_parser: str = setting(
         "auto",
         "how the model writes tool calls: `hermes` (`<tool_call>`, Qwen/Hermes), `llama3_json`, `mistral` "
-        "(`[TOOL_CALLS]`), or `generic` (tools described in the system prompt, replies in JSON; any model); "
-        "`auto`: from the chat template",
+        "(`[TOOL_CALLS]`), `harmony` (gpt-oss: a commentary message `to=functions.NAME`), or `generic` (tools "
+        "described in the system prompt, replies in JSON; any model); `auto`: from the chat template",
         choices=PARSER_CHOICES,
     )
     reasoning_parser: str | None = setting(
         None,
         "split chat replies into `reasoning_content` (the `<think>` part) and `content`: `deepseek_r1` (thinking "
-        "until `</think>`, the opening tag optional) or `qwen3` (thinking only when the reply opens with `<think>`)",
+        "until `</think>`, the opening tag optional), `qwen3` (thinking only when the reply opens with `<think>`) "
+        "or `gpt_oss` (harmony channels: `analysis` is thinking, `final` and `commentary` the answer)",
         choices=REASONING_PARSERS,
         doc_default="none",
         validator=attrs.validators.optional(attrs.validators.in_(REASONING_PARSERS)),

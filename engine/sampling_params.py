@@ -51,6 +51,9 @@ class SamplingParams:
     # Lower is sooner (as vLLM); read only under the ``priority`` scheduling policy. It rides here,
     # not beside the params, so that each of ``n`` choices and every entry point carries it as is.
     priority: int = 0
+    # The text keeps the tokenizer's special tokens (vLLM's ``skip_special_tokens=false``): gpt-oss's
+    # harmony markers are special tokens, and its parser reads them (``api/harmony.py``).
+    skip_special_tokens: bool = True
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)

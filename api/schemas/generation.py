@@ -82,6 +82,11 @@ class GenerationBody(StructuredFields):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus mass")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="drop tokens less likely than `min_p` x the most likely one")
     ignore_eos: bool = Field(False, description="keep generating past the model's end-of-sequence tokens")
+    skip_special_tokens: bool = Field(
+        True,
+        description="leave the tokenizer's special tokens out of the text (vLLM's extension); under the "
+        "`gpt_oss` reasoning parser chat replies keep them for the parser, which takes the harmony markers out",
+    )
     min_tokens: int = Field(0, ge=0, description="EOS and `stop_token_ids` cannot be sampled before this many tokens")
     stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import ClassVar
 
+from trillm.api.harmony import HarmonyTools
 from trillm.api.tools.base import ToolFormat, call_of, calls_in, json_prefix
 from trillm.api.tools.generic import Generic
 from trillm.api.tools.spec import Call, Parsed, ToolSet
@@ -109,7 +110,7 @@ class Llama3Json(_TaggedFormat):
         return Parsed(body[:start].strip() or None, tuple(calls))
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), Llama3Json(), Generic())}
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), Llama3Json(), HarmonyTools(), Generic())}
 PARSER_CHOICES = ("auto", *FORMATS)
 
 
@@ -120,6 +121,8 @@ def detect(template: str | None) -> ToolFormat:
         return FORMATS["generic"]
     if "<tool_call>" in template:
         return FORMATS["hermes"]
+    if "<|channel|>" in template:  # gpt-oss's harmony
+        return FORMATS["harmony"]
     if "[TOOL_CALLS]" in template:
         return FORMATS["mistral"]
     if "<|python_tag|>" in template or "ipython" in template:

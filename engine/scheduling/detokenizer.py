@@ -16,15 +16,18 @@ _CONTEXT_TOKENS = 5  # prompt tokens used as left context for the first pieces
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that concatenate exactly."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def push(self, token: int) -> str:
         """Add one token; return the new text it completes (possibly empty)."""

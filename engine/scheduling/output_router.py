@@ -54,7 +54,7 @@ class OutputRouter:
         live = LiveRequest(
             seq,
             mailbox,
-            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids),
+            IncrementalDetokenizer(self.tokenizer, seq.prompt_ids, seq.params.skip_special_tokens),
             StopStringMatcher(seq.params.stop),
             index,
             RequestTimer(seq.arrival_time, seq.params.priority),
