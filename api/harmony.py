@@ -48,7 +48,8 @@ class HarmonyParser:
 
     def feed(self, text: str) -> tuple[str, str]:
         buf, self._pending = self._pending + text, ""
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while buf:
             if self._state in ("outside", "between"):
                 at = buf.find(CHANNEL)
