@@ -1,5 +1,5 @@
-"""GGUF files of mixtures of experts (llama.cpp's ``qwen3moe`` layout): from a checkpoint's weights,
-or random blocks of a real model's shape for benchmarks.
+"""GGUF files of mixtures of experts (llama.cpp's ``qwen3moe`` and ``gpt-oss`` layouts): from a
+checkpoint's weights, or random blocks of a real model's shape for benchmarks.
 
 A mixture's experts are one 3-D tensor per projection and layer (``blk.N.ffn_gate_exps.weight``,
 [experts, rows, cols]) beside the router (``ffn_gate_inp``). Random files are written block by
@@ -7,6 +7,7 @@ block from random bytes (valid scales put in place), not encoded from random flo
 Qwen3-30B-A3B-shaped Q4_K_M file is ~17 GB, and encoding 30 billion floats would take an hour.
 
     python -m trillm.bench.moe_files TOKENIZER.gguf DST.gguf --shape qwen3-30b-a3b [--layers N]
+    python -m trillm.bench.moe_files TOKENIZER.gguf DST.gguf --shape gpt-oss-20b
 """
 
 from __future__ import annotations
@@ -22,8 +23,18 @@ import numpy as np
 
 from trillm.bench.gguf_files import FALLBACK, QK_K, encode
 
-# Qwen3-30B-A3B's shape (SmolLM2's vocabulary, so its tokenizer serves the file)
+# Qwen3-30B-A3B's and gpt-oss-20b's shapes (SmolLM2's vocabulary, so its tokenizer serves the file)
 MOE_SHAPES: dict[str, dict[str, int]] = {
+    "gpt-oss-20b": {
+        "hidden": 2880,
+        "layers": 24,
+        "heads": 64,
+        "kv_heads": 8,
+        "head_dim": 64,
+        "experts": 32,
+        "used": 4,
+        "expert_inter": 2880,
+    },
     "qwen3-30b-a3b": {
         "hidden": 2048,
         "layers": 48,
@@ -42,8 +53,9 @@ _BLOCKS = {
     "Q6_K": (210, ((208, 1.0),)),
     "Q8_0": (34, ((0, 1.0),)),
     "Q5_0": (22, ((0, 1.0),)),
+    "MXFP4": (17, ()),  # its one-byte power-of-two scale is set apart
 }
-_VALUES = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32}
+_VALUES = {"Q4_K": 256, "Q6_K": 256, "Q8_0": 32, "Q5_0": 32, "MXFP4": 32}
 
 
 def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
@@ -54,6 +66,8 @@ def random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator
     raw = rng.integers(0, 256, size=(blocks, size), dtype=np.uint8)
     for at, factor in scales:
         raw[:, at : at + 2] = np.frombuffer(np.float16(scale * factor).tobytes(), dtype=np.uint8)
+    if type_name == "MXFP4":  # E8M0: 2^(e - 128) times the doubled E2M1 values
+        raw[:, 0] = 128 + round(math.log2(scale))
     return raw.reshape(rows, -1)
 
 
@@ -167,7 +181,11 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
 def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | None = None, seed: int = 0) -> None:
     """A Qwen3-MoE-shaped file of random Q4_K_M-style blocks (Q4_K, with V, the experts' down and
     the embedding in Q6_K), ``tokenizer``'s vocabulary and tokenizer: the memory traffic of the real
-    model, for benchmarks (its text is noise). ``layers``: fewer than the shape's."""
+    model, for benchmarks (its text is noise). ``layers``: fewer than the shape's. gpt-oss's shape
+    is written as its own published files are: MXFP4 experts, Q8_0 attention (``random_gpt_oss``)."""
+    if shape_name.startswith("gpt-oss"):
+        random_gpt_oss(tokenizer, dst, shape_name, layers, seed)
+        return
     from gguf import GGUFReader
 
     s = MOE_SHAPES[shape_name]
@@ -218,6 +236,96 @@ def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | 
 
     meta = _metadata(cfg, n) | {"general.name": f"random {shape_name} ({n} layers, Q4_K_M-style)"}
     _write(dst, "qwen3moe", meta, tokenizer, planned)
+
+
+def _gpt_oss_metadata(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    meta = _metadata(cfg, layers)
+    meta.update(
+        {
+            "feed_forward_length": cfg["moe_intermediate_size"],
+            "attention.sliding_window": cfg.get("sliding_window", 128),
+            "rope.freq_base": float(cfg.get("rope_theta", 150000.0)),
+            "rope.scaling.type": "yarn",
+            "rope.scaling.factor": float(cfg.get("rope_factor", 32.0)),
+            "rope.scaling.original_context_length": int(cfg.get("original_context", 4096)),
+        }
+    )
+    return meta
+
+
+def gpt_oss_file(
+    dst: Path, cfg: dict[str, Any], dense: dict[str, np.ndarray], experts: dict[str, np.ndarray], tokenizer: Path | None
+) -> None:
+    """A ``gpt-oss`` GGUF file: ``dense`` (llama.cpp's names -> float arrays, written float32) and
+    ``experts`` (``blk.N.ffn_*_exps.weight`` -> MXFP4 bytes [experts, rows, row bytes])."""
+    planned: list[Planned] = [(n, a.shape, "F32", functools.partial(np.asarray, a)) for n, a in dense.items()]
+    planned += [(n, raw.shape, "MXFP4", functools.partial(np.asarray, raw)) for n, raw in experts.items()]
+    _write(dst, "gpt-oss", _gpt_oss_metadata(cfg, cfg["num_hidden_layers"]), tokenizer, planned)
+
+
+def random_gpt_oss(tokenizer: Path, dst: Path, shape_name: str, layers: int | None = None, seed: int = 0) -> None:
+    """A gpt-oss-shaped file as the published ones are quantized: MXFP4 experts, Q8_0 attention and
+    embedding (random), float32 norms, sinks, router and biases."""
+    from gguf import GGUFReader
+
+    s = MOE_SHAPES[shape_name]
+    hidden, n = s["hidden"], layers or s["layers"]
+    vocab = len(GGUFReader(tokenizer).fields["tokenizer.ggml.tokens"].contents())
+    d, q, kv, e, inter = s["head_dim"], s["heads"], s["kv_heads"], s["experts"], s["expert_inter"]
+    cfg = {
+        "hidden_size": hidden,
+        "moe_intermediate_size": inter,
+        "num_attention_heads": q,
+        "num_key_value_heads": kv,
+        "head_dim": d,
+        "num_experts": e,
+        "num_experts_per_tok": s["used"],
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+    }
+    planned: list[Planned] = []
+
+    def blocks(name: str, shape: tuple[int, ...], type_name: str, scale: float) -> None:
+        seed_of = len(planned)
+
+        def make() -> np.ndarray:
+            rng = np.random.default_rng([seed, seed_of])
+            return random_blocks(type_name, math.prod(shape[:-1]), shape[-1], rng, scale)
+
+        planned.append((name, _bytes_shape(type_name, shape), type_name, make))
+
+    def floats(name: str, shape: tuple[int, ...], scale: float | None = None) -> None:
+        seed_of = len(planned)
+
+        def make() -> np.ndarray:
+            if scale is None:
+                return np.ones(shape, dtype=np.float32)
+            return np.random.default_rng([seed, seed_of]).standard_normal(shape, dtype=np.float32) * scale
+
+        planned.append((name, shape, "F32", make))
+
+    blocks("token_embd.weight", (vocab, hidden), "Q8_0", 2e-3)
+    blocks("output.weight", (vocab, hidden), "Q8_0", 2e-4)
+    floats("output_norm.weight", (hidden,))
+    for i in range(n):
+        g = f"blk.{i}."
+        floats(g + "attn_norm.weight", (hidden,))
+        floats(g + "post_attention_norm.weight", (hidden,))
+        floats(g + "attn_sinks.weight", (q,), 0.5)
+        for name, rows in (("attn_q", q * d), ("attn_k", kv * d), ("attn_v", kv * d)):
+            blocks(g + name + ".weight", (rows, hidden), "Q8_0", 2e-4)
+            floats(g + name + ".bias", (rows,), 0.02)
+        blocks(g + "attn_output.weight", (hidden, q * d), "Q8_0", 2e-4)
+        floats(g + "attn_output.bias", (hidden,), 0.02)
+        floats(g + "ffn_gate_inp.weight", (e, hidden), 0.02)
+        floats(g + "ffn_gate_inp.bias", (e,), 0.02)
+        blocks(g + "ffn_gate_exps.weight", (e, inter, hidden), "MXFP4", 2e-3)
+        blocks(g + "ffn_up_exps.weight", (e, inter, hidden), "MXFP4", 2e-3)
+        blocks(g + "ffn_down_exps.weight", (e, hidden, inter), "MXFP4", 2e-3)
+        for name, rows in (("ffn_gate_exps", inter), ("ffn_up_exps", inter), ("ffn_down_exps", hidden)):
+            floats(g + name + ".bias", (e, rows), 0.02)
+    meta = _gpt_oss_metadata(cfg, n) | {"general.name": f"random {shape_name} ({n} layers, MXFP4 experts)"}
+    _write(dst, "gpt-oss", meta, tokenizer, planned)
 
 
 def main() -> None:

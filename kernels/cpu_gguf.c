@@ -44,7 +44,7 @@
 
 /* ggml's type ids (GGMLQuantizationType) */
 enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-       Q6_K = 14, BF16 = 30 };
+       Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 enum { ACCUMULATE = 1, EXACT = 2 }; /* flags of trillm_gguf_matmul; EXACT: float activations */
 
 #define ROWS 8 /* weight rows decoded at once by the matmul */
@@ -129,6 +129,29 @@ static void q8_0(const uint8_t *b, Unpacked *U, int s)
 {
     one_scale(U, s, f16(b), 0.0f);
     memcpy(U->q + 32 * s, b + 2, 32);
+}
+
+/* MXFP4 (gpt-oss's experts): a power-of-two scale (E8M0) and 32 E2M1 values as nibbles, the low
+ * nibbles values 0..15 and the high ones 16..31. The values are held doubled as int8 (0, 1, 2,
+ * 3, 4, 6, 8, 12 and their negatives) and the scale halved, 2^(e - 128): the same floats. */
+static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+INLINE float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23; /* 2^(e - 128) */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void mxfp4(const uint8_t *b, Unpacked *U, int s)
+{
+    one_scale(U, s, e8m0_half(b[0]), 0.0f);
+    int8_t *q = U->q + 32 * s;
+    for (int j = 0; j < 16; j++) {
+        q[j] = FP4_DOUBLED[b[1 + j] & 15];
+        q[j + 16] = FP4_DOUBLED[b[1 + j] >> 4];
+    }
 }
 
 /* The k-quants (``slot``: legacy blocks only). */
@@ -260,6 +283,7 @@ static BlockType block_type(int type)
     case Q4_K: return (BlockType){q4_k, 256, 144, 1};
     case Q5_K: return (BlockType){q5_k, 256, 176, 1};
     case Q6_K: return (BlockType){q6_k, 256, 210, 0};
+    case MXFP4: return (BlockType){mxfp4, 32, 17, 0};
     default: return (BlockType){NULL, 0, 0, 0};
     }
 }

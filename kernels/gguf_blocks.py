@@ -45,6 +45,7 @@ BLOCK_TYPES = {
         BlockType("Q4_K", 12, 256, 144),
         BlockType("Q5_K", 13, 256, 176),
         BlockType("Q6_K", 14, 256, 210),
+        BlockType("MXFP4", 39, 32, 17),  # gpt-oss's experts: E8M0 scale, 32 E2M1 values
     )
 }
 BY_ID = {t.id: t for t in BLOCK_TYPES.values()}

@@ -33,6 +33,8 @@ SCALE_FIELDS = {
     "Q3_K": (108,),
     "Q6_K": (208,),
 }
+# E8M0 power-of-two scales: MXFP4's one byte per block, within 2^(-10)..2^(-4) of its doubled values
+POWER_SCALES = {"MXFP4": (0,)}
 
 
 def random_weight(name: str, N: int, K: int, seed: int = 0) -> GGUFWeight:
@@ -46,9 +48,11 @@ def random_weight(name: str, N: int, K: int, seed: int = 0) -> GGUFWeight:
     else:
         raw = rng.integers(0, 256, size=(N, row_bytes(kind, K)), dtype=np.uint8)
         blocks = raw.reshape(N, -1, kind.bytes)
-        for offset in SCALE_FIELDS[name]:
+        for offset in SCALE_FIELDS.get(name, ()):
             scales = rng.uniform(-0.05, 0.05, size=blocks.shape[:2]).astype(np.float16)
             blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        for offset in POWER_SCALES.get(name, ()):
+            blocks[..., offset] = rng.integers(118, 124, size=blocks.shape[:2], dtype=np.uint8)
     return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(raw).reshape(N, -1)), K)
 
 

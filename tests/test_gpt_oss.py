@@ -5,12 +5,19 @@ against ``transformers`` on the same random bf16-free float32 weights."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
+from trillm.bench.moe_files import gpt_oss_file
+from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.shape import ModelShape
 from trillm.kernels import cpu_decode, reference
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize
 
 from tests.families import (
     config_of,
@@ -20,6 +27,7 @@ from tests.families import (
     steps_match_transformers,
     two_ranks_give_transformers_tokens,
 )
+from tests.test_gguf_quality import _all_logits
 
 GPT_OSS = dict(
     vocab_size=49152,
@@ -105,3 +113,113 @@ async def test_tp_2_gives_transformers_greedy_tokens(gpt_oss_dir, hf_gpt_oss):
     biases added once, after the all-reduce."""
     model = await two_ranks_give_transformers_tokens(gpt_oss_dir, hf_gpt_oss)
     assert model.shape.num_heads == 2 and model.layers[0].sinks.shape == (2,)
+
+
+def _mxfp4(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """Random MXFP4 blocks [rows, cols / 32 * 17]: random E2M1 nibbles, scales 2^-6 .. 2^-5."""
+    raw = rng.integers(0, 256, size=(rows, cols // 32, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(122, 124, size=raw.shape[:2], dtype=np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def _decoded(raw: np.ndarray, cols: int) -> torch.Tensor:
+    return reference_dequantize(GGUFWeight(BLOCK_TYPES["MXFP4"], torch.from_numpy(raw), cols))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tmp_path_factory):
+    """A gpt-oss GGUF file with MXFP4 experts, and transformers' model of the same values."""
+    torch.manual_seed(2)
+    cfg = {**GPT_OSS, "vocab_size": 512}
+    hf = GptOssForCausalLM(GptOssConfig(**cfg)).eval()
+    rng = np.random.default_rng(2)
+    e, h, inter = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    raw = {
+        "gate": _mxfp4(rng, e * inter, h),
+        "up": _mxfp4(rng, e * inter, h),
+        "down": _mxfp4(rng, e * h, inter),
+    }
+    gate, up = _decoded(raw["gate"], h).view(e, inter, h), _decoded(raw["up"], h).view(e, inter, h)
+    down = _decoded(raw["down"], inter).view(e, h, inter)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("experts.gate_up_proj"):
+                p[:, :, 0::2], p[:, :, 1::2] = gate.transpose(1, 2), up.transpose(1, 2)
+            elif name.endswith("experts.down_proj"):
+                p.copy_(down.transpose(1, 2))
+            else:
+                p.copy_(torch.randn_like(p) * 0.1)
+    sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
+    dense = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"]}
+    dense["output.weight"] = sd["lm_head.weight"]
+    experts = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        names = {
+            "attn_norm.weight": "input_layernorm.weight",
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "attn_sinks.weight": "self_attn.sinks",
+            "ffn_gate_inp.weight": "mlp.router.weight",
+            "ffn_gate_inp.bias": "mlp.router.bias",
+        }
+        for x in ("q", "k", "v"):
+            names |= {f"attn_{x}.weight": f"self_attn.{x}_proj.weight", f"attn_{x}.bias": f"self_attn.{x}_proj.bias"}
+        names |= {"attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias"}
+        dense |= {g + ours: sd[p + theirs] for ours, theirs in names.items()}
+        bias = sd[p + "mlp.experts.gate_up_proj_bias"]
+        dense[g + "ffn_gate_exps.bias"], dense[g + "ffn_up_exps.bias"] = bias[:, 0::2], bias[:, 1::2]
+        dense[g + "ffn_down_exps.bias"] = sd[p + "mlp.experts.down_proj_bias"]
+        # Every layer the same experts' bytes: what the file holds is what transformers multiplies.
+        experts[g + "ffn_gate_exps.weight"] = raw["gate"].reshape(e, inter, -1)
+        experts[g + "ffn_up_exps.weight"] = raw["up"].reshape(e, inter, -1)
+        experts[g + "ffn_down_exps.weight"] = raw["down"].reshape(e, h, -1)
+    with torch.no_grad():
+        for i in range(1, cfg["num_hidden_layers"]):  # transformers' layers carry the same experts
+            layer0, layer = hf.model.layers[0].mlp.experts, hf.model.layers[i].mlp.experts
+            layer.gate_up_proj.copy_(layer0.gate_up_proj)
+            layer.down_proj.copy_(layer0.down_proj)
+    meta_cfg = {
+        "hidden_size": h,
+        "moe_intermediate_size": inter,
+        "intermediate_size": inter,
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_key_value_heads": cfg["num_key_value_heads"],
+        "head_dim": cfg["head_dim"],
+        "num_experts": e,
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": cfg["rms_norm_eps"],
+        "sliding_window": cfg["sliding_window"],
+        "rope_theta": 150000.0,
+        "rope_factor": 8.0,
+        "original_context": 128,
+    }
+    path = tmp_path_factory.mktemp("gpt_oss_gguf") / "gpt-oss-mxfp4.gguf"
+    gpt_oss_file(path, meta_cfg, dense, experts, None)
+    return hf, path
+
+
+def test_a_gguf_file_with_mxfp4_experts_is_transformers(gpt_oss_gguf):
+    """llama.cpp's gpt-oss layout (post_attention_norm, attn_sinks, expert biases, YaRN) with its
+    experts in MXFP4 blocks, each expert a view of the file: prefilled (float32 activations) the
+    logits are transformers'; a token a step (int16 activations), within that path's rounding."""
+    hf, path = gpt_oss_gguf
+    header = read_header(path)
+    config = gguf_config(header)
+    assert config["architectures"] == ["GptOssForCausalLM"] and config["layer_types"] == [
+        "sliding_attention",
+        "full_attention",
+    ]
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert all(isinstance(p, GGUFWeight) and p.kind.name == "MXFP4" for p in model.layers[0].moe.down)
+    ids = list(range(3, 75, 2))
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=2e-4, rtol=1e-4)
+    decoded = _all_logits(model, ids, 1)
+    assert (decoded.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
+    assert (decoded - theirs).abs().max() < 0.02 * theirs.abs().max()

@@ -34,6 +34,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # Architectures whose converter interleaved Q/K rows per head (llama.cpp's convert_hf_to_gguf)
 PERMUTED_QK = frozenset({"llama", "mistral"})
@@ -62,6 +63,7 @@ _EXPERT_NAMES = {
     "ffn_up_exps.weight": "up_proj",
     "ffn_down_exps.weight": "down_proj",
 }
+_EXPERT_BIASES = {"ffn_gate_exps.bias": "gate_proj", "ffn_up_exps.bias": "up_proj", "ffn_down_exps.bias": "down_proj"}
 # Gemma's layer norms: llama.cpp calls the MLP's input norm ffn_norm, as for Llama, but the
 # checkpoint's post_attention_layernorm is the attention output's (post_attention_norm).
 _GEMMA_LAYER_NAMES = {
@@ -70,6 +72,15 @@ _GEMMA_LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# gpt-oss: the MLP's input norm is post_attention_norm; the sinks, O's and the router's biases.
+_GPT_OSS_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+}
+_LAYER_NAMES_OF = {"gemma3": _GEMMA_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}
 # Architectures whose converter stored each RMSNorm weight as 1 + w (the checkpoint keeps w)
 NORM_PLUS_ONE = frozenset({"gemma3"})
 # Gemma 3 (llama.cpp's reading, the file says neither): every 6th layer global, the others
@@ -86,7 +97,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The checkpoint name of a GGUF tensor (None: one the model does not use, e.g. ``rope_freqs``)."""
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    names = _LAYER_NAMES_OF.get(arch, _LAYER_NAMES)
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}"
@@ -110,7 +121,7 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -133,6 +144,11 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     experts = int(get("expert_count", 0) or 0)
     if experts:
         config.update(_mixture_config(arch, experts, int(get("expert_used_count", 2))))
+    if arch == "gpt-oss":  # every other layer windowed, from the first (llama.cpp's pattern of 2)
+        layers = config["num_hidden_layers"]
+        config["sliding_window"] = int(get("attention.sliding_window", 128))
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        config["intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
         if arch == "qwen3moe":
             config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
     return config
@@ -175,6 +191,16 @@ def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind == "linear" and factor:
         return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn" and factor:  # gpt-oss: transformers' reading of its config (no truncation)
+        original = meta.get(f"{arch}.rope.scaling.original_context_length", 4096)
+        return {
+            "rope_type": "yarn",
+            "factor": float(factor),
+            "original_max_position_embeddings": int(original),
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        }
     if kind not in (None, "none", "linear"):
         from trillm.engine.execution.gguf_support import UnsupportedModel
 
@@ -248,6 +274,11 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
         layer, _, leaf = info.name.removeprefix("blk.").partition(".")
         if leaf in _EXPERT_NAMES:  # one tensor of every expert: each expert's rows kept apart
             out.update(_experts(header, info, file, f"model.layers.{layer}.mlp.experts", _EXPERT_NAMES[leaf], blocks))
+            continue
+        if leaf in _EXPERT_BIASES:  # gpt-oss: [experts, rows], one bias per expert
+            dense = _dense(header, info, file)
+            kind = _EXPERT_BIASES[leaf]
+            out.update({f"model.layers.{layer}.mlp.experts.{e}.{kind}.bias": dense[e] for e in range(dense.shape[0])})
             continue
         name = hf_name(info.name, arch)
         if name is None:
