@@ -147,11 +147,7 @@ INLINE float e8m0_half(uint8_t e)
 static void mxfp4(const uint8_t *b, Unpacked *U, int s)
 {
     one_scale(U, s, e8m0_half(b[0]), 0.0f);
-    int8_t *q = U->q + 32 * s;
-    for (int j = 0; j < 16; j++) {
-        q[j] = FP4_DOUBLED[b[1 + j] & 15];
-        q[j + 16] = FP4_DOUBLED[b[1 + j] >> 4];
-    }
+    nibbles16_table(b + 1, FP4_DOUBLED, U->q + 32 * s);
 }
 
 /* The k-quants (``slot``: legacy blocks only). */

@@ -91,6 +91,23 @@ INLINE void nibbles16(const uint8_t *restrict qs, int offset, int8_t *restrict q
 #endif
 }
 
+/* q[j] = table[qs[j] & 15], q[j + 16] = table[qs[j] >> 4], j < 16: nibbles looked up (MXFP4's
+ * E2M1 values), one byte shuffle per half where there is SIMD. */
+INLINE void nibbles16_table(const uint8_t *restrict qs, const int8_t *restrict table, int8_t *restrict q)
+{
+#if GGUF_SIMD
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+    const __m128i t = _mm_loadu_si128((const __m128i *)table);
+    _mm_storeu_si128((__m128i *)q, _mm_shuffle_epi8(t, _mm_and_si128(v, m)));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(v, 4), m)));
+#else
+    for (int j = 0; j < 16; j++) {
+        q[j] = table[qs[j] & 15];
+        q[j + 16] = table[qs[j] >> 4];
+    }
+#endif
+}
+
 /* lo[l] = qs[l] & 15, hi[l] = qs[l] >> 4, l < 32 */
 INLINE void nibbles32(const uint8_t *restrict qs, int8_t *restrict lo, int8_t *restrict hi)
 {

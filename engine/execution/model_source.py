@@ -18,9 +18,11 @@ import fcntl
 import hashlib
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from trillm.engine.execution.chat_templates import builtin_template
 from trillm.engine.execution.file_checks import READY_MARK, DamagedModelFile, check_gguf, entry_problem, write_marker
@@ -100,7 +102,11 @@ def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (TypeError, ValueError, KeyError) as exc:  # transformers misreads some model keys (gpt-oss's rope)
+        _say(f"transformers cannot read {path.name}'s metadata ({exc}): the tokenizer alone, from a copy of its keys")
+        tokenizer = _tokenizer_from_keys(path)
     if not tokenizer.chat_template:
         arch = header.metadata.get("general.architecture", "")
         tokenizer.chat_template = builtin_template(arch)
@@ -111,6 +117,30 @@ def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
     write_marker(tmp, path)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+
+
+def _tokenizer_from_keys(path: Path) -> Any:
+    """The tokenizer of a GGUF file built from a small file holding only its tokenizer keys (and its
+    architecture): transformers reads the model's keys too when it builds a tokenizer from a GGUF
+    file, and fails on some (gpt-oss's ``rope.scaling.factor``, read as an array)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from transformers import AutoTokenizer
+
+    reader = GGUFReader(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        small = Path(tmp) / "tokenizer.gguf"
+        writer = GGUFWriter(small, str(reader.fields["general.architecture"].contents()))
+        for key, field in reader.fields.items():
+            if key.startswith("tokenizer."):
+                kind = field.types[0]
+                writer.add_key_value(
+                    key, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+                )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return AutoTokenizer.from_pretrained(tmp, gguf_file=small.name)
 
 
 def default_gguf(cache_dir: Path) -> Path:

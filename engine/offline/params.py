@@ -61,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     priority: int = 0
+    skip_special_tokens: bool = True  # False: the text keeps the tokenizer's special tokens
     response_format: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
     grammar: GrammarSpec | None = None
 
