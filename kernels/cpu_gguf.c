@@ -131,19 +131,7 @@ static void q8_0(const uint8_t *b, Unpacked *U, int s)
     memcpy(U->q + 32 * s, b + 2, 32);
 }
 
-/* MXFP4 (gpt-oss's experts): a power-of-two scale (E8M0) and 32 E2M1 values as nibbles, the low
- * nibbles values 0..15 and the high ones 16..31. The values are held doubled as int8 (0, 1, 2,
- * 3, 4, 6, 8, 12 and their negatives) and the scale halved, 2^(e - 128): the same floats. */
-static const int8_t FP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-INLINE float e8m0_half(uint8_t e)
-{
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23; /* 2^(e - 128) */
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
+/* MXFP4 (gpt-oss's experts; FP4_DOUBLED and e8m0_half in cpu_gguf_isa.h). */
 static void mxfp4(const uint8_t *b, Unpacked *U, int s)
 {
     one_scale(U, s, e8m0_half(b[0]), 0.0f);

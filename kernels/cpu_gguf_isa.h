@@ -25,6 +25,20 @@
 #define SIMD_ID 0
 #endif
 
+/* MXFP4 (gpt-oss's experts): a power-of-two scale (E8M0) and 32 E2M1 values as nibbles, the low
+ * nibbles values 0..15 and the high ones 16..31. The values are held doubled as int8 (0, 1, 2,
+ * 3, 4, 6, 8, 12 and their negatives) and the scale halved, 2^(e - 128): the same floats. */
+static const int8_t FP4_DOUBLED[16] __attribute__((aligned(16))) = {0, 1, 2, 3, 4, 6, 8, 12,
+                                                                   0, -1, -2, -3, -4, -6, -8, -12};
+
+INLINE float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23; /* 2^(e - 128) */
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* The path this build runs (for the start-up log). */
 int trillm_gguf_simd(void)
 {
@@ -565,6 +579,45 @@ static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *ac
         q5_legacy_direct(row + j * 24, MIN(GROUP, blocks - j), 1, X, 32 * j, acc);
 }
 
+/* MXFP4, 8 blocks at a time: the nibbles looked up as signed doubled E2M1 values (one byte
+ * shuffle per half), split into even and odd int16 lanes for the x layout; no minimums. */
+INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_t k0, Acc *acc)
+{
+    const __m128i m4 = _mm_set1_epi8(15), table = _mm_load_si128((const __m128i *)FP4_DOUBLED);
+    __m256i even[GROUP], odd[GROUP];
+    float d[GROUP];
+    for (int64_t j = 0; j < count; j++) {
+        const uint8_t *blk = b + j * 17;
+        d[j] = e8m0_half(blk[0]);
+        const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1));
+        const __m256i q = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
+                                           _mm_shuffle_epi8(table, _mm_and_si128(v, m4)));
+        even[j] = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
+        odd[j] = _mm256_srai_epi16(q, 8);
+    }
+    for (int64_t i = 0; i < X->M; i++) {
+        const int64_t run = i * (X->K / 32) + k0 / 32;
+        const int16_t *x = X->xq + i * X->K + k0;
+        __m256 a0 = acc[i].a0, a1 = acc[i].a1;
+        for (int64_t j = 0; j < count; j++) {
+            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
+            const __m256 scale = _mm256_set1_ps(d[j] * X->dx[run + j]);
+            if (j & 1)
+                a1 = _mm256_fmadd_ps(p, scale, a1);
+            else
+                a0 = _mm256_fmadd_ps(p, scale, a0);
+        }
+        acc[i].a0 = a0;
+        acc[i].a1 = a1;
+    }
+}
+
+static void mxfp4_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    for (int64_t j = 0; j < blocks; j += GROUP)
+        mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc);
+}
+
 /* A row of a type's blocks against every row of x (the block loop inside: one call per row). */
 typedef void (*DirectKernel)(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc);
 
@@ -582,6 +635,7 @@ static DirectKernel direct_kernel(int type)
     case Q2_K: return q2_k_row;
     case Q5_0: return q5_0_row;
     case Q5_1: return q5_1_row;
+    case MXFP4: return mxfp4_row;
     default: return NULL;
     }
 }

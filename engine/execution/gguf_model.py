@@ -144,13 +144,13 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     experts = int(get("expert_count", 0) or 0)
     if experts:
         config.update(_mixture_config(arch, experts, int(get("expert_used_count", 2))))
+        if arch == "qwen3moe":
+            config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
     if arch == "gpt-oss":  # every other layer windowed, from the first (llama.cpp's pattern of 2)
         layers = config["num_hidden_layers"]
         config["sliding_window"] = int(get("attention.sliding_window", 128))
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         config["intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
-        if arch == "qwen3moe":
-            config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
     return config
 
 
