@@ -4,10 +4,16 @@ every backend and at two ranks, against ``transformers`` on the same random weig
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
+from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.gguf_header import read_header
+from trillm.engine.execution.gguf_model import gguf_config
+from trillm.engine.execution.gguf_support import check_servable
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.rope import cos_sin_table
 from trillm.engine.execution.shape import ModelShape
 
@@ -19,6 +25,7 @@ from tests.families import (
     steps_match_transformers,
     two_ranks_give_transformers_tokens,
 )
+from tests.test_gguf_quality import _all_logits
 
 HEAD_DIM, ROTARY = 32, 24
 PHI3 = dict(
@@ -89,3 +96,68 @@ async def test_tp_2_gives_transformers_greedy_tokens(phi3_dir, hf_phi3):
     """The fused checkpoint matrices are cut into Q, K, V and gate, up before each rank takes its heads."""
     model = await two_ranks_give_transformers_tokens(phi3_dir, hf_phi3)
     assert model.shape.num_heads == 2
+
+
+def _phi3_gguf(folder, path) -> None:
+    """The folder as llama.cpp's converter writes Phi-3: attn_qkv and ffn_up (gate and up) fused,
+    the projections in Q8_0 (their values are exact Q8_0 blocks), LongRoPE's factors as tensors."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    w = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
+    writer = GGUFWriter(path, "phi3")
+    writer.add_context_length(PHI3["max_position_embeddings"])
+    writer.add_embedding_length(PHI3["hidden_size"])
+    writer.add_feed_forward_length(PHI3["intermediate_size"])
+    writer.add_block_count(PHI3["num_hidden_layers"])
+    writer.add_head_count(PHI3["num_attention_heads"])
+    writer.add_head_count_kv(PHI3["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(PHI3["rms_norm_eps"])
+    writer.add_rope_dimension_count(ROTARY)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_scaling_orig_ctx_len(PHI3["original_max_position_embeddings"])
+    writer.add_sliding_window(PHI3["sliding_window"])
+    scaling = PHI3["rope_scaling"]
+    writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+    def q8(name: str, array: np.ndarray) -> None:
+        raw = quantize(array, GGMLQuantizationType.Q8_0)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+
+    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    writer.add_tensor("output.weight", w["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
+    for i in range(PHI3["num_hidden_layers"]):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        writer.add_tensor(g + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        writer.add_tensor(g + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        q8(g + "attn_qkv.weight", w[p + "self_attn.qkv_proj.weight"])
+        q8(g + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        q8(g + "ffn_up.weight", w[p + "mlp.gate_up_proj.weight"])
+        q8(g + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_phi3_gguf_file_is_transformers(phi3_dir, hf_phi3, tmp_path):
+    """llama.cpp's Phi-3 layout: the fused matrices cut in their blocks (exactly: a block never spans
+    rows), the partial rotary from rope.dimension_count, LongRoPE from its factor tensors."""
+    path = tmp_path / "phi3-q8_0.gguf"
+    _phi3_gguf(phi3_dir, path)
+    header = read_header(path)
+    check_servable(header, available=1 << 40, native=True)
+    config = gguf_config(header)
+    shape = ModelShape.from_config(config)
+    assert shape.rope_dim == ROTARY and shape.layer_windows == (14, 14)
+    assert shape.rope_scaling is not None and shape.rope_scaling["rope_type"] == "longrope"
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert model.num_block_weights == len(model.projections()) - 1  # all but the float32 head
+    ids = list(range(3, 45))
+    with torch.inference_mode():
+        theirs = hf_phi3(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=1e-4, rtol=1e-4)

@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Architectures whose converter interleaved Q/K rows per head (llama.cpp's convert_hf_to_gguf)
 PERMUTED_QK = frozenset({"llama", "mistral"})
@@ -80,7 +81,13 @@ _GPT_OSS_LAYER_NAMES = {
     "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate_inp.bias": "mlp.gate.bias",
 }
-_LAYER_NAMES_OF = {"gemma3": _GEMMA_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES}
+# Phi-3: Q, K and V in one matrix, gate and up in another (cut at load: ``model.canonical_names``)
+_PHI3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+_LAYER_NAMES_OF = {"gemma3": _GEMMA_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 # Architectures whose converter stored each RMSNorm weight as 1 + w (the checkpoint keeps w)
 NORM_PLUS_ONE = frozenset({"gemma3"})
 # Gemma 3 (llama.cpp's reading, the file says neither): every 6th layer global, the others
@@ -146,12 +153,41 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         config.update(_mixture_config(arch, experts, int(get("expert_used_count", 2))))
         if arch == "qwen3moe":
             config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
+    if arch == "phi3":
+        config.update(_phi3_config(header, config))
     if arch == "gpt-oss":  # every other layer windowed, from the first (llama.cpp's pattern of 2)
         layers = config["num_hidden_layers"]
         config["sliding_window"] = int(get("attention.sliding_window", 128))
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         config["intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
     return config
+
+
+def _phi3_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's keys beyond a Llama's: the rotated part of each head, its window (0: none, Phi-4),
+    and LongRoPE's factors (two tensors of the file) with the context they extend."""
+    meta = header.metadata
+    extra: dict[str, Any] = {}
+    rotary = meta.get("phi3.rope.dimension_count")
+    if rotary:
+        extra["partial_rotary_factor"] = int(rotary) / config["head_dim"]
+    window = int(meta.get("phi3.attention.sliding_window", 0) or 0)
+    if window:
+        extra["sliding_window"] = window
+    tensors = {t.name: t for t in header.tensors}
+    if "rope_factors_long.weight" in tensors and "rope_factors_short.weight" in tensors:
+        original = int(meta.get("phi3.rope.scaling.original_context_length", config["max_position_embeddings"]))
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": _dense(header, tensors["rope_factors_long.weight"]).tolist(),
+            "short_factor": _dense(header, tensors["rope_factors_short.weight"]).tolist(),
+            "original_max_position_embeddings": original,
+        }
+        if meta.get("phi3.rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
+        extra["rope_scaling"] = scaling
+        extra["original_max_position_embeddings"] = original
+    return extra
 
 
 def _mixture_config(arch: str, experts: int, used: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from trillm.engine.execution.native_memory import resident_file_bytes
 from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
 # general.architecture values of the families ``shape.ModelShape`` serves (Mistral's GGUF files say "llama")
-SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss", "phi3")
 # Tensor types read today: plain float32, and every type of the one table of blocks (the IQ types are not yet).
 READ_TYPES = frozenset({"F32", *BLOCK_TYPES})
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -108,6 +108,8 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
     parts = LAYER_TENSORS + EXTRA_LAYER_TENSORS.get(arch, ())
     if arch == "gpt-oss":  # its MLP's input norm is post_attention_norm, not ffn_norm
         parts = tuple(p for p in parts if p != "ffn_norm")
+    if arch == "phi3" and "blk.0.attn_qkv.weight" in {t.name for t in header.tensors}:  # Q, K, V in one; gate in up
+        parts = tuple(p for p in parts if p not in ("attn_q", "attn_k", "attn_v", "ffn_gate")) + ("attn_qkv",)
     if header.metadata.get(f"{arch}.expert_count"):  # a mixture: a router and experts in place of the MLP
         dense = ("ffn_gate", "ffn_up", "ffn_down")
         parts = tuple(p for p in parts if p not in dense) + MIXTURE_TENSORS

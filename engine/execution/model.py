@@ -41,6 +41,7 @@ from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import StepMetadata
+from trillm.kernels.gguf_blocks import GGUFWeight
 
 
 def dummy_weights(
@@ -153,6 +154,18 @@ _GPT_OSS_EXPERTS = (
 )
 
 
+def split_rows(w: Any, sizes: list[int]) -> list[Any]:
+    """A matrix [out, in] cut into row blocks of ``sizes``: dense (views), a GGUF file's blocks, or
+    blocks repacked (``block_weights``): a block never spans rows, so each cut is exact."""
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    pieces = list(zip(bounds, bounds[1:]))
+    if isinstance(w, torch.Tensor):
+        return [w[a:b] for a, b in pieces]
+    if isinstance(w, GGUFWeight):
+        return [GGUFWeight(w.kind, w.data[a:b], w.K) for a, b in pieces]
+    return [type(w)(*(t[a:b] for t in attrs.astuple(w, recurse=False))) for a, b in pieces]
+
+
 def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
     """``weights`` under the names the model reads: Mixtral's ``block_sparse_moe.experts.E.w1``
     as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``;
@@ -168,13 +181,14 @@ def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     out: dict[str, Any] = {}
     for name, w in weights.items():
-        if name.endswith(".qkv_proj.weight") and isinstance(w, torch.Tensor):
+        if name.endswith(".qkv_proj.weight"):
             stem = name.removesuffix("qkv_proj.weight")
-            out.update(zip((stem + f"{x}_proj.weight" for x in "qkv"), w.split([q, kv, kv])))
+            out.update(zip((stem + f"{x}_proj.weight" for x in "qkv"), split_rows(w, [q, kv, kv])))
             continue
-        if name.endswith(".gate_up_proj.weight") and isinstance(w, torch.Tensor):
+        if name.endswith(".gate_up_proj.weight"):
             stem = name.removesuffix("gate_up_proj.weight")
-            out.update(zip((stem + "gate_proj.weight", stem + "up_proj.weight"), w.chunk(2)))
+            half = w.shape[0] // 2
+            out.update(zip((stem + "gate_proj.weight", stem + "up_proj.weight"), split_rows(w, [half, half])))
             continue
         if name.endswith(_GPT_OSS_EXPERTS) and isinstance(w, torch.Tensor):
             out.update(_gpt_oss_experts(name, w))
