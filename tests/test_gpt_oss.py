@@ -5,6 +5,8 @@ against ``transformers`` on the same random bf16-free float32 weights."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -223,3 +225,57 @@ def test_a_gguf_file_with_mxfp4_experts_is_transformers(gpt_oss_gguf):
     decoded = _all_logits(model, ids, 1)
     assert (decoded.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
     assert (decoded - theirs).abs().max() < 0.02 * theirs.abs().max()
+
+
+def _hf_mxfp4(raw: np.ndarray, experts: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF MXFP4 rows as an HF checkpoint holds them: (blocks [E, rows, cols/32, 16], scales
+    [E, rows, cols/32]), each byte two neighbouring values (low nibble first)."""
+    blocks = torch.from_numpy(raw).view(experts, rows, cols // 32, 17)
+    values = torch.cat([blocks[..., 1:] & 15, blocks[..., 1:] >> 4], dim=-1)  # GGUF: halves
+    pairs = values[..., 0::2] | (values[..., 1::2] << 4)
+    return pairs.contiguous(), blocks[..., 0].contiguous()
+
+
+def test_an_mxfp4_checkpoint_keeps_its_experts_in_blocks(gpt_oss_gguf, tmp_path, model_dir):
+    """gpt-oss's published checkpoints: the experts as ``*_blocks`` / ``*_scales`` (MXFP4, gate and
+    up rows interleaved). Kept in MXFP4 blocks on the CPU path (decoded elsewhere), the same logits
+    as transformers on the values they hold."""
+    from safetensors.torch import save_file
+
+    hf, path = gpt_oss_gguf
+    header = read_header(path)
+    cfg = {**GPT_OSS, "vocab_size": 512}
+    e, h, inter = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = {
+        t.name.split(".")[2]: np.asarray(file[t.offset : t.offset + t.nbytes]).reshape(-1, t.dims[0] // 32 * 17)
+        for t in header.tensors
+        if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight")
+    }
+    gate_blocks, gate_scales = _hf_mxfp4(raw["ffn_gate_exps"], e, inter, h)
+    up_blocks, up_scales = _hf_mxfp4(raw["ffn_up_exps"], e, inter, h)
+    down_blocks, down_scales = _hf_mxfp4(raw["ffn_down_exps"], e, h, inter)
+    interleave = lambda a, b: torch.stack([a, b], dim=2).flatten(1, 2).contiguous()  # noqa: E731
+    tensors = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    for i in range(cfg["num_hidden_layers"]):
+        x = f"model.layers.{i}.mlp.experts."
+        tensors.pop(x + "gate_up_proj"), tensors.pop(x + "down_proj")
+        tensors[x + "gate_up_proj_blocks"] = interleave(gate_blocks, up_blocks)  # a tensor each: none shared
+        tensors[x + "gate_up_proj_scales"] = interleave(gate_scales, up_scales)
+        tensors[x + "down_proj_blocks"], tensors[x + "down_proj_scales"] = down_blocks.clone(), down_scales.clone()
+    folder = tmp_path / "gpt-oss-mxfp4"
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    hf.config.save_pretrained(folder)
+    config = {**json.loads((folder / "config.json").read_text()), "architectures": ["GptOssForCausalLM"]}
+    ids = list(range(3, 75, 2))
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    kept = DecoderModel.load(folder, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert all(isinstance(w, GGUFWeight) and w.kind.name == "MXFP4" for w in kept.layers[1].moe.down)
+    torch.testing.assert_close(_all_logits(kept, ids, 64), theirs, atol=2e-4, rtol=1e-4)
+    reference = create_backend("reference", torch.device("cpu"), torch.float32)
+    decoded = DecoderModel.load(folder, config, torch.float32, 256, backend=reference)
+    assert isinstance(decoded.layers[0].moe.gate_up[0], torch.Tensor)
+    torch.testing.assert_close(_all_logits(decoded, ids, 64), theirs, atol=2e-4, rtol=1e-4)

@@ -15,24 +15,33 @@ from pathlib import Path
 from trillm.engine.execution.gguf_support import UnsupportedModel, available_memory
 
 
-def folder_elements(folder: Path) -> int:
-    """Values in every tensor of the folder's ``*.safetensors`` files (their headers only)."""
-    total = 0
+def _headers(folder: Path) -> list[dict]:
+    headers = []
     for file in sorted(folder.glob("*.safetensors")):
         with file.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
+        headers.append({name: t for name, t in header.items() if name != "__metadata__"})
+    return headers
+
+
+def folder_elements(folder: Path) -> int:
+    """Values in every float tensor of the folder's ``*.safetensors`` files (their headers only)."""
+    return sum(math.prod(t["shape"]) for h in _headers(folder) for t in h.values() if t["dtype"] != "U8")
+
+
+def folder_packed_bytes(folder: Path) -> int:
+    """Bytes of the folder's packed tensors (uint8: gpt-oss's MXFP4 blocks and scales), kept as they are."""
+    return sum(math.prod(t["shape"]) for h in _headers(folder) for t in h.values() if t["dtype"] == "U8")
 
 
 def check_folder_fits(folder: Path, dtype_bytes: int, available: int | None = None) -> None:
-    """Refuse, in one line, weights that in ``dtype_bytes``-byte values would not fit in the memory
-    available (default: this machine's MemAvailable)."""
+    """Refuse, in one line, weights that in ``dtype_bytes``-byte values (and packed blocks as they
+    are) would not fit in the memory available (default: this machine's MemAvailable)."""
     free = available_memory() if available is None else available
     if free is None:
         return
-    need = folder_elements(folder) * dtype_bytes
+    need = folder_elements(folder) * dtype_bytes + folder_packed_bytes(folder)
     if need > free:
         raise UnsupportedModel(
             f"{folder}: its weights in {8 * dtype_bytes}-bit floats take {need / 2**30:.1f} GiB; "

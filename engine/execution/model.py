@@ -41,7 +41,8 @@ from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import StepMetadata
-from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels import cpu_gguf
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize
 
 
 def dummy_weights(
@@ -166,7 +167,35 @@ def split_rows(w: Any, sizes: list[int]) -> list[Any]:
     return [type(w)(*(t[a:b] for t in attrs.astuple(w, recurse=False))) for a, b in pieces]
 
 
-def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
+def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, keep: bool) -> dict[str, Any]:
+    """gpt-oss's MXFP4 checkpoint tensors (``…experts.gate_up_proj_blocks`` [E, rows, K/32, 16] and
+    ``_scales`` [E, rows, K/32]; gate and up rows interleaved) as one matrix per expert and
+    projection: in GGUF's MXFP4 blocks with ``keep`` (the same scales; each block's nibbles
+    reordered, from value pairs to halves), else decoded to float32."""
+    stem, leaf = name.removesuffix("_blocks").rsplit(".", 1)  # …mlp.experts, gate_up_proj / down_proj
+    experts, rows, count, _ = blocks.shape
+    nibbles = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(experts, rows, count, 32)  # value order
+    packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # GGUF: value j low, value j + 16 high
+    raw = torch.cat([scales.unsqueeze(-1), packed], dim=-1).reshape(experts, rows, count * 17).contiguous()
+    out: dict[str, Any] = {}
+    for e in range(experts):
+        weight = GGUFWeight(BLOCK_TYPES["MXFP4"], raw[e], count * 32)
+        if leaf == "down_proj":
+            parts = {"down_proj": weight}
+        else:  # gate and up rows interleaved
+            parts = {"gate_proj": _rows_every(weight, 0), "up_proj": _rows_every(weight, 1)}
+        for proj, w in parts.items():
+            decoded = (lambda w: cpu_gguf.dequantize(w)) if cpu_gguf.available() else reference_dequantize
+            out[f"{stem}.{e}.{proj}.weight"] = w if keep else decoded(w)
+    return out
+
+
+def _rows_every(w: GGUFWeight, start: int) -> GGUFWeight:
+    """Rows start, start + 2, ... of ``w`` (gate and up interleaved), copied: a view cannot skip rows."""
+    return GGUFWeight(w.kind, w.data[start::2].contiguous(), w.K)
+
+
+def canonical_names(weights: dict[str, Any], shape: ModelShape, blocks: bool = False) -> dict[str, Any]:
     """``weights`` under the names the model reads: Mixtral's ``block_sparse_moe.experts.E.w1``
     as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``;
     gpt-oss's experts (a tensor per layer, gate and up interleaved) one matrix per expert, its
@@ -174,13 +203,20 @@ def canonical_names(weights: dict[str, Any], shape: ModelShape) -> dict[str, Any
     Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` cut into their parts (views, nothing copied),
     so that sharding and fusing treat every family alike."""
     if not any(
-        ".block_sparse_moe." in name or name.endswith(_FUSED + _GPT_OSS_EXPERTS) or ".mlp.router." in name
+        ".block_sparse_moe." in name
+        or name.endswith(_FUSED + _GPT_OSS_EXPERTS + ("_blocks",))
+        or ".mlp.router." in name
         for name in weights
     ):
         return weights
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     out: dict[str, Any] = {}
     for name, w in weights.items():
+        if name.endswith("_scales") and name.removesuffix("_scales") + "_blocks" in weights:
+            continue  # read with its blocks
+        if name.endswith("_blocks") and isinstance(w, torch.Tensor):  # gpt-oss's MXFP4 experts
+            out.update(_mxfp4_experts(name, w, weights[name.removesuffix("_blocks") + "_scales"], blocks))
+            continue
         if name.endswith(".qkv_proj.weight"):
             stem = name.removesuffix("qkv_proj.weight")
             out.update(zip((stem + f"{x}_proj.weight" for x in "qkv"), split_rows(w, [q, kv, kv])))
@@ -381,7 +417,7 @@ class DecoderModel:
     ) -> DecoderModel:
         """The model of the whole ``shape``, or ``tp``'s rank's shard of it: ``weights`` (of the whole
         model) are cut before they are moved or fused, and the rest freed."""
-        whole = canonical_names(weights(shape), shape)
+        whole = canonical_names(weights(shape), shape, blocks=block_weights and tp.part is None)
         if tp.part is None:
             model = cls(shape, whole, dtype, max_len, device, backend=backend, block_weights=block_weights)
         else:
