@@ -14,38 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import attrs
 import torch
 
-from trillm.engine.execution.layers import Weight, project
+from trillm.engine.execution.layers import MoEWeights, project
 from trillm.kernels import cpu_gguf
 from trillm.kernels.gguf_blocks import GGUFWeight
-from trillm.kernels.stacked import Stacked, nbytes
+from trillm.kernels.stacked import Stacked
 
 # The gated activation: [T, 2 I] (gate, then up) -> [T, I]
 Activation = Callable[[torch.Tensor], torch.Tensor]
-
-
-@attrs.define
-class MoEWeights:
-    """A mixture-of-experts MLP: the router, and each expert's fused gate/up and down projections."""
-
-    router: torch.Tensor  # [hidden, experts], dense and transposed (routing is where rounding shows)
-    gate_up: list[Weight]  # per expert: hidden -> 2 * expert intermediate
-    down: list[Weight]  # per expert: expert intermediate -> hidden
-    top_k: int
-    normalize: bool  # the top-k weights renormalised to sum to 1
-    router_bias: torch.Tensor | None = None  # gpt-oss: the router's, and each expert's projections'
-    gate_up_bias: list[torch.Tensor | None] | None = None
-    down_bias: list[torch.Tensor] | None = None
-
-    def projections(self) -> list[Weight]:
-        return [*self.gate_up, *self.down]
-
-    def active_bytes(self) -> int:
-        """What one token reads: the router and ``top_k`` average experts."""
-        experts = sum(nbytes(w) for w in self.projections())
-        return self.router.numel() * self.router.element_size() + experts * self.top_k // len(self.gate_up)
 
 
 def route(x: torch.Tensor, moe: MoEWeights) -> tuple[torch.Tensor, torch.Tensor]:

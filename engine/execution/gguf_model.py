@@ -81,7 +81,7 @@ _GPT_OSS_LAYER_NAMES = {
     "attn_output.bias": "self_attn.o_proj.bias",
     "ffn_gate_inp.bias": "mlp.gate.bias",
 }
-# Phi-3: Q, K and V in one matrix, gate and up in another (cut at load: ``model.canonical_names``)
+# Phi-3: Q, K and V in one matrix, gate and up in another (cut at load: ``checkpoint_names.canonical_names``)
 _PHI3_LAYER_NAMES = {
     **_LAYER_NAMES,
     "attn_qkv.weight": "self_attn.qkv_proj.weight",

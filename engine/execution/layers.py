@@ -9,7 +9,7 @@ or several of these side by side (``Stacked``: Q, K and V of different block typ
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import attrs
 import torch
@@ -21,15 +21,34 @@ from trillm.kernels.block_weights import dequantize as dequantize_blocks
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked, nbytes, out_features
 
-if TYPE_CHECKING:
-    from trillm.engine.execution.experts import MoEWeights
-
 # A projection: dense and transposed, [in, out]; blocks, [out, in]; or several side by side.
 Weight: TypeAlias = torch.Tensor | BlockWeight | GGUFWeight | Stacked
 # Sums a row-parallel projection's partial outputs over the ranks, in place.
 Reduce: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 # An RMSNorm over the last dimension: (x, weight, eps) -> normed x of x's shape.
 Norm: TypeAlias = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@attrs.define
+class MoEWeights:
+    """A mixture-of-experts MLP: the router, and each expert's fused gate/up and down projections."""
+
+    router: torch.Tensor  # [hidden, experts], dense and transposed (routing is where rounding shows)
+    gate_up: list[Weight]  # per expert: hidden -> 2 * expert intermediate
+    down: list[Weight]  # per expert: expert intermediate -> hidden
+    top_k: int
+    normalize: bool  # the top-k weights renormalised to sum to 1
+    router_bias: torch.Tensor | None = None  # gpt-oss: the router's, and each expert's projections'
+    gate_up_bias: list[torch.Tensor | None] | None = None
+    down_bias: list[torch.Tensor] | None = None
+
+    def projections(self) -> list[Weight]:
+        return [*self.gate_up, *self.down]
+
+    def active_bytes(self) -> int:
+        """What one token reads: the router and ``top_k`` average experts."""
+        experts = sum(nbytes(w) for w in self.projections())
+        return self.router.numel() * self.router.element_size() + experts * self.top_k // len(self.gate_up)
 
 
 @attrs.define
