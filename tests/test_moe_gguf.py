@@ -151,3 +151,93 @@ def test_k_quant_experts_run_grouped_at_one_token_as_the_dense_file(tmp_path, mo
     assert len(calls) == 2 * 2 * len(ids)  # two calls per mixture layer per step
     assert (mine.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
     assert (mine - theirs).abs().max() < 0.05 * theirs.abs().max()
+
+
+def _permuted(w: np.ndarray, heads: int) -> np.ndarray:
+    """Q or K rows as llama.cpp's converter stores them for the llama architecture (pairs per head)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def test_a_mixtral_gguf_file_is_transformers(tmp_path):
+    """Mixtral as llama.cpp writes it: architecture ``llama`` with ``expert_count``, Q and K rows
+    permuted, the experts one 3-D tensor per projection; every matrix Q8_0 (exact here)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(3)
+    hf = MixtralForCausalLM(MixtralConfig(**cfg)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.copy_(_q8_0_exact((torch.randn_like(p) * 0.1).reshape(-1, p.shape[-1])).view_as(p))
+    hf.save_pretrained(tmp_path)
+    w = {k: v.float().numpy() for k, v in load_file(tmp_path / "model.safetensors").items()}
+    path = tmp_path / "mixtral-q8_0.gguf"
+    writer = GGUFWriter(path, "llama")
+    for key, value in (
+        ("context_length", 256),
+        ("embedding_length", 64),
+        ("feed_forward_length", 64),
+        ("block_count", 2),
+        ("attention.head_count", 4),
+        ("attention.head_count_kv", 2),
+        ("expert_count", 4),
+        ("expert_used_count", 2),
+    ):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_float32("llama.rope.freq_base", 1_000_000.0)
+
+    def q8(name: str, array: np.ndarray) -> None:
+        raw = quantize(array.reshape(-1, array.shape[-1]), GGMLQuantizationType.Q8_0)
+        raw = raw.reshape(*array.shape[:-1], -1)
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+
+    writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
+    writer.add_tensor("output.weight", w["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", w["model.norm.weight"])
+    for i in range(2):
+        p, g = f"model.layers.{i}.", f"blk.{i}."
+        writer.add_tensor(g + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        writer.add_tensor(g + "ffn_norm.weight", w[p + "post_attention_layernorm.weight"])
+        q8(g + "attn_q.weight", _permuted(w[p + "self_attn.q_proj.weight"], 4))
+        q8(g + "attn_k.weight", _permuted(w[p + "self_attn.k_proj.weight"], 2))
+        q8(g + "attn_v.weight", w[p + "self_attn.v_proj.weight"])
+        q8(g + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
+        writer.add_tensor(g + "ffn_gate_inp.weight", w[p + "block_sparse_moe.gate.weight"])
+        for ours, theirs in (("ffn_gate_exps", "w1"), ("ffn_up_exps", "w3"), ("ffn_down_exps", "w2")):
+            stacked = np.stack([w[f"{p}block_sparse_moe.experts.{e}.{theirs}.weight"] for e in range(4)])
+            q8(g + ours + ".weight", stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    header = read_header(path)
+    check_servable(header, available=1 << 40, native=True)
+    config = gguf_config(header)
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert model.layers[0].moe is not None and model.num_block_weights == len(model.projections())
+    ids = list(range(3, 70, 2))
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_all_logits(model, ids, 1), theirs, atol=1e-4, rtol=1e-4)  # Q8_0: float32 x
