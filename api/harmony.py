@@ -3,7 +3,7 @@ TEXT`` ended by ``<|end|>``, ``<|return|>`` or ``<|call|>``, the next opened by 
 
 ``analysis`` is the model's thinking (``reasoning_content``), ``final`` the answer (``content``),
 ``commentary`` a preamble the user may read (``content``) or, addressed ``to=functions.NAME``, a
-tool call whose arguments are the message (``HarmonyTools``, the ``harmony`` tool-call format).
+tool call whose arguments are the message (``tools.formats.Harmony``, the ``harmony`` tool-call format).
 The markers are special tokens: under this parser the server decodes them (the request's
 ``skip_special_tokens`` off), and the parser takes them out. A reply with no marker at all is
 all answer. Incremental like ``reasoning.ReasoningParser``: a marker split across deltas is held
@@ -12,17 +12,12 @@ back until it is complete or proven not to be one.
 
 from __future__ import annotations
 
-import json
 import re
-
-from trillm.api.tools.base import ToolFormat
-from trillm.api.tools.spec import Call, Parsed, ToolSet
-from trillm.engine import GrammarSpec
 
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKERS = (CHANNEL, MESSAGE, START, "<|constrain|>", *ENDS)
-_CALL = re.compile(r"to=functions\.([\w.-]+)")
+CALL = re.compile(r"to=functions\.([\w.-]+)")
 
 
 def _held_back(text: str) -> int:
@@ -87,7 +82,7 @@ class HarmonyParser:
         return "".join(reasoning), "".join(content)
 
     def _is_call(self) -> bool:
-        return self._channel.startswith("commentary") and _CALL.search(self._channel) is not None
+        return self._channel.startswith("commentary") and CALL.search(self._channel) is not None
 
     def _route(self, text: str, reasoning: list[str], content: list[str]) -> None:
         if not text:
@@ -102,57 +97,3 @@ class HarmonyParser:
             self._route(rest, reasoning, content)
             return "".join(reasoning), "".join(content)
         return ("", rest) if self._state == "outside" and not self._seen_marker else ("", "")
-
-
-class HarmonyTools(ToolFormat):
-    """gpt-oss's calls: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``."""
-
-    name = "harmony"
-    trigger = CHANNEL + "commentary to=functions."
-
-    def grammar(self, tools: ToolSet) -> GrammarSpec | None:
-        tags = [
-            {
-                "type": "tag",
-                "begin": f"{self.trigger}{f.name} <|constrain|>json{MESSAGE}",
-                "content": {"type": "json_schema", "json_schema": f.parameters},
-                "end": "<|call|>",
-            }
-            for f in tools.callable
-        ]
-        return GrammarSpec.structural_tag(
-            {
-                "type": "structural_tag",
-                "format": {
-                    "type": "triggered_tags",
-                    "triggers": [self.trigger],
-                    "tags": tags,
-                    "at_least_one": tools.forced,
-                    "stop_after_first": tools.max_calls == 1,
-                },
-            }
-        )
-
-    def parse(self, text: str) -> Parsed:
-        if self.trigger not in text:
-            return Parsed(text)
-        head, *blocks = text.split(CHANNEL)
-        calls: list[Call] = []
-        rest: list[str] = [head]
-        for block in blocks:
-            header, sep, body = block.partition(MESSAGE)
-            found = _CALL.search(header)
-            if not found or not sep:
-                rest.append(block)
-                continue
-            arguments, closed, after = body.partition("<|call|>")
-            try:
-                value = json.loads(arguments)
-            except ValueError:
-                break  # cut short: the calls before it
-            if not closed:
-                break
-            calls.append(Call.of(found.group(1), value))
-            rest.append(after)
-        text_left = "".join(rest).strip()
-        return Parsed(text_left or None, tuple(calls))

@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from trillm.api.harmony import HarmonyParser, HarmonyTools
+from trillm.api.harmony import HarmonyParser
 from trillm.api.reasoning import ChoiceSplitter, split_reasoning
-from trillm.api.tools.formats import detect
+from trillm.api.tools.formats import Harmony, detect
 
 from tests.server import MODEL, client, in_thread, running_server
 
@@ -47,11 +47,11 @@ def test_text_without_markers_is_all_answer_and_a_cut_thought_all_thinking():
 def test_a_function_call_reaches_the_tool_parser_whole():
     reasoning, content = _streamed(CALL, 5)
     assert reasoning == "Need the weather."
-    parsed = HarmonyTools().parse(content)
+    parsed = Harmony().parse(content)
     assert parsed.content is None and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
         ("get_weather", {"city": "Paris"})
     ]
-    cut = HarmonyTools().parse(content[:-8])  # the call cut short: dropped, never text
+    cut = Harmony().parse(content[:-8])  # the call cut short: dropped, never text
     assert cut.calls == () and "Paris" not in (cut.content or "")
     assert detect("{% if tools %}<|start|>system<|channel|>{% endif %}").name == "harmony"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import ClassVar
 
-from trillm.api.harmony import HarmonyTools
+from trillm.api.harmony import CALL, CHANNEL, MESSAGE
 from trillm.api.tools.base import ToolFormat, call_of, calls_in, json_prefix
 from trillm.api.tools.generic import Generic
 from trillm.api.tools.spec import Call, Parsed, ToolSet
@@ -110,7 +110,39 @@ class Llama3Json(_TaggedFormat):
         return Parsed(body[:start].strip() or None, tuple(calls))
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), Llama3Json(), HarmonyTools(), Generic())}
+class Harmony(_TaggedFormat):
+    """gpt-oss: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``
+    (``api/harmony.py`` passes such a message on whole)."""
+
+    name = "harmony"
+    trigger = CHANNEL + "commentary to=functions."
+    end = "<|call|>"
+
+    def begin(self, name: str) -> str:
+        return f"{self.trigger}{name} <|constrain|>json{MESSAGE}"
+
+    def parse(self, text: str) -> Parsed:
+        if self.trigger not in text:
+            return Parsed(text)
+        head, *blocks = text.split(CHANNEL)
+        calls: list[Call] = []
+        rest: list[str] = [head]
+        for block in blocks:
+            header, sep, body = block.partition(MESSAGE)
+            found = CALL.search(header)
+            if not found or not sep:
+                rest.append(block)
+                continue
+            arguments, closed, after = body.partition(self.end)
+            value = json_prefix(arguments)
+            if not closed or value is None:
+                break  # cut short: the calls before it
+            calls.append(Call.of(found.group(1), value))
+            rest.append(after)
+        return Parsed("".join(rest).strip() or None, tuple(calls))
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), Llama3Json(), Harmony(), Generic())}
 PARSER_CHOICES = ("auto", *FORMATS)
 
 
