@@ -248,7 +248,7 @@ def test_an_mxfp4_checkpoint_keeps_its_experts_in_blocks(gpt_oss_gguf, tmp_path,
     e, h, inter = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
     file = np.memmap(path, dtype=np.uint8, mode="r")
     raw = {
-        t.name.split(".")[2]: np.asarray(file[t.offset : t.offset + t.nbytes]).reshape(-1, t.dims[0] // 32 * 17)
+        t.name.split(".")[2]: np.array(file[t.offset : t.offset + t.nbytes]).reshape(-1, t.dims[0] // 32 * 17)
         for t in header.tensors
         if t.name.startswith("blk.0.ffn_") and t.name.endswith("_exps.weight")
     }
