@@ -5,6 +5,7 @@ call; incremental (every cut of a reply gives the same split), and through the s
 
 from __future__ import annotations
 
+import copy
 import json
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from trillm.api.harmony import HarmonyParser
 from trillm.api.reasoning import ChoiceSplitter, split_reasoning
+from trillm.api.settings import ServerConfig
 from trillm.api.tools.formats import Harmony, detect
 
 from tests.server import MODEL, client, in_thread, running_server
@@ -95,3 +97,37 @@ async def test_the_server_splits_harmony_channels(model_parts):
     message = r.json()["choices"][0]["message"]
     assert reasoning and content and (message["reasoning_content"], message["content"]) == (reasoning, content)
     assert "<|" not in reasoning + content
+
+
+async def test_the_server_turns_a_harmony_call_into_tool_calls(model_parts):
+    """``--reasoning-parser gpt_oss`` with the ``harmony`` tool format: the default model, prompted
+    with harmony turns that call a function, calls it; the analysis is reasoning, the call a
+    ``tool_calls`` entry (streamed and not), and no marker reaches the client."""
+    prompt = "<|start|>assistant" + (CALL + "\n<|start|>assistant") * 3  # the model writes the next turn
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    messages = [{"role": "user", "content": prompt}]
+    request = {"model": MODEL, "messages": messages, "max_tokens": 100, "temperature": 0, "tools": tools}
+    request["parallel_tool_calls"] = False  # the grammar ends the reply after the call
+    # A template that writes the turn's text as it is (and takes tools, so they are not described
+    # in a system prompt): the model sees only the harmony turns it continues.
+    model, tokenizer, eos = model_parts
+    raw = copy.copy(tokenizer)
+    raw.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{# tools are the server's #}"
+    settings = ServerConfig(reasoning_parser="gpt_oss", tool_call_parser="harmony")
+    async with running_server((model, raw, eos), server=settings) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as http:
+            r = await http.post("/v1/chat/completions", json=request)
+            async with http.stream("POST", "/v1/chat/completions", json={**request, "stream": True}) as stream:
+                events = [line[6:] async for line in stream.aiter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    message = choice["message"]
+    assert choice["finish_reason"] == "tool_calls", message
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert "city" in json.loads(message["tool_calls"][0]["function"]["arguments"])
+    assert message["reasoning_content"] and "<|" not in (message["reasoning_content"] + (message["content"] or ""))
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1] if json.loads(e)["choices"]]
+    streamed = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", ()))
+    assert json.loads(streamed) == json.loads(message["tool_calls"][0]["function"]["arguments"])
+    assert not any("<|" in (d.get("content") or "") + (d.get("reasoning_content") or "") for d in deltas)

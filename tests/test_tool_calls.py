@@ -132,13 +132,14 @@ def test_parsers_split_content_and_calls(name, text, content, calls):
     assert all(c.id.startswith("call_") for c in parsed.calls)
 
 
-@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json"])
+@pytest.mark.parametrize("name", ["hermes", "mistral", "llama3_json", "harmony"])
 def test_streaming_holds_back_markup_and_matches_the_parser(name):
     fmt = FORMATS[name]
     call = {
         "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
         "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]',
         "llama3_json": '{"name": "add", "parameters": {"a": 1, "b": 2}}',
+        "harmony": '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 2}<|call|>',
     }[name]
     text = "Let me add. " + call
     stream = ToolStream(fmt)
