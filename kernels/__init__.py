@@ -38,24 +38,35 @@ class Kernels:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     sample_top_k_top_p: Callable[..., torch.Tensor]
+    grouped_matmul: Callable[..., torch.Tensor]  # a mixture's experts in one launch (``moe.py``)
 
 
 def reference_kernels() -> Kernels:
     from trillm.kernels import reference as r
 
     return Kernels(
-        "reference", r.store_kv, r.decode_attention, r.extend_attention, r.add_rms_norm, r.rotary, r.sample_top_k_top_p
+        "reference",
+        r.store_kv,
+        r.decode_attention,
+        r.extend_attention,
+        r.add_rms_norm,
+        r.rotary,
+        r.sample_top_k_top_p,
+        r.grouped_matmul,
     )
 
 
 def triton_kernels() -> Kernels:
     from trillm.kernels.attention import decode_attention, extend_attention
     from trillm.kernels.cache import store_kv
+    from trillm.kernels.moe import grouped_matmul
     from trillm.kernels.norm import add_rms_norm
     from trillm.kernels.rotary import rotary
     from trillm.kernels.sampling import sample_top_k_top_p
 
-    return Kernels("triton", store_kv, decode_attention, extend_attention, add_rms_norm, rotary, sample_top_k_top_p)
+    return Kernels(
+        "triton", store_kv, decode_attention, extend_attention, add_rms_norm, rotary, sample_top_k_top_p, grouped_matmul
+    )
 
 
 def triton_available(device: torch.device) -> bool:

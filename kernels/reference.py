@@ -184,3 +184,42 @@ def sample_top_k_top_p(
         above = (cdf > target).nonzero()
         out[b] = int(above[0]) if above.numel() else int((kept > 0).nonzero()[-1])
     return out
+
+
+def align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [P], block_experts [P / block_m]): the flat (token, slot) indices of ``experts`` [T, k]
+    sorted by expert, each expert's run padded with -1 to a multiple of ``block_m``; and the expert
+    of each block of ``block_m`` rows (-1: a block of padding only)."""
+    flat = experts.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded
+    rows = torch.full((int(padded.sum()),), -1, dtype=torch.long, device=experts.device)
+    first = torch.cumsum(counts, 0) - counts  # where each expert's run starts in ``order``
+    rank = torch.arange(flat.numel(), device=experts.device) - first[flat[order]]
+    rows[starts[flat[order]] + rank] = order
+    block_experts = torch.repeat_interleave(torch.arange(num_experts, device=experts.device), padded // block_m)
+    return rows, block_experts
+
+
+def grouped_matmul(
+    a: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    block_experts: torch.Tensor,
+    out_rows: int,
+    a_row_div: int = 1,
+    scale: torch.Tensor | None = None,
+    block_m: int = 16,
+) -> torch.Tensor:
+    """[out_rows, N]: output row r = a[r // a_row_div] @ weights[expert of r] (* scale[r]); ``rows``
+    and ``block_experts`` from ``align`` (a mixture's experts in one call; ``kernels/moe.py``)."""
+    out = torch.empty(out_rows, weights.shape[2], dtype=a.dtype, device=a.device)
+    for b, expert in enumerate(block_experts.tolist()):
+        r = rows[b * block_m : (b + 1) * block_m]
+        r = r[r >= 0]
+        if r.numel():
+            y = (a[r // a_row_div].float() @ weights[expert].float()).to(a.dtype)
+            out[r] = y if scale is None else (y.float() * scale[r, None].float()).to(a.dtype)
+    return out

@@ -192,3 +192,27 @@ def test_select_kernels():
     for unknown in ("auto", "fast"):
         with pytest.raises(ValueError):
             select_kernels(unknown, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_matmul_matches_reference_and_each_expert(dtype):
+    """A mixture's (token, expert) pairs sorted by expert and padded per expert: one launch gives
+    each pair's row of x times its expert's matrix (and its routing weight), as the loop does."""
+    from trillm.kernels.moe import grouped_matmul
+
+    torch.manual_seed(0)
+    tokens, k, experts, K, N = 9, 2, 5, 64, 40
+    chosen = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    chosen[:, 0] = 1  # one expert with more than a block of pairs... and expert 4 maybe with none
+    rows, blocks = reference.align(chosen, experts, 8)
+    assert sorted(r for r in rows.tolist() if r >= 0) == list(range(tokens * k))
+    assert blocks.numel() * 8 == rows.numel()
+    x = torch.randn(tokens, K).to(dtype)
+    w = torch.randn(experts, K, N).to(dtype)
+    scale = torch.rand(tokens * k)
+    want = torch.stack([(x[i // k].float() @ w[e].float()) * scale[i] for i, e in enumerate(chosen.flatten().tolist())])
+    ref = reference.grouped_matmul(x, w, rows, blocks, tokens * k, a_row_div=k, scale=scale, block_m=8)
+    got = grouped_matmul(x, w, rows, blocks, tokens * k, a_row_div=k, scale=scale, block_m=8)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ref.float(), want, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol * 10, rtol=tol)

@@ -19,8 +19,10 @@ import torch
 from trillm.engine.execution.layers import MoEWeights, project
 from trillm.kernels import cpu_gguf
 from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels.reference import align
 from trillm.kernels.stacked import Stacked
 
+BLOCK_M = 16  # rows of a grouped launch's program: each expert's pairs padded to a multiple
 # The gated activation: [T, 2 I] (gate, then up) -> [T, I]
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -42,12 +44,16 @@ def moe_mlp(
     moe: MoEWeights,
     act: Activation,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    grouped: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The mixture's output for ``x`` [T, hidden]. ``reduce``: the experts are this rank's slices
     (``--tp``): their partial sums are all-reduced, and the down projections' biases (gpt-oss)
-    added once, after."""
+    added once, after. ``grouped``: a kernel set's grouped matmul (``kernels/moe.py``): dense
+    experts then take two launches for the whole batch."""
     weights, experts = route(x, moe)
-    if x.shape[0] == 1:
+    if grouped is not None and moe.gate_up_stack is not None and moe.down_stack is not None:
+        out = _grouped_launches(x, moe, act, weights, experts, grouped)
+    elif x.shape[0] == 1:
         out = _one_token(x, moe, act, weights[0], experts[0].tolist())
     else:
         out = _sorted_by_expert(x, moe, act, weights, experts)
@@ -57,6 +63,28 @@ def moe_mlp(
         biases = torch.stack(moe.down_bias)  # [experts, hidden]
         out = out + (weights.unsqueeze(-1) * biases[experts]).sum(1)
     return out
+
+
+def _grouped_launches(
+    x: torch.Tensor,
+    moe: MoEWeights,
+    act: Activation,
+    weights: torch.Tensor,
+    experts: torch.Tensor,
+    grouped: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """Every (token, expert) pair's gate/up in one launch, its down (weighed) in another, over the
+    pairs sorted by expert and padded per expert to the kernel's block of rows."""
+    assert moe.gate_up_stack is not None and moe.down_stack is not None
+    tokens, k = experts.shape
+    rows, blocks = align(experts, moe.gate_up_stack.shape[0], BLOCK_M)
+    gate_up = grouped(x, moe.gate_up_stack, rows, blocks, tokens * k, a_row_div=k, block_m=BLOCK_M)
+    if moe.gate_up_bias is not None:
+        gate_up = gate_up + torch.stack(moe.gate_up_bias)[experts.flatten()]  # type: ignore[arg-type]
+    hidden = act(gate_up)
+    scale = weights.flatten().contiguous()
+    out = grouped(hidden, moe.down_stack, rows, blocks, tokens * k, scale=scale, block_m=BLOCK_M)
+    return out.view(tokens, k, -1).sum(1)
 
 
 def _gate_up(x: torch.Tensor, moe: MoEWeights, expert: int) -> torch.Tensor:

@@ -41,6 +41,10 @@ class MoEWeights:
     router_bias: torch.Tensor | None = None  # gpt-oss: the router's, and each expert's projections'
     gate_up_bias: list[torch.Tensor | None] | None = None
     down_bias: list[torch.Tensor] | None = None
+    # Dense experts stacked, [E, in, out]: the lists above are views of these (one copy), and the
+    # kernel sets multiply every expert's tokens in one launch from them.
+    gate_up_stack: torch.Tensor | None = None
+    down_stack: torch.Tensor | None = None
 
     def projections(self) -> list[Weight]:
         return [*self.gate_up, *self.down]

@@ -224,13 +224,20 @@ class DecoderModel:
         """Layer ``layer``'s mixture: its router (kept dense) and each expert's fused gate/up and down."""
         p = f"model.layers.{layer}.mlp."
         experts = range(self.shape.num_experts)
+        gate_up = [
+            fuse([w[f"{p}experts.{e}.gate_proj.weight"], w[f"{p}experts.{e}.up_proj.weight"]], block_weights)
+            for e in experts
+        ]
+        down = [fuse([w[f"{p}experts.{e}.down_proj.weight"]], block_weights) for e in experts]
+        stacks: list[torch.Tensor | None] = [None, None]
+        for i, mats in enumerate((gate_up, down)):
+            if all(isinstance(m, torch.Tensor) for m in mats):  # dense: one tensor, the list its views
+                stacks[i] = torch.stack(mats)  # type: ignore[arg-type]
+                mats[:] = list(stacks[i].unbind(0))  # type: ignore[union-attr]
         return MoEWeights(
             router=transposed(w[p + "gate.weight"]),
-            gate_up=[
-                fuse([w[f"{p}experts.{e}.gate_proj.weight"], w[f"{p}experts.{e}.up_proj.weight"]], block_weights)
-                for e in experts
-            ],
-            down=[fuse([w[f"{p}experts.{e}.down_proj.weight"]], block_weights) for e in experts],
+            gate_up=gate_up,
+            down=down,
             top_k=self.shape.experts_per_token,
             normalize=self.shape.normalize_top_k,
             router_bias=w.get(p + "gate.bias"),
@@ -240,6 +247,8 @@ class DecoderModel:
             if self.shape.expert_bias
             else None,
             down_bias=[w[f"{p}experts.{e}.down_proj.bias"] for e in experts] if self.shape.expert_bias else None,
+            gate_up_stack=stacks[0],
+            down_stack=stacks[1],
         )
 
     def projections(self) -> list[Weight]:

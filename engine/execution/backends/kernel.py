@@ -150,7 +150,7 @@ class KernelBackend(Backend):
             x, residual = ops.add_rms_norm(delta, residual, layer.post_norm, s.rms_norm_eps)
 
             if layer.moe is not None:
-                delta = moe_mlp(x, layer.moe, act, model.tp.all_reduce)
+                delta = moe_mlp(x, layer.moe, act, model.tp.all_reduce, ops.grouped_matmul)
             else:
                 assert layer.gate_up is not None and layer.down is not None
                 delta = model.tp.all_reduce(project(act(project(x, layer.gate_up)), layer.down))
