@@ -109,6 +109,8 @@ class Engine:
             model.shape.max_position_embeddings,
         )
         graphs = model.device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager
+        # A mixture's routing has shapes that depend on the tokens (its pairs per expert): not capturable.
+        graphs = graphs and not any(layer.moe is not None for layer in model.layers)
         self.runner = ModelRunner(
             model,
             num_pages,
