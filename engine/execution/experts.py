@@ -1,4 +1,4 @@
-"""A mixture of experts' MLP (Mixtral, Qwen3-MoE): the router, and each token's chosen experts.
+"""A mixture of experts' MLP (Mixtral, Qwen3-MoE, gpt-oss): the router, and each token's chosen experts.
 
 The router's softmax (float32) picks ``top_k`` experts per token, their weights renormalised where
 the family does. A batch runs one pass per expert that any token chose, over its tokens gathered
