@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from trillm.engine.execution.gguf_support import UnsupportedModel
-from trillm.engine.execution.memory_fit import check_folder_fits, folder_elements
+from trillm.engine.execution.memory_fit import check_folder_fits, folder_elements, folder_packed_bytes
 
 
 def test_the_headers_give_the_weights_size_in_the_dtype_served(tmp_path):
@@ -18,3 +18,13 @@ def test_the_headers_give_the_weights_size_in_the_dtype_served(tmp_path):
     with pytest.raises(UnsupportedModel, match=r"in 32-bit floats take 0\.0 GiB; 0\.0 GiB of memory is available"):
         check_folder_fits(tmp_path, 4, available=119)
     check_folder_fits(tmp_path, 2, available=60)  # bfloat16 halves it
+
+
+def test_mxfp4_blocks_count_as_the_values_they_decode_to(tmp_path):
+    """gpt-oss's packed experts (uint8 blocks and scales: 17 bytes a 32 values) decoded to a dtype."""
+    blocks, scales = torch.zeros(4, 2, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8)
+    save_file({"e_blocks": blocks, "e_scales": scales, "w": torch.zeros(10)}, tmp_path / "m.safetensors")
+    assert folder_packed_bytes(tmp_path) == 4 * 2 * 17 and folder_elements(tmp_path) == 10
+    check_folder_fits(tmp_path, 4, available=(10 + 4 * 2 * 32) * 4)
+    with pytest.raises(UnsupportedModel):
+        check_folder_fits(tmp_path, 4, available=(10 + 4 * 2 * 32) * 4 - 1)

@@ -36,12 +36,13 @@ def folder_packed_bytes(folder: Path) -> int:
 
 
 def check_folder_fits(folder: Path, dtype_bytes: int, available: int | None = None) -> None:
-    """Refuse, in one line, weights that in ``dtype_bytes``-byte values (and packed blocks as they
-    are) would not fit in the memory available (default: this machine's MemAvailable)."""
+    """Refuse, in one line, weights that decoded to ``dtype_bytes``-byte values would not fit in the
+    memory available (default: this machine's MemAvailable). Packed tensors are MXFP4 (the only
+    kind read): 17 bytes (16 of values, 1 of scale) hold 32 values."""
     free = available_memory() if available is None else available
     if free is None:
         return
-    need = folder_elements(folder) * dtype_bytes + folder_packed_bytes(folder)
+    need = (folder_elements(folder) + folder_packed_bytes(folder) * 32 // 17) * dtype_bytes
     if need > free:
         raise UnsupportedModel(
             f"{folder}: its weights in {8 * dtype_bytes}-bit floats take {need / 2**30:.1f} GiB; "
