@@ -60,8 +60,7 @@ def moe_mlp(
     if reduce is not None:
         out = reduce(out)
     if moe.down_bias is not None:
-        biases = torch.stack(moe.down_bias)  # [experts, hidden]
-        out = out + (weights.unsqueeze(-1) * biases[experts]).sum(1)
+        out = out + (weights.unsqueeze(-1) * moe.down_bias[experts]).sum(1)
     return out
 
 
@@ -80,7 +79,7 @@ def _grouped_launches(
     rows, blocks = align(experts, moe.gate_up_stack.shape[0], BLOCK_M)
     gate_up = grouped(x, moe.gate_up_stack, rows, blocks, tokens * k, a_row_div=k, block_m=BLOCK_M)
     if moe.gate_up_bias is not None:
-        gate_up = gate_up + torch.stack(moe.gate_up_bias)[experts.flatten()]  # type: ignore[arg-type]
+        gate_up = gate_up + moe.gate_up_bias[experts.flatten()]
     hidden = act(gate_up)
     scale = weights.flatten().contiguous()
     out = grouped(hidden, moe.down_stack, rows, blocks, tokens * k, scale=scale, block_m=BLOCK_M)
@@ -140,7 +139,7 @@ def _grouped(x: torch.Tensor, moe: MoEWeights, act: Activation, chosen: list[int
     inter = gate_up.shape[1] // (2 * k)
     rows = gate_up.view(2, k, inter).transpose(0, 1).reshape(k, 2 * inter)  # each expert's (gate, up)
     if moe.gate_up_bias is not None:
-        rows = rows + torch.stack([moe.gate_up_bias[e] for e in chosen])  # type: ignore[misc]
+        rows = rows + moe.gate_up_bias[chosen]
     hidden = act(rows).view(1, k * inter)
     return cpu_gguf.matmul_grouped(hidden, downs, per_group_x=True).view(k, -1)  # type: ignore[arg-type]
 

@@ -38,9 +38,11 @@ class MoEWeights:
     down: list[Weight]  # per expert: expert intermediate -> hidden
     top_k: int
     normalize: bool  # the top-k weights renormalised to sum to 1
-    router_bias: torch.Tensor | None = None  # gpt-oss: the router's, and each expert's projections'
-    gate_up_bias: list[torch.Tensor | None] | None = None
-    down_bias: list[torch.Tensor] | None = None
+    # gpt-oss: the router's bias, and each expert's projections' ([E, 2 I] and [E, hidden], stacked
+    # once at load: a step picks its experts' rows)
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
     # Dense experts stacked, [E, in, out]: the lists above are views of these (one copy), and the
     # kernel sets multiply every expert's tokens in one launch from them.
     gate_up_stack: torch.Tensor | None = None

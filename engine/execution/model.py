@@ -118,10 +118,6 @@ def dummy_weights(
     return w
 
 
-def _cat_or_none(w: dict[str, Any], *names: str) -> torch.Tensor | None:
-    return torch.cat([w[n] for n in names]) if all(n in w for n in names) else None
-
-
 def fingerprint(weights: dict[str, Any]) -> str:
     """What must be equal on every tensor-parallel rank: the tensors' names, shapes and dtypes,
     and a sample of their values (reading a whole 70B checkpoint again would cost minutes)."""
@@ -241,12 +237,14 @@ class DecoderModel:
             top_k=self.shape.experts_per_token,
             normalize=self.shape.normalize_top_k,
             router_bias=w.get(p + "gate.bias"),
-            gate_up_bias=[
-                _cat_or_none(w, f"{p}experts.{e}.gate_proj.bias", f"{p}experts.{e}.up_proj.bias") for e in experts
-            ]
+            gate_up_bias=torch.stack(
+                [torch.cat([w[f"{p}experts.{e}.{x}_proj.bias"] for x in ("gate", "up")]) for e in experts]
+            )
             if self.shape.expert_bias
             else None,
-            down_bias=[w[f"{p}experts.{e}.down_proj.bias"] for e in experts] if self.shape.expert_bias else None,
+            down_bias=torch.stack([w[f"{p}experts.{e}.down_proj.bias"] for e in experts])
+            if self.shape.expert_bias
+            else None,
             gate_up_stack=stacks[0],
             down_stack=stacks[1],
         )

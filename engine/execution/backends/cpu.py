@@ -205,6 +205,16 @@ class CpuBackend(Backend):
                 return cpu_ops.gated_mul(gate_up, s.activation)
             return gated_activation(gate_up, s.activation, s.swiglu_alpha, s.swiglu_limit)
 
+        def add_block(
+            h: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, out_norm: torch.Tensor | None
+        ) -> torch.Tensor:
+            """h + a block's output ``out`` (this rank's part): all-reduced, its bias added once (gpt-oss's
+            O), normed where the family norms it (Gemma)."""
+            out = reduce(out) if reduce else out
+            if bias is not None:
+                out = out.add_(bias)
+            return h + (out if out_norm is None else norm(out, out_norm, s.rms_norm_eps))
+
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
             qkv = project(x, layer.qkv, layer.qkv_bias)
@@ -219,16 +229,12 @@ class CpuBackend(Backend):
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks)
-            if layer.attn_out_norm is None and layer.o_bias is None:
+            if layer.attn_out_norm is None and layer.o_bias is None:  # the residual add rides on the GEMM
                 h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
-            else:  # Gemma: the attention's output normed before the residual add; gpt-oss: O's bias, once
-                out = project(attn.reshape(-1, q_size), layer.o_proj)
-                out = reduce(out) if reduce else out
-                if layer.o_bias is not None:
-                    out = out.add_(layer.o_bias)
-                h = h + (out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, s.rms_norm_eps))
+            else:
+                h = add_block(h, project(attn.reshape(-1, q_size), layer.o_proj), layer.o_bias, layer.attn_out_norm)
             x = norm(h, layer.post_norm, s.rms_norm_eps)
-            if layer.moe is not None:  # a mixture of experts: its output (all-reduced), then the residual add
+            if layer.moe is not None:  # a mixture all-reduces and adds its experts' biases itself
                 out = moe_mlp(x, layer.moe, act, reduce)
                 h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
                 continue
@@ -237,8 +243,7 @@ class CpuBackend(Backend):
             if layer.mlp_out_norm is None:
                 h = project_add(h, gated, layer.down, reduce)
             else:
-                out = project(gated, layer.down)
-                h = h + norm(reduce(out) if reduce else out, layer.mlp_out_norm, s.rms_norm_eps)
+                h = add_block(h, project(gated, layer.down), None, layer.mlp_out_norm)
         return h
 
 
