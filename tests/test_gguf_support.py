@@ -19,14 +19,19 @@ HIDDEN, LAYERS = 64, 2
 
 
 def write_model(
-    path: Path, arch: str = "llama", odd_type: GGMLQuantizationType | None = None, skip: str | None = None
+    path: Path,
+    arch: str = "llama",
+    odd_type: GGMLQuantizationType | None = None,
+    skip: str | None = None,
+    parts: tuple[str, ...] = LAYER_TENSORS,
 ) -> Path:
-    """A tiny model's header and tensors (zeros): ``odd_type`` for blk.1.ffn_down, ``skip`` left out."""
+    """A tiny model's header and tensors (zeros): ``odd_type`` for blk.1.ffn_down, ``skip`` left out,
+    ``parts`` the tensors of each layer."""
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_embedding_length(HIDDEN)
     names = ["token_embd.weight", "output_norm.weight"]
-    names += [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in LAYER_TENSORS]
+    names += [f"blk.{i}.{part}.weight" for i in range(LAYERS) for part in parts]
     for name in names:
         if name == skip:
             continue
@@ -82,6 +87,16 @@ def test_a_mapped_file_already_in_memory_needs_no_more(tmp_path):
 def test_an_iq_tensor_is_refused_naming_the_tensor_and_its_type(tmp_path):
     path = write_model(tmp_path / "iq.gguf", odd_type=GGMLQuantizationType.IQ4_XS)
     assert "tensor blk.1.ffn_down.weight is IQ4_XS, which trillm does not read yet" in refusal(path)
+
+
+def test_phi3_files_have_gate_and_up_in_one_matrix_with_qkv_fused_or_not(tmp_path):
+    """llama.cpp writes Phi-3's gate and up as one ffn_up, and Q, K, V as attn_qkv or apart: no ffn_gate is wanted."""
+    apart = tuple(p for p in LAYER_TENSORS if p != "ffn_gate")
+    check_servable(read_header(write_model(tmp_path / "apart.gguf", "phi3", parts=apart)), available=1 << 40)
+    fused = tuple(p for p in apart if p not in ("attn_q", "attn_k", "attn_v")) + ("attn_qkv",)
+    check_servable(read_header(write_model(tmp_path / "fused.gguf", "phi3", parts=fused)), available=1 << 40)
+    cut = write_model(tmp_path / "cut.gguf", "phi3", skip="blk.1.attn_qkv.weight", parts=fused)
+    assert "tensor blk.1.attn_qkv.weight missing for a 2-layer phi3 model" in refusal(cut)
 
 
 def test_a_missing_tensor_is_named(tmp_path):

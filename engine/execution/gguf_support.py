@@ -108,8 +108,10 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
     parts = LAYER_TENSORS + EXTRA_LAYER_TENSORS.get(arch, ())
     if arch == "gpt-oss":  # its MLP's input norm is post_attention_norm, not ffn_norm
         parts = tuple(p for p in parts if p != "ffn_norm")
-    if arch == "phi3" and "blk.0.attn_qkv.weight" in {t.name for t in header.tensors}:  # Q, K, V in one; gate in up
-        parts = tuple(p for p in parts if p not in ("attn_q", "attn_k", "attn_v", "ffn_gate")) + ("attn_qkv",)
+    if arch == "phi3":  # gate and up in one matrix (ffn_up); Q, K and V in one too where attn_qkv is
+        parts = tuple(p for p in parts if p != "ffn_gate")
+        if "blk.0.attn_qkv.weight" in present:
+            parts = tuple(p for p in parts if p not in ("attn_q", "attn_k", "attn_v")) + ("attn_qkv",)
     if header.metadata.get(f"{arch}.expert_count"):  # a mixture: a router and experts in place of the MLP
         dense = ("ffn_gate", "ffn_up", "ffn_down")
         parts = tuple(p for p in parts if p not in dense) + MIXTURE_TENSORS
