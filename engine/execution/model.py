@@ -1,5 +1,6 @@
 """Our decoder-only model over the paged KV cache: every family ``shape.ModelShape`` describes
-(Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3), one implementation read by its switches.
+(Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE, gpt-oss), one
+implementation read by its switches.
 
 Weights are plain tensors held by the model; Q/K/V and gate/up projections are
 fused into one matmul each at load time. ``transformers`` supplies only the config.
@@ -76,6 +77,8 @@ def dummy_weights(
         if shape.is_moe(i):
             e_inter = shape.expert_intermediate_size
             w[p + "mlp.gate.weight"] = rand(shape.num_experts, h)
+            if shape.expert_bias:
+                w[p + "mlp.gate.bias"] = rand(shape.num_experts)
             for e in range(shape.num_experts):
                 x = f"{p}mlp.experts.{e}."
                 w.update(
@@ -85,6 +88,9 @@ def dummy_weights(
                         x + "down_proj.weight": rand(h, e_inter),
                     }
                 )
+                if shape.expert_bias:
+                    w.update({x + "gate_proj.bias": rand(e_inter), x + "up_proj.bias": rand(e_inter)})
+                    w[x + "down_proj.bias"] = rand(h)
         else:
             w.update(
                 {
@@ -103,18 +109,6 @@ def dummy_weights(
             w[a + "o_proj.bias"] = rand(h)
         if shape.attention_sinks:
             w[a + "sinks"] = rand(shape.num_heads)
-        if shape.expert_bias and shape.is_moe(i):
-            e_inter = shape.expert_intermediate_size
-            w[p + "mlp.gate.bias"] = rand(shape.num_experts)
-            for e in range(shape.num_experts):
-                x = f"{p}mlp.experts.{e}."
-                w.update(
-                    {
-                        x + "gate_proj.bias": rand(e_inter),
-                        x + "up_proj.bias": rand(e_inter),
-                        x + "down_proj.bias": rand(h),
-                    }
-                )
     return w
 
 
