@@ -71,6 +71,7 @@ def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, keep: 
     nibbles = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(experts, rows, count, 32)  # value order
     packed = nibbles[..., :16] | (nibbles[..., 16:] << 4)  # GGUF: value j low, value j + 16 high
     raw = torch.cat([scales.unsqueeze(-1), packed], dim=-1).reshape(experts, rows, count * 17).contiguous()
+    decoded = cpu_gguf.dequantize if cpu_gguf.available() else reference_dequantize
     out: dict[str, Any] = {}
     for e in range(experts):
         weight = GGUFWeight(BLOCK_TYPES["MXFP4"], raw[e], count * 32)
@@ -79,7 +80,6 @@ def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, keep: 
         else:  # gate and up rows interleaved
             parts = {"gate_proj": _rows_every(weight, 0), "up_proj": _rows_every(weight, 1)}
         for proj, w in parts.items():
-            decoded = (lambda w: cpu_gguf.dequantize(w)) if cpu_gguf.available() else reference_dequantize
             out[f"{stem}.{e}.{proj}.weight"] = w if keep else decoded(w)
     return out
 

@@ -212,7 +212,6 @@ def _gemma3_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]
         "rope_local_base_freq": GEMMA3_LOCAL_BASE,
         "query_pre_attn_scalar": scalar,
         "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": config["tie_word_embeddings"],
     }
     tokens = meta.get("tokenizer.ggml.tokens") or []
     eos = config.get("eos_token_id")

@@ -8,9 +8,14 @@ from typing import Any
 import torch
 
 
+def _unscaled(head_dim: int, theta: float) -> torch.Tensor:
+    """The plain rotary frequencies, float64 (every scaling starts from these)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+
+
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Per-pair inverse frequencies, adjusted the way the config's rope_scaling says."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv = _unscaled(head_dim, theta)
     if not scaling:
         return inv.float()
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -107,8 +112,7 @@ def _longrope(
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    base = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    long = (base / torch.tensor(scaling["long_factor"], dtype=torch.float64)).float()
+    long = (_unscaled(head_dim, theta) / torch.tensor(scaling["long_factor"], dtype=torch.float64)).float()
     far = positions >= original
     freqs = short.clone()
     freqs[far] = torch.outer(positions[far], long)
