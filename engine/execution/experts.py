@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from trillm.engine.execution.layers import MoEWeights, project
+from trillm.engine.execution.layers import MoEWeights, Weight, project
 from trillm.kernels import cpu_gguf
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.reference import align
@@ -124,16 +124,26 @@ def _one_token(
     return out
 
 
+def blocks_groupable(gate_up: list[Weight], down: list[Weight]) -> bool:
+    """Whether a mixture's experts run as ``cpu_gguf.matmul_grouped`` calls: every gate/up two GGUF
+    block matrices, and all gates, ups and downs of one type (asked once, at load)."""
+    if not all(isinstance(w, Stacked) and len(w.parts) == 2 for w in gate_up):
+        return False
+    halves = [p for w in gate_up for p in w.parts]  # type: ignore[union-attr]
+    return _groupable(halves) and _groupable(down)
+
+
+def _halves(moe: MoEWeights, chosen: list[int]) -> list[GGUFWeight]:
+    gate_ups = [moe.gate_up[e] for e in chosen]
+    return [w.parts[0] for w in gate_ups] + [w.parts[1] for w in gate_ups]  # type: ignore[union-attr]
+
+
 def _grouped(x: torch.Tensor, moe: MoEWeights, act: Activation, chosen: list[int]) -> torch.Tensor | None:
     """[k, hidden]: the chosen experts' outputs through ``cpu_gguf.matmul_grouped``, or None where
-    their weights are not GGUF blocks of one type (gate and up in the same one)."""
-    gate_ups = [moe.gate_up[e] for e in chosen]
-    downs = [moe.down[e] for e in chosen]
-    if not all(isinstance(w, Stacked) and len(w.parts) == 2 for w in gate_ups):
+    their weights are not GGUF blocks of one type (``MoEWeights.grouped_blocks``)."""
+    if not moe.grouped_blocks:
         return None
-    halves = [w.parts[0] for w in gate_ups] + [w.parts[1] for w in gate_ups]  # type: ignore[union-attr]
-    if not (_groupable(halves) and _groupable(downs)):
-        return None
+    halves, downs = _halves(moe, chosen), [moe.down[e] for e in chosen]
     k = len(chosen)
     gate_up = cpu_gguf.matmul_grouped(x, halves, per_group_x=False)  # [1, 2 k I]: the gates, then the ups
     inter = gate_up.shape[1] // (2 * k)

@@ -47,6 +47,8 @@ class MoEWeights:
     # kernel sets multiply every expert's tokens in one launch from them.
     gate_up_stack: torch.Tensor | None = None
     down_stack: torch.Tensor | None = None
+    # A GGUF file's experts, all of one type: one token's run as two grouped C calls (``experts.py``)
+    grouped_blocks: bool = False
 
     def projections(self) -> list[Weight]:
         return [*self.gate_up, *self.down]

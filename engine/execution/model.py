@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache
 from trillm.engine.execution.checkpoint_names import canonical_names
+from trillm.engine.execution.experts import blocks_groupable
 from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_weights
@@ -241,6 +242,7 @@ class DecoderModel:
             else None,
             gate_up_stack=stacks[0],
             down_stack=stacks[1],
+            grouped_blocks=blocks_groupable(gate_up, down),
         )
 
     def projections(self) -> list[Weight]:
