@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import re
 
+from trillm.api.held_back import held_back
+
 CHANNEL, MESSAGE, START = "<|channel|>", "<|message|>", "<|start|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKERS = (CHANNEL, MESSAGE, START, "<|constrain|>", *ENDS)
 CALL = re.compile(r"to=functions\.([\w.-]+)")
-
-
-def _held_back(text: str) -> int:
-    """Length of the end of ``text`` that may still become a marker (``<|`` ... without ``|>``)."""
-    at = text.rfind("<")
-    if at < 0 or "|>" in text[at:]:
-        return 0
-    tail = text[at:]
-    return len(tail) if any(m.startswith(tail) for m in MARKERS) else 0
 
 
 class HarmonyParser:
@@ -49,7 +42,7 @@ class HarmonyParser:
             if self._state in ("outside", "between"):
                 at = buf.find(CHANNEL)
                 if at < 0:
-                    keep = _held_back(buf)
+                    keep = held_back(buf, *MARKERS)
                     if self._state == "outside" and not self._seen_marker:  # plain text: the answer
                         content.append(buf[: len(buf) - keep])
                     self._pending = buf[len(buf) - keep :] if keep else ""
@@ -70,7 +63,7 @@ class HarmonyParser:
             else:  # body
                 ends = [(buf.find(e), e) for e in ENDS if e in buf]
                 if not ends:
-                    keep = _held_back(buf)
+                    keep = held_back(buf, *MARKERS)
                     self._route(buf[: len(buf) - keep], reasoning, content)
                     self._pending = buf[len(buf) - keep :] if keep else ""
                     break

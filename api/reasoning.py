@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 from trillm.api.harmony import HarmonyParser
+from trillm.api.held_back import held_back
 from trillm.engine import ThinkingMode
 
 START, END = "<think>", "</think>"
@@ -40,14 +41,6 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3", "gpt_oss")
 # gpt-oss's thinking is a harmony channel, not a tag the grammars know: a grammar holds the whole
 # reply there (tool calls are triggered, so the analysis before them stays free).
 THINKING: dict[str, ThinkingMode] = {"deepseek_r1": "required", "qwen3": "optional", "gpt_oss": "none"}
-
-
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag`` (might become it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -81,7 +74,7 @@ class ReasoningParser:
         if end >= 0:
             self._state = "after_end"
             return buf[:end], self._answer(buf[end + len(END) :])
-        keep = _held_back(buf, END)
+        keep = held_back(buf, END)
         self._pending = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], ""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trillm.api.held_back import held_back
 from trillm.api.tools.base import ToolFormat
 from trillm.api.tools.spec import Call
 
@@ -37,7 +38,7 @@ class ToolStream:
         if at >= 0:
             self.in_call = True
             return self._content(at)
-        return self._content(len(self.text) - _held(self.text, trigger))
+        return self._content(len(self.text) - held_back(self.text, trigger))
 
     def finish(self) -> list[dict[str, Any]]:
         """The rest: the calls (first chunk of each with id, type and name, then its arguments),
@@ -71,11 +72,3 @@ class ToolStream:
             return []
         text, self.sent = self.text[self.sent : upto], upto
         return [{"content": text}]
-
-
-def _held(text: str, trigger: str) -> int:
-    """How many trailing characters of ``text`` could be the start of ``trigger``."""
-    for n in range(min(len(trigger) - 1, len(text)), 0, -1):
-        if text.endswith(trigger[:n]):
-            return n
-    return 0
