@@ -2,9 +2,10 @@
 
 ``matmul(x, w)`` is ``x @ dequantize(w).T`` without the float32 matrix. Below ``GEMM_ROWS`` rows
 of x (decode steps, bound by the bytes of the weight), x is quantized to int16 per 32 values
-(llama.cpp's activations are int8: 256x coarser) and each block is unpacked once and dotted in
-integers with every row, its scales applied once per sub-block: the result is within
-``ACTIVATION_ERROR`` of the float one, relative to ``|x| @ |W|.T``. ``exact=True`` (and F16 /
+(or int8, as llama.cpp does, where the weight's ``activation_bits`` say 8: 256x coarser, fewer
+instructions) and each block is unpacked once and dotted in integers with every row, its scales
+applied once per sub-block: the result is within ``ACTIVATION_ERROR`` (``INT8_ACTIVATION_ERROR``)
+of the float one, relative to ``|x| @ |W|.T``. ``exact=True`` (and F16 /
 BF16 weights) decodes weight rows to float32 instead. From ``GEMM_ROWS`` rows on (prefill),
 panels of ``PANEL_FLOATS / K`` weight rows are decoded and multiplied with torch's GEMM, in float32. Float32
 CPU tensors only; the GIL is released in C.
@@ -26,17 +27,18 @@ _SIGNATURES: dict[str, list] = {
     "trillm_gguf_dequantize": [_INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _INT],
     "trillm_gguf_simd": [],
     "trillm_gguf_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
-    "trillm_gguf_matmul_grouped": [_P, _I64, _I64, _INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _INT],
+    "trillm_gguf_matmul_grouped": [_P, _I64, _I64, _INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _INT, _INT],
 }
 # The decoders round as gguf's numpy reference does: no fused multiply-add.
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))
 available = _KERNEL.available
 _F32, _CPU = torch.float32, torch.device("cpu")
-_ACCUMULATE, _EXACT = 1, 2
+_ACCUMULATE, _EXACT, _INT8 = 1, 2, 4
 GEMM_ROWS = 49  # rows of x from which the panel + GEMM path runs (at most the C kernel's MAX_INT_ROWS + 1;
 # measured on AVX2 (Q4_K, Q6_K, 4096 x 4096): the int16 path is faster up to ~50 rows, torch's GEMM above)
 FLOAT_GEMM_ROWS = 12  # the same for F16 / BF16 weights, whose rows below it are decoded and dotted in float32
 ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
+INT8_ACTIVATION_ERROR = 5e-3  # the same for int8 activations: half a step of 127 (1/254), rounded up
 SIMD_NAMES = ("plain", "avx2", "avxvnni", "avx512vnni")  # by trillm_gguf_simd's value
 PANEL_FLOATS = 1 << 19  # a panel decoded per GEMM: 2 MiB of float32 (measured best of 0.6-16 MiB at K 576-2048)
 
@@ -49,14 +51,14 @@ def simd() -> str:
 class GGUFLayout(ctypes.Structure):
     """A weight as ``cpu_forward.c``'s fused loop holds it (``trillm_gguf_layout_matmul``'s layout)."""
 
-    _fields_ = [("type", _I64), ("w", _P), ("row_bytes", _I64), ("N", _I64), ("K", _I64)]
+    _fields_ = [("type", _I64), ("w", _P), ("row_bytes", _I64), ("N", _I64), ("K", _I64), ("flags", _I64)]
 
 
 def layout(weight: GGUFWeight) -> GGUFLayout:
     """``weight`` for the fused loop (which must keep ``weight`` alive: this holds its address)."""
     _check(weight)
     N, K = weight.shape
-    return GGUFLayout(weight.kind.id, weight.data.data_ptr(), weight.data.stride(0), N, K)
+    return GGUFLayout(weight.kind.id, weight.data.data_ptr(), weight.data.stride(0), N, K, _width_flag(weight))
 
 
 def layout_matmul_address() -> int:
@@ -72,6 +74,10 @@ def _gemm_rows(weight: GGUFWeight) -> int:
 def max_fused_rows(weight: GGUFWeight) -> int:
     """The most rows of x ``matmul`` runs in C alone (beyond them it multiplies panels in torch)."""
     return _gemm_rows(weight) - 1
+
+
+def _width_flag(weight: GGUFWeight) -> int:
+    return _INT8 if weight.activation_bits == 8 else 0
 
 
 def _threads(num_threads: int | None) -> int:
@@ -150,7 +156,8 @@ def matmul(
     exact: bool = False,
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] @ dequantize(weight).T; with accumulate=True, out += that (out given).
-    ``exact``: float32 activations at every size (else int16 below ``GEMM_ROWS`` rows).
+    ``exact``: float32 activations at every size (else the weight's ``activation_bits`` below
+    ``GEMM_ROWS`` rows).
 
     x: float32 CPU [M, K] (other layouts are copied). out: float32 CPU [M, N] with unit column
     stride (written in place; allocated when None); it must not overlap x."""
@@ -193,7 +200,7 @@ def matmul(
         out.data_ptr(),
         out.stride(0),
         M,
-        (_ACCUMULATE if accumulate else 0) | (_EXACT if exact else 0),
+        (_ACCUMULATE if accumulate else 0) | (_EXACT if exact else 0) | _width_flag(weight),
         _threads(num_threads),
     )
     if rc == 1:
@@ -204,13 +211,17 @@ def matmul(
 
 
 def groupable(weights: list[GGUFWeight], rows: int) -> bool:
-    """Whether ``matmul_grouped`` runs these at ``rows`` rows of x: one type and shape, the int16 path."""
+    """Whether ``matmul_grouped`` runs these at ``rows`` rows of x: one type, shape and activation
+    width, the integer path."""
     first = weights[0]
     return (
         rows < _gemm_rows(first)
         and first.kind.values > 1
         and all(
-            w.kind is first.kind and w.shape == first.shape and w.data.stride(0) == first.data.stride(0)
+            w.kind is first.kind
+            and w.shape == first.shape
+            and w.data.stride(0) == first.data.stride(0)
+            and w.activation_bits == first.activation_bits
             for w in weights
         )
     )
@@ -221,7 +232,7 @@ def matmul_grouped(
 ) -> torch.Tensor:
     """[M, G * N]: column block g is x_g @ dequantize(weights[g]).T, in one call (``groupable``
     weights). ``per_group_x``: x is [M, G * K], group g's input its columns g*K:(g+1)*K; else x
-    [M, K] for every group. The int16 path, as ``matmul`` takes below ``GEMM_ROWS`` rows."""
+    [M, K] for every group. The integer path, as ``matmul`` takes below ``GEMM_ROWS`` rows."""
     first = weights[0]
     for w in weights:
         _check(w)
@@ -230,7 +241,7 @@ def matmul_grouped(
     if x.dtype is not _F32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != (G * K if per_group_x else K):
         raise ValueError(f"x must be float32 CPU [M, {G * K if per_group_x else K}], got {tuple(x.shape)}")
     if not groupable(weights, x.shape[0]):
-        raise ValueError("matmul_grouped takes weights of one type and shape, at rows the int16 path runs")
+        raise ValueError("matmul_grouped takes weights of one type, shape and width, at rows the integer path runs")
     x = x.contiguous()
     M = x.shape[0]
     out = torch.empty(M, G * N, dtype=_F32, device=_CPU)
@@ -249,6 +260,7 @@ def matmul_grouped(
         out.stride(0),
         N,
         M,
+        _width_flag(first),
         _threads(num_threads),
     )
     if rc == 1:

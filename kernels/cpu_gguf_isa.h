@@ -13,12 +13,16 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SIMD_ID 3 /* cpu_gguf.py's names: plain, avx2, avxvnni, avx512vnni */
 #define MADD_ADD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
 #elif defined(__AVXVNNI__)
 #define SIMD_ID 2
 #define MADD_ADD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
+#define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (s))
 #else
 #define SIMD_ID 1
 #define MADD_ADD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+/* u8 x s8 pairs to int16 (|sum| <= 2 * 63 * 127: the kernels' weights are < 64, no saturation), then to int32 */
+#define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
 #endif
 #else
 #define GGUF_SIMD 0
@@ -201,10 +205,13 @@ INLINE void six_bit32(const uint8_t *restrict lo, int lo_shift, const uint8_t *r
 #endif
 }
 
-/* The int16 activations of the rows of x (quantize_x): xq [M, K], and per row its scales per 32
- * values (dx) and sums per 16 and per 32 values (s16, s32), which the minimums multiply. */
+/* The integer activations of the rows of x (quantize_x): xq [M, K] as int16, and per row its
+ * scales per 32 values (dx) and sums per 16 and per 32 values (s16, s32), which the minimums
+ * multiply. With int8 activations xq holds values of int8's range, and x8 the same values as
+ * int8 in their natural order (the SIMD kernels' byte products); else x8 is NULL. */
 typedef struct {
     const int16_t *xq;
+    const int8_t *x8;
     const float *dx, *s16, *s32;
     int64_t M, K;
 } XRows;
@@ -257,6 +264,28 @@ INLINE __m256 run_dot(__m256i even, __m256i odd, const int16_t *x)
     return _mm256_cvtepi32_ps(MADD_ADD(p, odd, load32(x + 16)));
 }
 
+/* The integer dot of a run of 32 weights with row ``row`` of x from value k, as floats in run_dot's
+ * lanes. ``u``: unsigned bytes below 64; with int8 activations one byte multiply-add (DOT_U8S8),
+ * else split into even and odd int16 lanes. ``int8`` is a constant where it is called: each
+ * kernel is compiled once per activation width. */
+INLINE __m256 run_product(__m256i u, const XRows *X, int64_t row, int64_t k, const int int8)
+{
+    if (int8)
+        return _mm256_cvtepi32_ps(DOT_U8S8(u, load32(X->x8 + row * X->K + k)));
+    const __m256i even = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), odd = _mm256_srli_epi16(u, 8);
+    return run_dot(even, odd, X->xq + row * X->K + k);
+}
+
+/* run_product of signed int8 weights q (MXFP4's): their sign moved onto x for the byte products */
+INLINE __m256 run_product_signed(__m256i q, const XRows *X, int64_t row, int64_t k, const int int8)
+{
+    if (int8) {
+        const __m256i x = load32(X->x8 + row * X->K + k);
+        return _mm256_cvtepi32_ps(DOT_U8S8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)));
+    }
+    return run_dot(even_bytes(q), _mm256_srai_epi16(q, 8), X->xq + row * X->K + k);
+}
+
 /* A scale per 16 values of a run: lanes 0-3 lo, 4-7 hi */
 INLINE __m256 halves(float lo, float hi)
 {
@@ -305,9 +334,9 @@ INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, 
 #define TILE 4
 
 /* Q4_K and Q5_K (qh NULL for Q4_K): byte l of a group of 32 holds values l (low nibble) and 32 + l
- * (high); as int16 lanes, the even values are the low nibble of each lane's low byte. */
+ * (high), the fifth bit of value 32 s + l bit s of qh[l]. */
 INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0, const int T,
-                     int64_t k0, __m256 (*a)[2], __m256 *m)
+                     int64_t k0, __m256 (*a)[2], __m256 *m, const int int8)
 {
     /* the 8 scales and 8 minimums of 6 bits (scale_min_k4), unpacked four at a time in 32-bit words */
     const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
@@ -324,25 +353,22 @@ INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, con
         m[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + run), m[t]);
         _mm256_storeu_ps(sc[t], _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + run)));
     }
-    const __m256i low4 = _mm256_set1_epi16(15), bit = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
 #pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) { /* 64 values: even and odd of its first 32, even and odd of the next */
+    for (int g = 0; g < 4; g++) { /* 64 values: sub-blocks 2 g (the low nibbles) and 2 g + 1 (the high) */
         const __m256i v = load32(qs + 32 * g);
-        __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
-        __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4), w3 = _mm256_srli_epi16(v, 12);
-        if (qh) { /* the fifth bit of value 32 s + l is bit s of qh[l] */
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if (qh) {
             const __m256i h = load32(qh);
-            const int s = 2 * g;
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s), bit), 4));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 8 + s), bit), 4));
-            w2 = _mm256_or_si256(w2, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, s + 1), bit), 4));
-            w3 = _mm256_or_si256(w3, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 9 + s), bit), 4));
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g), bit), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g + 1), bit), 4));
         }
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
-            const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 64 * g;
-            a[t][0] = _mm256_fmadd_ps(run_dot(w0, w1, x), _mm256_broadcast_ss(sc[t] + 2 * g), a[t][0]);
-            a[t][1] = _mm256_fmadd_ps(run_dot(w2, w3, x + 32), _mm256_broadcast_ss(sc[t] + 2 * g + 1), a[t][1]);
+            const int64_t k = k0 + 64 * g;
+            a[t][0] = _mm256_fmadd_ps(run_product(lo, X, i0 + t, k, int8), _mm256_broadcast_ss(sc[t] + 2 * g), a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(run_product(hi, X, i0 + t, k + 32, int8), _mm256_broadcast_ss(sc[t] + 2 * g + 1),
+                                      a[t][1]);
         }
     }
 }
@@ -374,14 +400,13 @@ INLINE void minimums16(__m256 lo, __m256 hi, const XRows *X, int64_t i0, const i
 /* Run r (values 32 r .. 32 r + 31 of the block at k0) of one weight row, its quants unsigned bytes
  * u, with its scale per 16 values (run_scale), into the sums of rows i0 .. i0 + T of x. */
 INLINE void run_into(__m256i u, __m256 scale, const XRows *X, int64_t i0, const int T, int64_t k0, int r,
-                     __m256 (*a)[2])
+                     __m256 (*a)[2], const int int8)
 {
-    const __m256i even = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), odd = _mm256_srli_epi16(u, 8);
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
-        const int16_t *x = X->xq + (i0 + t) * X->K + k0 + 32 * r;
         const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + r;
-        a[t][r & 1] = _mm256_fmadd_ps(run_dot(even, odd, x), _mm256_mul_ps(scale, _mm256_broadcast_ss(dx)), a[t][r & 1]);
+        a[t][r & 1] = _mm256_fmadd_ps(run_product(u, X, i0 + t, k0 + 32 * r, int8),
+                                      _mm256_mul_ps(scale, _mm256_broadcast_ss(dx)), a[t][r & 1]);
     }
 }
 
@@ -389,7 +414,8 @@ INLINE void run_into(__m256i u, __m256 scale, const XRows *X, int64_t i0, const 
  * qh[32 h + l] above it, less 32; 16 sub-blocks of 16 with int8 scales. The 32 is taken off as
  * a minimum (32 d sc times the sum of x), so the quants stay unsigned bytes until they are split
  * into int16 lanes. */
-INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
+INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m,
+                      const int int8)
 {
     const uint8_t *ql = b, *qh = b + 128;
     __m256 ds_lo, ds_hi;
@@ -405,13 +431,14 @@ INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
         /* bits hs, hs + 1 of each byte to bits 4, 5 */
         const __m256i he = hs <= 4 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - hs)) : shift_right(hv, hs - 4);
         const __m256i u = _mm256_or_si256(l4, _mm256_and_si256(he, bits45));
-        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a);
+        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
     }
 }
 
 /* Q3_K: value 128 g + 32 j + l is bits 2 j of qs[32 g + l], its third bit bit 4 g + j of hmask[l],
  * less 4 (taken off as a minimum, as Q6_K's 32); 16 sub-blocks of 16 with 6-bit scales less 32. */
-INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
+INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m,
+                      const int int8)
 {
     const uint8_t *hmask = b, *qs = b + 32;
     /* the 16 scales of 6 bits, four at a time in 32-bit words: low 4 bits from the nibbles of bytes
@@ -431,13 +458,14 @@ INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
         const __m256i q2 = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
         const __m256i bit = _mm256_set1_epi8((char)(1 << r)); /* the third bit, to bit 2 */
         const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(4));
-        run_into(_mm256_or_si256(q2, high), run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a);
+        run_into(_mm256_or_si256(q2, high), run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
     }
 }
 
 /* Q2_K: value 128 g + 32 j + l is bits 2 j of qs[32 g + l]; 16 sub-blocks of 16, each with a
  * 4-bit scale (low nibble of scales[s], times d) and a 4-bit minimum (high nibble, times dmin). */
-INLINE void q2_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m)
+INLINE void q2_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m,
+                      const int int8)
 {
     const uint8_t *qs = b + 16;
     const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
@@ -450,13 +478,13 @@ INLINE void q2_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
         const __m256i u = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
-        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a);
+        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
     }
 }
 
 /* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
 INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
-                   Acc *acc)
+                   Acc *acc, const int int8)
 {
     __m256 a[TILE][2], m[TILE];
     for (int t = 0; t < T; t++)
@@ -464,15 +492,15 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
     for (int64_t j = 0; j < blocks; j++) {
         const uint8_t *b = row + j * bytes;
         if (type == Q6_K)
-            q6_k_block(b, X, i0, T, 256 * j, a, m);
+            q6_k_block(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q3_K)
-            q3_k_block(b, X, i0, T, 256 * j, a, m);
+            q3_k_block(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q2_K)
-            q2_k_block(b, X, i0, T, 256 * j, a, m);
+            q2_k_block(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q5_K)
-            k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m);
+            k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m, int8);
         else
-            k4_block(b, b + 16, NULL, X, i0, T, 256 * j, a, m);
+            k4_block(b, b + 16, NULL, X, i0, T, 256 * j, a, m, int8);
     }
     for (int t = 0; t < T; t++) {
         acc[i0 + t].a0 = a[t][0];
@@ -482,17 +510,25 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
 }
 
 /* Every row of x, TILE at a time (each tile size its own code, so that the sums stay in registers). */
-INLINE void k_row(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc)
+INLINE void k_row_as(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc, const int int8)
 {
     int64_t i = 0;
     for (; i + TILE <= X->M; i += TILE)
-        k_rows(type, row, blocks, bytes, X, i, TILE, acc);
+        k_rows(type, row, blocks, bytes, X, i, TILE, acc, int8);
     switch (X->M - i) {
-    case 3: k_rows(type, row, blocks, bytes, X, i, 3, acc); break;
-    case 2: k_rows(type, row, blocks, bytes, X, i, 2, acc); break;
-    case 1: k_rows(type, row, blocks, bytes, X, i, 1, acc); break;
+    case 3: k_rows(type, row, blocks, bytes, X, i, 3, acc, int8); break;
+    case 2: k_rows(type, row, blocks, bytes, X, i, 2, acc, int8); break;
+    case 1: k_rows(type, row, blocks, bytes, X, i, 1, acc, int8); break;
     default: break;
     }
+}
+
+INLINE void k_row(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc)
+{
+    if (X->x8)
+        k_row_as(type, row, blocks, bytes, X, acc, 1);
+    else
+        k_row_as(type, row, blocks, bytes, X, acc, 0);
 }
 
 static void q4_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
@@ -523,11 +559,12 @@ static void q2_k_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *ac
 /* Q5_0 and Q5_1, up to 8 blocks of 32 (a run each) at once, so that every row of x sums them in
  * registers: value j < 16 is byte j's low nibble, j >= 16 byte j - 16's high one, its fifth bit
  * bit j of qh; Q5_0 takes 16 off (as a minimum, 16 d sum(x)), Q5_1 adds m (a minimum of -m). */
-INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const XRows *X, int64_t k0, Acc *acc)
+INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const XRows *X, int64_t k0, Acc *acc,
+                             const int int8)
 {
     const int bytes = has_m ? 24 : 22;
     const __m128i m4 = _mm_set1_epi8(15);
-    __m256i even[GROUP], odd[GROUP];
+    __m256i even[GROUP], odd[GROUP]; /* int8: the unsigned quants in even */
     float d[GROUP], mn[GROUP];
     for (int64_t j = 0; j < count; j++) {
         const uint8_t *blk = b + j * bytes, *qh = blk + (has_m ? 4 : 2);
@@ -536,7 +573,7 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
         const __m128i v = _mm_loadu_si128((const __m128i *)(qh + 4));
         const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
         const __m256i u = _mm256_or_si256(nib, fifth_bits(u32(qh)));
-        even[j] = _mm256_and_si256(u, _mm256_set1_epi16(0xff));
+        even[j] = int8 ? u : _mm256_and_si256(u, _mm256_set1_epi16(0xff));
         odd[j] = _mm256_srli_epi16(u, 8);
     }
     for (int64_t i = 0; i < X->M; i++) {
@@ -556,7 +593,7 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
             acc[i].m = _mm256_add_ps(acc[i].m, _mm256_castps128_ps256(_mm_set_ss(mins)));
         }
         for (int64_t j = 0; j < count; j++) {
-            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
+            const __m256 p = int8 ? run_product(even[j], X, i, k0 + 32 * j, 1) : run_dot(even[j], odd[j], x + 32 * j);
             if (j & 1)
                 a1 = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale + j), a1);
             else
@@ -567,24 +604,35 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
     }
 }
 
+INLINE void q5_legacy_row(const uint8_t *row, int64_t blocks, int has_m, const XRows *X, Acc *acc, const int int8)
+{
+    const int bytes = has_m ? 24 : 22;
+    for (int64_t j = 0; j < blocks; j += GROUP)
+        q5_legacy_direct(row + j * bytes, MIN(GROUP, blocks - j), has_m, X, 32 * j, acc, int8);
+}
+
 static void q5_0_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
 {
-    for (int64_t j = 0; j < blocks; j += GROUP)
-        q5_legacy_direct(row + j * 22, MIN(GROUP, blocks - j), 0, X, 32 * j, acc);
+    if (X->x8)
+        q5_legacy_row(row, blocks, 0, X, acc, 1);
+    else
+        q5_legacy_row(row, blocks, 0, X, acc, 0);
 }
 
 static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
 {
-    for (int64_t j = 0; j < blocks; j += GROUP)
-        q5_legacy_direct(row + j * 24, MIN(GROUP, blocks - j), 1, X, 32 * j, acc);
+    if (X->x8)
+        q5_legacy_row(row, blocks, 1, X, acc, 1);
+    else
+        q5_legacy_row(row, blocks, 1, X, acc, 0);
 }
 
 /* MXFP4, 8 blocks at a time: the nibbles looked up as signed doubled E2M1 values (one byte
  * shuffle per half), split into even and odd int16 lanes for the x layout; no minimums. */
-INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_t k0, Acc *acc)
+INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_t k0, Acc *acc, const int int8)
 {
     const __m128i m4 = _mm_set1_epi8(15), table = _mm_load_si128((const __m128i *)FP4_DOUBLED);
-    __m256i even[GROUP], odd[GROUP];
+    __m256i even[GROUP], odd[GROUP]; /* int8: the signed values in even */
     float d[GROUP];
     for (int64_t j = 0; j < count; j++) {
         const uint8_t *blk = b + j * 17;
@@ -592,7 +640,7 @@ INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_
         const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1));
         const __m256i q = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
                                            _mm_shuffle_epi8(table, _mm_and_si128(v, m4)));
-        even[j] = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
+        even[j] = int8 ? q : even_bytes(q);
         odd[j] = _mm256_srai_epi16(q, 8);
     }
     for (int64_t i = 0; i < X->M; i++) {
@@ -600,7 +648,7 @@ INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_
         const int16_t *x = X->xq + i * X->K + k0;
         __m256 a0 = acc[i].a0, a1 = acc[i].a1;
         for (int64_t j = 0; j < count; j++) {
-            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
+            const __m256 p = int8 ? run_product_signed(even[j], X, i, k0 + 32 * j, 1) : run_dot(even[j], odd[j], x + 32 * j);
             const __m256 scale = _mm256_set1_ps(d[j] * X->dx[run + j]);
             if (j & 1)
                 a1 = _mm256_fmadd_ps(p, scale, a1);
@@ -615,7 +663,10 @@ INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_
 static void mxfp4_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
 {
     for (int64_t j = 0; j < blocks; j += GROUP)
-        mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc);
+        if (X->x8)
+            mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc, 1);
+        else
+            mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc, 0);
 }
 
 /* A row of a type's blocks against every row of x (the block loop inside: one call per row). */

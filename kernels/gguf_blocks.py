@@ -53,11 +53,14 @@ BY_ID = {t.id: t for t in BLOCK_TYPES.values()}
 
 @attrs.frozen
 class GGUFWeight:
-    """A matrix [N, K] in the file's blocks: ``data`` uint8 [N, row_bytes], rows as stored."""
+    """A matrix [N, K] in the file's blocks: ``data`` uint8 [N, row_bytes], rows as stored.
+    ``activation_bits``: the width ``cpu_gguf``'s integer path quantizes x to for it, 16 or 8
+    (``ACTIVATION_BITS``); a load-time choice (``--activation-bits``) kept with the weight."""
 
     kind: BlockType
     data: torch.Tensor
     K: int
+    activation_bits: int = attrs.field(default=16, validator=attrs.validators.in_((8, 16)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,10 +77,15 @@ def row_bytes(kind: BlockType, K: int) -> int:
     return K // kind.values * kind.bytes
 
 
-def from_bytes(kind: BlockType, raw: np.ndarray, N: int, K: int) -> GGUFWeight:
+def from_bytes(kind: BlockType, raw: np.ndarray, N: int, K: int, activation_bits: int = 16) -> GGUFWeight:
     """A weight over ``raw`` (uint8, the tensor's bytes, e.g. a view of the mapped file)."""
     data = torch.from_numpy(raw).view(N, row_bytes(kind, K))
-    return GGUFWeight(kind, data, K)
+    return GGUFWeight(kind, data, K, activation_bits)
+
+
+def rows_of(weight: GGUFWeight, data: torch.Tensor) -> GGUFWeight:
+    """``weight`` over other rows of its kind (a cut, a reorder), its other settings kept."""
+    return attrs.evolve(weight, data=data)
 
 
 def reference_dequantize(weight: GGUFWeight) -> torch.Tensor:

@@ -4,7 +4,8 @@ the file carries no chat template, Gemma's turns from ``chat_templates``.
 
 Held to ``transformers`` loading the same file (dequantized to float32 through ``gguf``):
 teacher-forced over a few hundred tokens of text, prefilled (float32 activations) and decoded
-a token a step (int16 activations), and the chat replies greedy decoding gives.
+a token a step (int16 activations, and int8 with ``--activation-bits 8``), and the chat replies
+greedy decoding gives.
 """
 
 from __future__ import annotations
@@ -59,14 +60,20 @@ def test_teacher_forced_it_agrees_with_transformers(gemma_file, hf_gemma, parts)
     assert ids[0] == tokenizer.bos_token_id and len(ids) > 140
     header = read_header(gemma_file)
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True)
-    assert model.num_block_weights == len(model.projections())  # every matrix in the file's blocks
     with torch.inference_mode():
         theirs = hf_gemma(torch.tensor([ids])).logits[0]
-    for chunk in (256, 1):  # one prefill (float32 activations); a token a step (int16 activations)
+    # one prefill (float32 activations); a token a step (int16 activations); the same in int8
+    # (--activation-bits 8, llama.cpp's: measured 96.6 % / 0.045, the issue's bar 95 % / 0.05)
+    for chunk, bits, bar in ((256, 16, (0.99, 0.01)), (1, 16, (0.99, 0.01)), (1, 8, (0.95, 0.05))):
+        model = DecoderModel.from_gguf(
+            header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True, activation_bits=bits
+        )
+        assert model.num_block_weights == len(model.projections())  # every matrix in the file's blocks
         agree, delta = _agreement(_all_logits(model, ids, chunk), theirs, ids)
-        print(f"Gemma 3 270M Q4_K_M, chunk {chunk}: agreement {agree:.4f}, mean |d logprob| {delta:.5f}")
-        assert agree >= 0.99 and delta <= 0.01, (chunk, agree, delta)
+        print(
+            f"Gemma 3 270M Q4_K_M, chunk {chunk}, x in int{bits}: agreement {agree:.4f}, mean |d logprob| {delta:.5f}"
+        )
+        assert agree >= bar[0] and delta <= bar[1], (chunk, bits, agree, delta)
 
 
 async def test_chat_replies_are_transformers_greedy_ones(hf_gemma, parts):

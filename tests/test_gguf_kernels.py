@@ -8,6 +8,7 @@ per-row path (decode sizes) and the panel + GEMM path (prefill sizes), into colu
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -105,6 +106,37 @@ def test_matmul_equals_the_decoded_matrix_times_x(name, M, monkeypatch):
     cpu_gguf.matmul(x, weight, out=wide[:, 20 : 20 + N], accumulate=True)
     torch.testing.assert_close(wide[:, 20 : 20 + N], before[:, 20 : 20 + N] + fast, atol=1e-5 * scale, rtol=1e-5)
     assert torch.equal(wide[:, :20], before[:, :20]) and torch.equal(wide[:, 20 + N :], before[:, 20 + N :])
+
+
+INTEGER_TYPES = [name for name in TYPES if BLOCK_TYPES[name].values > 1]
+
+
+@pytest.mark.parametrize("name", INTEGER_TYPES)
+@pytest.mark.parametrize("M", [1, 3, 6, 20])  # 6: a tile of 4 and one of 2
+def test_int8_activations_stay_within_their_bound(name, M):
+    """``activation_bits=8`` (llama.cpp's activations): each output within ``INT8_ACTIVATION_ERROR``
+    of the float one relative to sum |x| |w|, coarser than int16's, and the same through the fused
+    loop's layout (its flags carry the width) and through the grouped call."""
+    N, K = 100, 512
+    weight16 = random_weight(name, N, K, seed=M)
+    weight8 = attrs.evolve(weight16, activation_bits=8)
+    dense = reference_dequantize(weight16)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(2))
+    expected, magnitude = x @ dense.T, x.abs() @ dense.abs().T
+    fast8, fast16 = cpu_gguf.matmul(x, weight8), cpu_gguf.matmul(x, weight16)
+    error8, error16 = ((fast8 - expected).abs() / magnitude).max(), ((fast16 - expected).abs() / magnitude).max()
+    assert error8 <= cpu_gguf.INT8_ACTIVATION_ERROR
+    assert error16 <= cpu_gguf.ACTIVATION_ERROR < error8  # (it is the 8-bit path that ran)
+    assert cpu_gguf.layout(weight8).flags != cpu_gguf.layout(weight16).flags
+    grouped = cpu_gguf.matmul_grouped(x, [weight8, attrs.evolve(weight8, data=weight8.data.flip(0))], False)
+    assert torch.equal(grouped[:, :N], fast8)
+    assert torch.equal(grouped[:, N:], cpu_gguf.matmul(x, attrs.evolve(weight8, data=weight8.data.flip(0))))
+    assert not cpu_gguf.groupable([weight8, weight16], M)  # one width per call
+
+
+def test_activation_bits_are_8_or_16():
+    with pytest.raises(ValueError):
+        attrs.evolve(random_weight("Q4_K", 1, 256), activation_bits=4)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])

@@ -15,7 +15,7 @@ import torch
 
 from trillm.engine.execution.shape import ModelShape
 from trillm.kernels import cpu_gguf
-from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize, rows_of
 
 # Mixtral's checkpoint names for its mixture, and ours (Qwen3-MoE's): w1 is the gate, w3 the up, w2 the down.
 _MIXTRAL_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -57,7 +57,7 @@ def split_rows(w: Any, sizes: list[int]) -> list[Any]:
     if isinstance(w, torch.Tensor):
         return [w[a:b] for a, b in pieces]
     if isinstance(w, GGUFWeight):
-        return [GGUFWeight(w.kind, w.data[a:b], w.K) for a, b in pieces]
+        return [rows_of(w, w.data[a:b]) for a, b in pieces]
     return [type(w)(*(t[a:b] for t in attrs.astuple(w, recurse=False))) for a, b in pieces]
 
 
@@ -86,7 +86,7 @@ def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, keep: 
 
 def _rows_every(w: GGUFWeight, start: int) -> GGUFWeight:
     """Rows start, start + 2, ... of ``w`` (gate and up interleaved), copied: a view cannot skip rows."""
-    return GGUFWeight(w.kind, w.data[start::2].contiguous(), w.K)
+    return rows_of(w, w.data[start::2].contiguous())
 
 
 def canonical_names(weights: dict[str, Any], shape: ModelShape, blocks: bool = False) -> dict[str, Any]:

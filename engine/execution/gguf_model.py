@@ -25,7 +25,7 @@ from trillm.engine.execution.file_checks import check_finite
 from trillm.engine.execution.gguf_header import GGUFHeader, TensorInfo
 from trillm.kernels import cpu_gguf
 from trillm.kernels.block_weights import BlockWeight
-from trillm.kernels.gguf_blocks import BY_ID, GGUFWeight, from_bytes, reference_dequantize, repacked
+from trillm.kernels.gguf_blocks import BY_ID, GGUFWeight, from_bytes, reference_dequantize, repacked, rows_of
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -268,18 +268,21 @@ def _dense(header: GGUFHeader, info: TensorInfo, file: np.ndarray | None = None)
 
 
 def _experts(
-    header: GGUFHeader, info: TensorInfo, file: np.ndarray, prefix: str, kind: str, blocks: bool
+    header: GGUFHeader,
+    info: TensorInfo,
+    file: np.ndarray,
+    prefix: str,
+    kind: str,
+    blocks: bool,
+    activation_bits: int = 16,
 ) -> dict[str, Tensorish]:
     """Each expert's matrix of a [experts, rows, cols] tensor, named ``{prefix}.E.{kind}.weight``:
     with ``blocks`` each a view of its own rows of the mapped file (nothing copied), else decoded."""
     cols, rows, experts = info.dims
     names = [f"{prefix}.{e}.{kind}.weight" for e in range(experts)]
     if blocks and info.type in BY_ID:
-        whole = from_bytes(BY_ID[info.type], _raw(file, info), experts * rows, cols)
-        return {
-            name: repacked(GGUFWeight(whole.kind, whole.data[e * rows : (e + 1) * rows], cols))
-            for e, name in enumerate(names)
-        }
+        whole = from_bytes(BY_ID[info.type], _raw(file, info), experts * rows, cols, activation_bits)
+        return {name: repacked(rows_of(whole, whole.data[e * rows : (e + 1) * rows])) for e, name in enumerate(names)}
     dense = _dense(header, info, file).reshape(experts, rows, cols)
     check_finite(header.path, info.name, dense, "replace it with an intact copy")
     return {name: dense[e] for e, name in enumerate(names)}
@@ -295,12 +298,13 @@ def _unpermute_rows(heads: int, rows: int) -> torch.Tensor:
 Tensorish = torch.Tensor | GGUFWeight | BlockWeight
 
 
-def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
+def gguf_weights(header: GGUFHeader, blocks: bool, activation_bits: int = 16) -> dict[str, Tensorish]:
     """The checkpoint-named weights of ``header``'s file. With ``blocks``, every matrix stays in the
     file's blocks (``GGUFWeight``, or repacked into ``block_weights``' layouts where that is
     exact); else each is decoded to float32. Vectors (norms, biases) are float32 tensors. What is
     decoded is checked to be finite (a damaged file is refused, ``file_checks``); blocks are not
-    read here (a mapped page is read when the model first runs it)."""
+    read here (a mapped page is read when the model first runs it). ``activation_bits``: what the
+    blocks' integer dot products quantize x to (``GGUFWeight.activation_bits``)."""
     arch = header.metadata["general.architecture"]
     config = gguf_config(header)
     file = _mapped(header)
@@ -308,7 +312,8 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
     for info in header.tensors:
         layer, _, leaf = info.name.removeprefix("blk.").partition(".")
         if leaf in _EXPERT_NAMES:  # one tensor of every expert: each expert's rows kept apart
-            out.update(_experts(header, info, file, f"model.layers.{layer}.mlp.experts", _EXPERT_NAMES[leaf], blocks))
+            prefix = f"model.layers.{layer}.mlp.experts"
+            out.update(_experts(header, info, file, prefix, _EXPERT_NAMES[leaf], blocks, activation_bits))
             continue
         if leaf in _EXPERT_BIASES:  # gpt-oss: [experts, rows], one bias per expert
             dense = _dense(header, info, file)
@@ -323,9 +328,9 @@ def gguf_weights(header: GGUFHeader, blocks: bool) -> dict[str, Tensorish]:
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             order = _unpermute_rows(heads, info.dims[1])
         if blocks and len(info.dims) == 2 and info.type in BY_ID:
-            weight = from_bytes(BY_ID[info.type], _raw(file, info), info.dims[1], info.dims[0])
+            weight = from_bytes(BY_ID[info.type], _raw(file, info), info.dims[1], info.dims[0], activation_bits)
             if order is not None:
-                weight = GGUFWeight(weight.kind, weight.data[order], weight.K)
+                weight = rows_of(weight, weight.data[order])
             out[name] = repacked(weight)
         else:
             dense = _dense(header, info, file)

@@ -191,7 +191,15 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
         if not blocks or tp.size > 1:  # decoded at load: the file's size said nothing of that
             check_decoded_fits(plan.gguf, max(4, dtype.itemsize))  # float32 first, then the dtype
         model = DecoderModel.from_gguf(
-            plan.gguf, model_config, dtype, max_len, device, backend=backend, block_weights=blocks, tp=tp
+            plan.gguf,
+            model_config,
+            dtype,
+            max_len,
+            device,
+            backend=backend,
+            block_weights=blocks,
+            tp=tp,
+            activation_bits=config.activation_bits,
         )
     else:
         if not blocks:  # dense in the dtype served (block weights take less: they are not known yet)
