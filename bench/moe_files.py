@@ -130,10 +130,13 @@ def _metadata(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     }
 
 
-def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Path, type_name: str) -> None:
+def qwen3_moe_from_weights(
+    weights: dict[str, Any], cfg: dict[str, Any], dst: Path, type_name: str, arch: str = "qwen3moe"
+) -> None:
     """A Qwen3-MoE checkpoint (HF names, float tensors) as a ``qwen3moe`` GGUF file with every
     matrix in ``type_name`` (a k-quant's fallback where rows are not whole super-blocks, as
-    llama.cpp writes them); vectors and the router float32.
+    llama.cpp writes them); vectors and the router float32. ``arch="qwen2moe"``: a Qwen2-MoE
+    checkpoint (Q/K/V biases, no Q/K norms, the shared expert and its gate).
     Every layer must be a mixture (llama.cpp's layout has no dense MLP layers in this family)."""
 
     def arr(name: str) -> np.ndarray:
@@ -154,8 +157,17 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
             p, g = f"model.layers.{i}.", f"blk.{i}."
             yield g + "attn_norm.weight", arr(p + "input_layernorm.weight"), "F32"
             yield g + "ffn_norm.weight", arr(p + "post_attention_layernorm.weight"), "F32"
-            yield g + "attn_q_norm.weight", arr(p + "self_attn.q_norm.weight"), "F32"
-            yield g + "attn_k_norm.weight", arr(p + "self_attn.k_norm.weight"), "F32"
+            for ours, theirs in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+                if f"{p}self_attn.{theirs}.weight" in weights:
+                    yield g + ours + ".weight", arr(f"{p}self_attn.{theirs}.weight"), "F32"
+            for ours, theirs in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj")):
+                if f"{p}self_attn.{theirs}.bias" in weights:
+                    yield g + ours + ".bias", arr(f"{p}self_attn.{theirs}.bias"), "F32"
+            if p + "mlp.shared_expert_gate.weight" in weights:
+                yield g + "ffn_gate_inp_shexp.weight", arr(p + "mlp.shared_expert_gate.weight").reshape(-1), "F32"
+                for ours, theirs in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj")):
+                    yield (g + ours + ".weight", *enc(arr(f"{p}mlp.shared_expert.{theirs}.weight")))
+                yield (g + "ffn_down_shexp.weight", *enc(arr(p + "mlp.shared_expert.down_proj.weight")))
             for ours, theirs in (
                 ("attn_q", "q_proj"),
                 ("attn_k", "k_proj"),
@@ -175,7 +187,10 @@ def qwen3_moe_from_weights(weights: dict[str, Any], cfg: dict[str, Any], dst: Pa
                 yield g + ours + ".weight", raw.reshape(experts, rows, -1), t
 
     planned: list[Planned] = [(name, data.shape, t, functools.partial(np.asarray, data)) for name, data, t in tensors()]
-    _write(dst, "qwen3moe", _metadata(cfg, cfg["num_hidden_layers"]), None, planned)
+    meta = _metadata(cfg, cfg["num_hidden_layers"])
+    if cfg.get("shared_expert_intermediate_size"):
+        meta["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    _write(dst, arch, meta, None, planned)
 
 
 def random_qwen3_moe(tokenizer: Path, dst: Path, shape_name: str, layers: int | None = None, seed: int = 0) -> None:

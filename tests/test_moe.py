@@ -1,8 +1,9 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral) through every backend, against ``transformers`` on the
-same random weights saved as a HF folder: the router's softmax and top-k, renormalised or not,
-experts gathered per token, Qwen3-MoE's dense layers beside its mixtures, Mixtral's checkpoint
-names (``block_sparse_moe.experts.E.w1``) and its sliding window; at ``--tp 1`` and ``--tp 2``
-(every expert split over the ranks).
+"""Mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) through every backend, against ``transformers``
+on the same random weights saved as a HF folder: the router's softmax and top-k, renormalised or
+not, experts gathered per token, Qwen3-MoE's dense layers beside its mixtures, Qwen2-MoE's shared
+expert (gated by a sigmoid) and Q/K/V biases, Mixtral's checkpoint names
+(``block_sparse_moe.experts.E.w1``) and its sliding window; at ``--tp 1`` and ``--tp 2`` (every
+expert, the shared one too, split over the ranks).
 
 The experts are exact Q8_0 blocks, so the CPU path also runs them as blocks (in the Python loop:
 the C loop has no router).
@@ -12,7 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from trillm.engine.execution.backends import create_backend
 from trillm.engine.execution.model import DecoderModel
@@ -54,6 +62,20 @@ FAMILIES = {
             tie_word_embeddings=True,
         ),
     ),
+    "qwen2_moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,  # whole Q8_0 blocks in the down projection
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,  # Qwen1.5-MoE's: the top-k probabilities as the softmax gave them
+            decoder_sparse_step=1,
+            tie_word_embeddings=False,
+        ),
+    ),
     "mixtral": (
         MixtralForCausalLM,
         MixtralConfig(
@@ -78,13 +100,18 @@ def moe_dir(request, tmp_path_factory, model_dir):
 @pytest.fixture(scope="module")
 def hf_moe(moe_dir):
     config = config_of(moe_dir)
-    cls = MixtralForCausalLM if config["architectures"] == ["MixtralForCausalLM"] else Qwen3MoeForCausalLM
+    classes = {cls.__name__: cls for cls, _ in FAMILIES.values()}
+    cls = classes[config["architectures"][0]]
     return cls.from_pretrained(moe_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def test_shape_reads_the_mixture(moe_dir):
     shape = ModelShape.from_config(config_of(moe_dir))
-    if shape.qk_norm:  # Qwen3-MoE
+    if shape.shared_expert_intermediate_size:  # Qwen2-MoE
+        assert (shape.num_experts, shape.experts_per_token, shape.expert_intermediate_size) == (6, 2, 32)
+        assert shape.shared_expert_intermediate_size == 64 and shape.attention_bias and not shape.qk_norm
+        assert not shape.normalize_top_k and shape.dense_layers == () and not shape.layer_windows
+    elif shape.qk_norm:  # Qwen3-MoE
         assert (shape.num_experts, shape.experts_per_token, shape.expert_intermediate_size) == (8, 3, 32)
         assert shape.normalize_top_k and shape.dense_layers == (1,) and not shape.layer_windows
         assert [shape.is_moe(i) for i in range(3)] == [True, False, True]

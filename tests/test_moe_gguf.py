@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from trillm.bench.moe_files import qwen3_moe_from_weights, random_blocks
 from trillm.engine.execution.backends import create_backend
@@ -241,3 +241,52 @@ def test_a_mixtral_gguf_file_is_transformers(tmp_path):
         theirs = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(_all_logits(model, ids, 1), theirs, atol=1e-4, rtol=1e-4)  # Q8_0: float32 x
+
+
+QWEN2_MOE = dict(
+    {k: v for k, v in CONFIG.items() if k != "norm_topk_prob"},
+    shared_expert_intermediate_size=64,
+    norm_topk_prob=False,  # llama.cpp's qwen2moe never renormalises
+)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_file(tmp_path_factory):
+    """A Qwen2-MoE checkpoint (Q/K/V biases, the shared expert and its gate) of exact Q8_0 blocks,
+    written as llama.cpp's ``qwen2moe`` file."""
+    torch.manual_seed(2)
+    hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(**QWEN2_MOE)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2 and not name.endswith("gate.weight"):
+                p.copy_(_q8_0_exact((torch.randn_like(p) * 0.1).reshape(-1, p.shape[-1])).view_as(p))
+    folder = tmp_path_factory.mktemp("qwen2moe")
+    hf.save_pretrained(folder)
+    path = folder / "qwen2moe-q8_0.gguf"
+    qwen3_moe_from_weights(load_file(folder / "model.safetensors"), QWEN2_MOE, path, "Q8_0", arch="qwen2moe")
+    return hf, path
+
+
+def test_a_qwen2_moe_file_runs_its_shared_expert_as_transformers(qwen2_moe_file):
+    hf, path = qwen2_moe_file
+    header = read_header(path)
+    config = gguf_config(header)
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and not config["norm_topk_prob"]
+    assert config["shared_expert_intermediate_size"] == 64 and config["attention_bias"]
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, config, torch.float32, 256, backend=cpu, block_weights=True)
+    moe = model.layers[1].moe
+    assert moe is not None and moe.shared_gate is not None and moe.shared_gate.shape == (64, 1)
+    assert model.num_block_weights == len(model.projections())  # the shared expert in blocks too
+    ids = list(range(5, 90, 3))
+    with torch.inference_mode():
+        theirs = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=1e-4, rtol=1e-4)
+    assert (_all_logits(model, ids, 1).argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
+    cut = attrs.evolve(header, tensors=tuple(t for t in header.tensors if t.name != "blk.0.ffn_down_shexp.weight"))
+    with pytest.raises(UnsupportedModel, match="blk.0.ffn_down_shexp.weight missing"):
+        check_servable(cut, available=1 << 40, native=True)

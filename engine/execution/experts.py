@@ -46,7 +46,8 @@ def moe_mlp(
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     grouped: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The mixture's output for ``x`` [T, hidden]. ``reduce``: the experts are this rank's slices
+    """The mixture's output for ``x`` [T, hidden] (with Qwen2-MoE's shared expert, gated, added).
+    ``reduce``: the experts are this rank's slices
     (``--tp``): their partial sums are all-reduced, and the down projections' biases (gpt-oss)
     added once, after. ``grouped``: a kernel set's grouped matmul (``kernels/moe.py``): dense
     experts then take two launches for the whole batch."""
@@ -57,6 +58,9 @@ def moe_mlp(
         out = _one_token(x, moe, act, weights[0], experts[0].tolist())
     else:
         out = _sorted_by_expert(x, moe, act, weights, experts)
+    if moe.shared_gate_up is not None and moe.shared_down is not None and moe.shared_gate is not None:
+        gate = torch.sigmoid(torch.mm(x, moe.shared_gate))  # [T, 1]: whole on every rank
+        out = out.add_(project(act(project(x, moe.shared_gate_up)), moe.shared_down).mul_(gate))
     if reduce is not None:
         out = reduce(out)
     if moe.down_bias is not None:

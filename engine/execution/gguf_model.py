@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "phi3": "Phi3ForCausalLM",
@@ -57,6 +58,11 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture's router
+    # Qwen2-MoE's shared expert, and its gate (a vector in the file, [1, hidden] in the checkpoint)
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 # A mixture's experts, one 3-D tensor each [experts, rows, cols], and their checkpoint names
 _EXPERT_NAMES = {
@@ -151,8 +157,10 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     experts = int(get("expert_count", 0) or 0)
     if experts:
         config.update(_mixture_config(arch, experts, int(get("expert_used_count", 2))))
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             config["moe_intermediate_size"] = int(get("expert_feed_forward_length", config["intermediate_size"]))
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length", 0) or 0)
     if arch == "phi3":
         config.update(_phi3_config(header, config))
     if arch == "gpt-oss":  # every other layer windowed, from the first (llama.cpp's pattern of 2)
@@ -337,5 +345,7 @@ def gguf_weights(header: GGUFHeader, blocks: bool, activation_bits: int = 16) ->
             check_finite(header.path, info.name, dense, "replace it with an intact copy")
             if arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
                 dense = dense - 1.0  # back to the checkpoint's w: the model adds 1 to every norm's
+            if name.endswith("shared_expert_gate.weight"):
+                dense = dense.reshape(1, -1)
             out[name] = dense[order] if order is not None else dense
     return out

@@ -49,14 +49,25 @@ class MoEWeights:
     down_stack: torch.Tensor | None = None
     # A GGUF file's experts, all of one type: one token's run as two grouped C calls (``experts.py``)
     grouped_blocks: bool = False
+    # Qwen2-MoE: the shared expert every token runs, and its gate ([hidden, 1], dense, transposed)
+    shared_gate_up: Weight | None = None
+    shared_down: Weight | None = None
+    shared_gate: torch.Tensor | None = None
+
+    def _shared(self) -> list[Weight]:
+        return [self.shared_gate_up, self.shared_down] if self.shared_gate_up is not None else []  # type: ignore[list-item]
 
     def projections(self) -> list[Weight]:
-        return [*self.gate_up, *self.down]
+        return [*self.gate_up, *self.down, *self._shared()]
 
     def active_bytes(self) -> int:
-        """What one token reads: the router and ``top_k`` average experts."""
-        experts = sum(nbytes(w) for w in self.projections())
-        return self.router.numel() * self.router.element_size() + experts * self.top_k // len(self.gate_up)
+        """What one token reads: the router, ``top_k`` average experts and the shared one."""
+        experts = sum(nbytes(w) for w in [*self.gate_up, *self.down])
+        shared = sum(nbytes(w) for w in self._shared())
+        if self.shared_gate is not None:
+            shared += self.shared_gate.numel() * self.shared_gate.element_size()
+        routed = experts * self.top_k // len(self.gate_up)
+        return self.router.numel() * self.router.element_size() + routed + shared
 
 
 @attrs.define

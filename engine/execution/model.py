@@ -92,6 +92,10 @@ def dummy_weights(
                 if shape.expert_bias:
                     w.update({x + "gate_proj.bias": rand(e_inter), x + "up_proj.bias": rand(e_inter)})
                     w[x + "down_proj.bias"] = rand(h)
+            if shape.shared_expert_intermediate_size:
+                s_inter, x = shape.shared_expert_intermediate_size, p + "mlp.shared_expert."
+                w.update({x + "gate_proj.weight": rand(s_inter, h), x + "up_proj.weight": rand(s_inter, h)})
+                w.update({x + "down_proj.weight": rand(h, s_inter), p + "mlp.shared_expert_gate.weight": rand(1, h)})
         else:
             w.update(
                 {
@@ -243,6 +247,17 @@ class DecoderModel:
             gate_up_stack=stacks[0],
             down_stack=stacks[1],
             grouped_blocks=blocks_groupable(gate_up, down),
+            **(self._shared_expert(w, p, block_weights) if self.shape.shared_expert_intermediate_size else {}),
+        )
+
+    @staticmethod
+    def _shared_expert(w: dict[str, Any], p: str, block_weights: bool) -> dict[str, Any]:
+        """Qwen2-MoE's shared expert (``p``: the layer's ``mlp.``): its gated MLP and its gate."""
+        s = p + "shared_expert."
+        return dict(
+            shared_gate_up=fuse([w[s + "gate_proj.weight"], w[s + "up_proj.weight"]], block_weights),
+            shared_down=fuse([w[s + "down_proj.weight"]], block_weights),
+            shared_gate=transposed(w[p + "shared_expert_gate.weight"]),
         )
 
     def projections(self) -> list[Weight]:

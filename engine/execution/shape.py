@@ -16,7 +16,7 @@ import attrs
 import torch
 
 LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
-MIXTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
+MIXTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
 GEMMA3 = {"Gemma3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA3
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
@@ -70,6 +70,9 @@ class ModelShape:
     normalize_top_k: bool = True
     dense_layers: tuple[int, ...] = ()
     expert_bias: bool = False  # gpt-oss: the router and every expert's projections have biases
+    # Qwen2-MoE: beside the routed experts, one shared expert every token runs (a gated MLP of this
+    # size), its output weighed by sigmoid(x . shared_gate); 0: none
+    shared_expert_intermediate_size: int = 0
 
     def __attrs_post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -113,6 +116,8 @@ class ModelShape:
         for layer in range(self.num_layers):
             if self.is_moe(layer):
                 mlp = self.experts_per_token * 3 * h * self.expert_intermediate_size + h * self.num_experts
+                if self.shared_expert_intermediate_size:
+                    mlp += 3 * h * self.shared_expert_intermediate_size + h
             else:
                 mlp = 3 * h * self.intermediate_size
             total += attention + mlp
@@ -142,7 +147,7 @@ class ModelShape:
             rope_scaling=rope or None,
             rotary_dim=int(common["head_dim"] * partial) if partial < 1.0 else 0,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", "Qwen2ForCausalLM" in archs))),
             qk_norm=bool(archs & {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM"}),
             layer_windows=_windows(cfg, bool(archs & _WINDOWED_ALL)),
             **(_mixture(cfg, archs) if archs & MIXTURES else {}),
@@ -186,8 +191,9 @@ def _windows(cfg: dict[str, Any], every_layer: bool) -> tuple[int, ...]:
 
 
 def _mixture(cfg: dict[str, Any], archs: set[str]) -> dict[str, Any]:
-    """Mixtral's and Qwen3-MoE's experts: their count, how many a token runs, their size, and
-    which layers keep a dense MLP (Qwen3-MoE's ``mlp_only_layers``, ``decoder_sparse_step``)."""
+    """Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts: their count, how many a token runs, their
+    size, Qwen2-MoE's shared expert, and which layers keep a dense MLP (Qwen's ``mlp_only_layers``,
+    ``decoder_sparse_step``)."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if experts < 1:
         raise ValueError(f"a mixture of experts ({sorted(archs)[0]}) with no experts in its config")
@@ -220,6 +226,9 @@ def _mixture(cfg: dict[str, Any], archs: set[str]) -> dict[str, Any]:
         expert_intermediate_size=int(cfg["moe_intermediate_size"]),
         normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=tuple(sorted(dense)),
+        shared_expert_intermediate_size=(
+            int(cfg.get("shared_expert_intermediate_size") or 0) if "Qwen2MoeForCausalLM" in archs else 0
+        ),
     )
 
 

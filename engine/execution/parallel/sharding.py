@@ -48,6 +48,7 @@ class Partition:
     intermediate: range  # MLP columns
     vocab: range  # rows of the embedding and of the LM head
     expert_intermediate: range = range(0)  # each expert's MLP columns (a mixture of experts)
+    shared_intermediate: range = range(0)  # the shared expert's columns (Qwen2-MoE)
 
 
 def partition(shape: ModelShape, size: int, rank: int) -> Partition:
@@ -82,6 +83,11 @@ def partition(shape: ModelShape, size: int, rank: int) -> Partition:
         expert_intermediate=(
             even_ranges(shape.expert_intermediate_size, size, BLOCK)[rank] if shape.num_experts else range(0)
         ),
+        shared_intermediate=(
+            even_ranges(shape.shared_expert_intermediate_size, size, BLOCK)[rank]
+            if shape.shared_expert_intermediate_size
+            else range(0)
+        ),
     )
 
 
@@ -93,6 +99,7 @@ def local_shape(shape: ModelShape, part: Partition) -> ModelShape:
         num_kv_heads=len(part.kv_heads),
         intermediate_size=len(part.intermediate),
         expert_intermediate_size=len(part.expert_intermediate),
+        shared_expert_intermediate_size=len(part.shared_intermediate),
     )
 
 
@@ -114,7 +121,13 @@ def shard_weights(weights: dict[str, torch.Tensor], shape: ModelShape, part: Par
     for name, w in weights.items():
         leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
         kind = name.rsplit(".", 1)[-1]  # weight or bias
-        inter = part.expert_intermediate if ".experts." in name else part.intermediate
+        inter = (
+            part.expert_intermediate
+            if ".experts." in name
+            else part.shared_intermediate
+            if ".shared_expert." in name
+            else part.intermediate
+        )
         if leaf == "q_proj":
             out[name] = _rows(w, part.heads, d)
         elif leaf in ("k_proj", "v_proj"):
