@@ -32,10 +32,12 @@ def _attend_block(
     d,
     d_mask,
     scale,
+    softcap,
     stride_cp,
     stride_cs,
     stride_ch,
     PAGE_SIZE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold one block of keys, read from the pages, into an online softmax's running
     (max, sum, weighted V); ``allowed`` masks scores. Rows that see no key yet keep 0."""
@@ -44,6 +46,8 @@ def _attend_block(
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k).to(q.dtype)).to(tl.float32) * scale
+    if SOFTCAP:  # Gemma 2: softcap * tanh(s / softcap), tanh(y) = 2 sigmoid(2 y) - 1
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -65,6 +69,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    softcap,
     window,
     stride_qb,
     stride_qh,
@@ -80,6 +85,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     NUM_HEADS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -121,10 +127,12 @@ def _decode_split_kernel(
             d,
             d_mask,
             scale,
+            softcap,
             stride_cp,
             stride_cs,
             stride_ch,
             PAGE_SIZE,
+            SOFTCAP,
         )
     has = total > 0
     out = acc / tl.where(has, total, 1.0)[:, None]
@@ -188,6 +196,7 @@ def decode_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.decode_attention``."""
     batch = q.shape[0]
@@ -204,6 +213,7 @@ def decode_attention(
         part_out,
         part_lse,
         scale,
+        float(softcap),
         _window(window),
         q.stride(0),
         q.stride(1),
@@ -219,6 +229,7 @@ def decode_attention(
         BLOCK_N=32,
         NUM_SPLITS=NUM_SPLITS,
         NUM_HEADS=heads,
+        SOFTCAP=softcap > 0,
     )
     out = torch.empty_like(q)
     _decode_merge_kernel[(batch, heads)](
@@ -248,6 +259,7 @@ def _extend_kernel(
     out_ptr,
     sinks_ptr,
     scale,
+    softcap,
     window,
     stride_qt,
     stride_qh,
@@ -264,6 +276,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     h = tl.program_id(1)
@@ -306,10 +319,12 @@ def _extend_kernel(
             d,
             d_mask,
             scale,
+            softcap,
             stride_cp,
             stride_cs,
             stride_ch,
             PAGE_SIZE,
+            SOFTCAP,
         )
     if HAS_SINKS:  # gpt-oss: the head's sink logit joins each row's denominator, its value zero
         sink = tl.load(sinks_ptr + h).to(tl.float32)
@@ -335,6 +350,7 @@ def extend_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
     max_new_tokens: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.reference.extend_attention``; ``max_new_tokens``
@@ -356,6 +372,7 @@ def extend_attention(
         out,
         sinks if sinks is not None else out,  # not read without sinks
         scale,
+        float(softcap),
         _window(window),
         q.stride(0),
         q.stride(1),
@@ -372,5 +389,6 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=32,
         HAS_SINKS=sinks is not None,
+        SOFTCAP=softcap > 0,
     )
     return out

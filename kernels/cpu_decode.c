@@ -29,7 +29,16 @@ typedef struct {
     int64_t page_size, row, page; /* floats between slots and between pages */
     int64_t stride;               /* floats between the score rows of two heads */
     float scale;
+    float softcap; /* > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: none */
 } Layout;
+
+/* Gemma 2's soft cap of n scores, in place (before the window's mask and the softmax) */
+INLINE void soft_cap(float *restrict s, int64_t n, float cap)
+{
+    if (cap > 0.0f)
+        for (int64_t p = 0; p < n; p++)
+            s[p] = cap * tanhf(s[p] / cap);
+}
 
 /* ---- Portable version: one task per (sequence, kv head) ---- */
 
@@ -111,9 +120,11 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t ski
             for (int64_t g = 0; g < G; g++)
                 scores[g * stride + p0 + s] = dot(qb + g * D, page + s * row, D) * scale;
     }
-    for (int64_t g = 0; g < G; g++) /* tokens before a sliding window: weight 0 */
-        for (int64_t p = 0; p < skip; p++)
+    for (int64_t g = 0; g < G; g++) {
+        soft_cap(scores + g * stride, n, L->softcap);
+        for (int64_t p = 0; p < skip; p++) /* tokens before a sliding window: weight 0 */
             scores[g * stride + p] = -INFINITY;
+    }
     /* Unnormalised weights (divided at the end). Weights under e^-80 add nothing
      * visible, but their denormal products are very slow. NaN stays NaN. */
     for (int64_t g = 0; g < G; g++) {
@@ -313,6 +324,7 @@ INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t s
     }
     float inv[MAX_HEADS * MAX_G];
     for (int i = 0; i < nh * G; i++) {
+        soft_cap(sc + i * stride, n, L->softcap);
         for (int64_t p = 0; p < skip; p++) /* tokens before a sliding window: weight 0 */
             sc[i * stride + p] = -INFINITY;
         inv[i] = softmax_row(sc + i * stride, n, sinks ? sinks[h0 * G + i] : -INFINITY);
@@ -350,11 +362,12 @@ int trillm_decode_attention(
     const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
     const int32_t *restrict block_tables, const int32_t *restrict context_lens, float *restrict out,
     int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_pages, int64_t page_size,
-    int64_t max_pages, float scale, int num_threads, int64_t window, const float *restrict sinks)
+    int64_t max_pages, float scale, int num_threads, int64_t window, const float *restrict sinks, float softcap)
 {
     if (B == 0)
         return 0;
-    if (B < 0 || H <= 0 || KVH <= 0 || D <= 0 || H % KVH != 0 || page_size <= 0 || num_threads < 1 || window < 0)
+    if (B < 0 || H <= 0 || KVH <= 0 || D <= 0 || H % KVH != 0 || page_size <= 0 || num_threads < 1 || window < 0 ||
+        !(softcap >= 0.0f))
         return 1;
     /* Validate first so that a bad table cannot make us read outside the cache. */
     int64_t max_ctx = 0;
@@ -371,7 +384,7 @@ int trillm_decode_attention(
     }
     const int64_t G = H / KVH;
     const int64_t stride = (max_ctx + 15) / 16 * 16; /* attend16 writes 16 scores at a time */
-    const Layout L = {k_cache, v_cache, page_size, KVH * D, page_size * KVH * D, stride, scale};
+    const Layout L = {k_cache, v_cache, page_size, KVH * D, page_size * KVH * D, stride, scale, softcap};
 #ifdef AVX512_PATH
     const int avx = G <= MAX_G && D % 16 == 0 && D <= 16 * MAX_DV;
 #else

@@ -14,7 +14,9 @@ import torch
 from trillm.kernels import cpu_build
 
 _ARGTYPES = (
-    [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+    [ctypes.c_void_p] * 6
+    + [ctypes.c_int64] * 7
+    + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
 )
 _SIGNATURES = {"trillm_decode_attention": _ARGTYPES}
 _KERNEL = cpu_build.CKernel("cpu_decode", _SIGNATURES, ctypes.c_int, ("-fno-math-errno",))
@@ -43,16 +45,20 @@ def decode_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
     num_threads: int | None = None,
 ) -> torch.Tensor:
     """Each row attends all ``context_lens[b]`` tokens of its own sequence (float32, CPU), or
     with ``window`` > 0 only the last ``window`` of them (a sliding-window layer); ``sinks`` [H]
-    float32: a logit per query head in each softmax's denominator (gpt-oss)."""
+    float32: a logit per query head in each softmax's denominator (gpt-oss); ``softcap`` > 0: each
+    score s taken as softcap * tanh(s / softcap) first (Gemma 2)."""
     tensors = (q, k_cache, v_cache)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         raise ValueError("cpu_decode.decode_attention takes float32 CPU tensors only")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous (a copy would cost more than the attention)")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: none), not {softcap}")
     B, H, D = q.shape
     num_pages, page_size, kv_heads, d_cache = k_cache.shape
     if v_cache.shape != k_cache.shape or d_cache != D or H % kv_heads != 0:
@@ -87,6 +93,7 @@ def decode_attention(
         max(1, threads),
         int(window),
         _sinks(sinks, H),
+        float(softcap),
     )
     if rc == 1:
         raise ValueError("a context length or page index is out of range for the cache/block table")

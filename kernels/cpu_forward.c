@@ -24,7 +24,7 @@ typedef void (*SiluMulFn)(const float *gu, int64_t gu_stride, float *out, int64_
 typedef int (*DecodeFn)(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                         int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads,
-                        int64_t window, const float *sinks);
+                        int64_t window, const float *sinks, float softcap);
 
 enum { ACCUMULATE = 1 }; /* the matmuls' flag: out += x @ W^T */
 
@@ -48,7 +48,7 @@ typedef struct { /* _Model in cpu_forward.py */
     DecodeFn decode;
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_pages, page_size;
     int64_t rotary_dim; /* the rotated part of each head (< head_dim: partial rotary) */
-    float eps, scale;
+    float eps, scale, softcap; /* softcap > 0: the attention scores' (Gemma 2) */
 } Model;
 
 typedef struct {                              /* _Layer in cpu_forward.py */
@@ -147,7 +147,7 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
             memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
         }
         if ((rc = m->decode(q, L->k_cache, L->v_cache, block_tables, context_lens, attn, M, m->heads, KVH, D,
-                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, NULL)))
+                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, NULL, m->softcap)))
             break;
         /* x is free once QKV is projected, and again once gate_up is: the blocks' outputs go there. */
         if ((rc = project_residual(m, L->o, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))

@@ -48,7 +48,7 @@ class _Model(ctypes.Structure):
                 "rotary_dim",
             )
         ]
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
     )
 
 
@@ -122,7 +122,8 @@ class DecodeLayers:
     It keeps a reference to every tensor and struct whose address the C structs hold.
     ``max_rows``: the most rows a step may have here (a GGUF weight's matmul hands larger
     batches to torch's GEMM, which the C loop cannot call). ``activation``: of the gated MLP,
-    silu or gelu_tanh; ``rotary_dim``: the rotated part of each head (None: all of it).
+    silu or gelu_tanh; ``rotary_dim``: the rotated part of each head (None: all of it);
+    ``softcap`` > 0: the attention scores' soft cap (Gemma 2).
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class DecodeLayers:
         scale: float,
         activation: str = "silu",
         rotary_dim: int | None = None,
+        softcap: float = 0.0,
     ) -> None:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
@@ -189,6 +191,7 @@ class DecodeLayers:
             rotary_dim or head_dim,
             eps,
             scale,
+            softcap,
         )
 
         def address(t: torch.Tensor | None) -> int | None:

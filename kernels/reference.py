@@ -42,14 +42,18 @@ def _attend(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [n, H, D] at ``q_positions`` over k/v [L, KVH, D]; causal, GQA; float32 math; with
     ``window`` > 0 each query sees only its last ``window`` positions (itself included); ``sinks``
-    [H]: a logit per head in the softmax's denominator, its value zero."""
+    [H]: a logit per head in the softmax's denominator, its value zero; ``softcap`` > 0: each
+    score s is softcap * tanh(s / softcap) (Gemma 2)."""
     group = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)  # [L, H, D]
     vf = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     keys = torch.arange(k.shape[0]).unsqueeze(0)
     hidden = keys > q_positions.unsqueeze(1)  # [n, L]: the future
     if window > 0:
@@ -72,6 +76,7 @@ def decode_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Each row attends all ``context_lens[b]`` tokens of its own sequence; with ``window`` > 0
     only the last ``window`` of them (a sliding-window layer); ``sinks`` [H]: gpt-oss's logits
@@ -80,7 +85,7 @@ def decode_attention(
     for b in range(q.shape[0]):
         n = int(context_lens[b])
         k, v = _context(k_cache, block_tables[b], n), _context(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale, window, sinks)[0]
+        out[b] = _attend(q[b : b + 1], k, v, torch.tensor([n - 1]), scale, window, sinks, softcap)[0]
     return out
 
 
@@ -94,6 +99,7 @@ def extend_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their sequence's cached prefix plus themselves
     (their K/V already stored). Row ``i`` of a sequence with ``n`` new tokens sits at
@@ -105,7 +111,7 @@ def extend_attention(
             continue
         k, v = _context(k_cache, block_tables[s], length), _context(v_cache, block_tables[s], length)
         positions = torch.arange(length - (end - start), length)
-        out[start:end] = _attend(q[start:end], k, v, positions, scale, window, sinks)
+        out[start:end] = _attend(q[start:end], k, v, positions, scale, window, sinks, softcap)
     return out
 
 

@@ -113,3 +113,19 @@ def test_rejects_other_dtypes_and_bad_tables():
         cpu_decode.decode_attention(q, k_cache, v_cache, bad, context_lens, 1.0)
     with pytest.raises(ValueError):  # longer than the table can hold
         cpu_decode.decode_attention(q, k_cache, v_cache, tables, context_lens * 100, 1.0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (6, 2, 128), (4, 2, 20)])
+def test_soft_capped_scores_match_the_reference(variant: str, heads: int, kv_heads: int, dim: int):
+    """Gemma 2's cap (each score s as cap * tanh(s / cap) before the softmax), windows or not, sinks or not."""
+    q, k_cache, v_cache, tables, lens = paged_inputs([1, 9, 40, 300], heads, kv_heads, dim, 16, seed=3)
+    q = q * 3  # scores of several units: the cap bends them
+    sinks = torch.randn(heads)
+    for window, sink in ((0, None), (7, None), (0, sinks), (7, sinks)):
+        want = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, sink, 1.5)
+        got = cpu_decode.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, sink, 1.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        plain = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, sink)
+        assert not torch.allclose(plain, want, atol=1e-3)  # the cap changes the result
+    with pytest.raises(ValueError):
+        cpu_decode.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, softcap=float("nan"))

@@ -75,7 +75,7 @@ def test_shape_reads_every_switch(gemma3_dir):
 
 
 def test_older_configs_and_what_is_not_served():
-    """A config of the sliding_window_pattern era; Gemma 2's attention soft-capping is refused in one line."""
+    """A config of the sliding_window_pattern era; an activation not served is refused in one line."""
     old = {
         **{k: v for k, v in GEMMA3.items() if k != "layer_types"},
         "architectures": ["Gemma3ForCausalLM"],
@@ -88,8 +88,9 @@ def test_older_configs_and_what_is_not_served():
     shape = ModelShape.from_config(old)
     assert shape.layer_windows == (8, 8, 8, 8, 8, 0, 8)
     assert shape.rope_scaling == {"rope_type": "linear", "factor": 8.0} and shape.local_rope_theta == 10_000.0
-    with pytest.raises(ValueError, match="soft-capping"):
-        ModelShape.from_config({**old, "attn_logit_softcapping": 50.0})
+    assert ModelShape.from_config({**old, "attn_logit_softcapping": 50.0}).attn_logit_softcap == 50.0
+    with pytest.raises(ValueError, match="activation"):
+        ModelShape.from_config({**old, "hidden_activation": "relu"})
 
 
 @pytest.mark.gpu

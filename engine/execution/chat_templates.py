@@ -27,7 +27,7 @@ GEMMA = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 
-BY_ARCHITECTURE = {"gemma3": GEMMA}
+BY_ARCHITECTURE = {"gemma2": GEMMA, "gemma3": GEMMA}
 
 
 def builtin_template(architecture: str) -> str | None:

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
@@ -93,9 +94,14 @@ _PHI3_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
-_LAYER_NAMES_OF = {"gemma3": _GEMMA_LAYER_NAMES, "gpt-oss": _GPT_OSS_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+_LAYER_NAMES_OF = {
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+    "gpt-oss": _GPT_OSS_LAYER_NAMES,
+    "phi3": _PHI3_LAYER_NAMES,
+}
 # Architectures whose converter stored each RMSNorm weight as 1 + w (the checkpoint keeps w)
-NORM_PLUS_ONE = frozenset({"gemma3"})
+NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})
 # Gemma 3 (llama.cpp's reading, the file says neither): every 6th layer global, the others
 # windowed with a rope base of 10,000.
 GEMMA3_PATTERN, GEMMA3_LOCAL_BASE = 6, 10_000.0
@@ -154,6 +160,8 @@ def gguf_config(header: GGUFHeader) -> dict[str, Any]:
         config["rope_scaling"] = scaling
     if arch == "gemma3":
         config.update(_gemma3_config(header, config))
+    if arch == "gemma2":
+        config.update(_gemma2_config(header, config))
     experts = int(get("expert_count", 0) or 0)
     if experts:
         config.update(_mixture_config(arch, experts, int(get("expert_used_count", 2))))
@@ -205,6 +213,33 @@ def _mixture_config(arch: str, experts: int, used: int) -> dict[str, Any]:
     return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": arch in NORMALISED_MIXTURES}
 
 
+def _gemma2_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's keys, as llama.cpp reads its files: every other layer windowed from the first,
+    the two soft caps (llama.cpp's defaults 50 and 30 where the file has none), the score scale
+    (27B, 46 layers: hidden / heads; else the head size), the turn's end an end of sequence."""
+    meta = header.metadata
+    layers = config["num_hidden_layers"]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 46 else config["head_dim"]
+    extra: dict[str, Any] = {
+        "sliding_window": int(meta.get("gemma2.attention.sliding_window", 4096)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "query_pre_attn_scalar": scalar,
+        "attn_logit_softcapping": float(meta.get("gemma2.attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(meta.get("gemma2.final_logit_softcapping", 30.0)),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    return extra | _end_of_turn(header, config)
+
+
+def _end_of_turn(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's ``<end_of_turn>`` as a second end of sequence (chat replies stop there)."""
+    tokens = header.metadata.get("tokenizer.ggml.tokens") or []
+    eos = config.get("eos_token_id")
+    if "<end_of_turn>" in tokens and isinstance(eos, int):
+        return {"eos_token_id": [eos, tokens.index("<end_of_turn>")]}
+    return {}
+
+
 def _gemma3_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
     """What Gemma 3's config.json says beyond a Llama's, as llama.cpp reads the file: the window
     and its pattern, the local rope base, the score scale (27B: hidden / heads; else the head
@@ -221,11 +256,7 @@ def _gemma3_config(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]
         "query_pre_attn_scalar": scalar,
         "hidden_activation": "gelu_pytorch_tanh",
     }
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    eos = config.get("eos_token_id")
-    if "<end_of_turn>" in tokens and isinstance(eos, int):
-        extra["eos_token_id"] = [eos, tokens.index("<end_of_turn>")]
-    return extra
+    return extra | _end_of_turn(header, config)
 
 
 def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:

@@ -18,7 +18,18 @@ from trillm.engine.execution.native_memory import resident_file_bytes
 from trillm.kernels.gguf_blocks import BLOCK_TYPES
 
 # general.architecture values of the families ``shape.ModelShape`` serves (Mistral's GGUF files say "llama")
-SERVED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3")
+SERVED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "qwen2moe",
+    "qwen3moe",
+    "gpt-oss",
+    "phi3",
+)
 # Tensor types read today: plain float32, and every type of the one table of blocks (the IQ types are not yet).
 READ_TYPES = frozenset({"F32", *BLOCK_TYPES})
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -30,6 +41,7 @@ EXTRA_LAYER_TENSORS = {
     "qwen2moe": ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"),
     "gpt-oss": ("attn_sinks", "post_attention_norm"),
     "gemma3": ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"),
+    "gemma2": ("post_attention_norm", "post_ffw_norm"),
 }
 
 

@@ -1,5 +1,5 @@
 """Our decoder-only model over the paged KV cache: every family ``shape.ModelShape`` describes
-(Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3, Phi-3, Mixtral, Qwen3-MoE, gpt-oss), one
+(Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), one
 implementation read by its switches.
 
 Weights are plain tensors held by the model; Q/K/V and gate/up projections are

@@ -17,8 +17,8 @@ import torch
 
 LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
 MIXTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
-GEMMA3 = {"Gemma3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA3
+GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
 _WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
@@ -55,6 +55,7 @@ class ModelShape:
     embed_scale: float = 1.0  # the embedded tokens times this (Gemma: sqrt(hidden_size))
     query_scale: float | None = None  # of the attention scores; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcap: float | None = None  # Gemma 2: each attention score s = cap * tanh(s / cap)
     # Per layer: 0 attends the whole context; W > 0 only its last W tokens (sliding window). (): all whole.
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # the rope base of windowed layers (Gemma 3); None: rope_theta
@@ -130,8 +131,8 @@ class ModelShape:
             raise ValueError(
                 f"unsupported architecture {sorted(archs)}; trillm serves {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        if archs & GEMMA3:
-            return _gemma3(cfg)
+        if archs & GEMMA:
+            return _gemma(cfg, gemma2="Gemma2ForCausalLM" in archs)
         # transformers 5 folds rope_theta/rope_scaling into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -232,49 +233,54 @@ def _mixture(cfg: dict[str, Any], archs: set[str]) -> dict[str, Any]:
     )
 
 
-def _gemma3(cfg: dict[str, Any]) -> ModelShape:
-    """Gemma 3's text model: interleaved sliding-window and global layers, each kind with its own
-    rope base (and the global ones with the config's rope scaling), per-head Q/K norms, norms
-    around both blocks' outputs, GeGLU, an embedding scaled by sqrt(hidden), scores scaled by
-    ``query_pre_attn_scalar``."""
-    if cfg.get("attn_logit_softcapping") is not None:
-        raise ValueError("attention logit soft-capping (Gemma 2) is not served yet")
+def _gemma(cfg: dict[str, Any], gemma2: bool) -> ModelShape:
+    """Gemma 2's and 3's text models: interleaved sliding-window and global layers, norms around
+    both blocks' outputs, GeGLU, an embedding scaled by sqrt(hidden), scores scaled by
+    ``query_pre_attn_scalar``, `1 + w` norms. Gemma 3: each kind of layer with its own rope base
+    (the global ones with the config's rope scaling), per-head Q/K norms. Gemma 2: one rope,
+    attention scores soft-capped (``attn_logit_softcapping``), every other layer windowed."""
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in _GEMMA_ACTIVATIONS:
-        raise ValueError(f"Gemma 3 with the activation {activation!r} is not served")
+        raise ValueError(f"Gemma with the activation {activation!r} is not served")
     n = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
-    if not kinds:  # older configs: every `sliding_window_pattern`-th layer is global
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    if not kinds:  # older configs: every `sliding_window_pattern`-th layer is global (Gemma 2: every other)
+        default = 2 if gemma2 else 6
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or default)
         kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     window = int(cfg.get("sliding_window") or 0)
     windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
     params = cfg.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers 5: one rope per kind of layer
+    if gemma2:  # one rope for every layer
+        full = dict(params or cfg.get("rope_scaling") or {})
+        full.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+        local = None
+    elif "full_attention" in params:  # transformers 5: one rope per kind of layer
         full = dict(params["full_attention"])
         local = dict(params.get("sliding_attention") or {"rope_theta": 10000.0})
     else:
         full = dict(cfg.get("rope_scaling") or {})
         full["rope_theta"] = cfg.get("rope_theta", 1_000_000.0)
         local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
-    if local.get("rope_type", "default") != "default":
+    if local is not None and local.get("rope_type", "default") != "default":
         raise ValueError(f"a rope scaling of Gemma 3's sliding layers ({local['rope_type']!r}) is not served")
     theta = float(full.pop("rope_theta", 1_000_000.0))
     scalar = cfg.get("query_pre_attn_scalar")
-    cap = cfg.get("final_logit_softcapping")
+    cap, attn_cap = cfg.get("final_logit_softcapping"), cfg.get("attn_logit_softcapping")
     return ModelShape(
         **_common(cfg),
         rope_theta=theta,
         rope_scaling=full if full.get("rope_type", "default") != "default" else None,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        qk_norm=True,
+        qk_norm=not gemma2,
         norm_plus_one=True,
         sandwich_norms=True,
         activation=_GEMMA_ACTIVATIONS[activation],
         embed_scale=float(cfg["hidden_size"]) ** 0.5,
         query_scale=float(scalar) ** -0.5 if scalar else None,
         final_logit_softcap=float(cap) if cap else None,
+        attn_logit_softcap=float(attn_cap) if attn_cap else None,
         layer_windows=windows if any(windows) else (),
-        local_rope_theta=float(local.get("rope_theta", 10000.0)),
+        local_rope_theta=float(local.get("rope_theta", 10000.0)) if local is not None else None,
     )

@@ -112,7 +112,14 @@ class CpuBackend(Backend):
             for i, la in enumerate(model.layers)
         ]
         return cpu_forward.DecodeLayers(
-            layers, kv_cache, s.num_heads, s.rms_norm_eps, model.scale, s.activation, s.rope_dim
+            layers,
+            kv_cache,
+            s.num_heads,
+            s.rms_norm_eps,
+            model.scale,
+            s.activation,
+            s.rope_dim,
+            s.attn_logit_softcap or 0.0,
         )
 
     def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
@@ -228,7 +235,8 @@ class CpuBackend(Backend):
                 qk = apply_rotary(qk, cos, sin)
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks)
+            cap = s.attn_logit_softcap or 0.0
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks, cap)
             if layer.attn_out_norm is None and layer.o_bias is None:  # the residual add rides on the GEMM
                 h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
             else:

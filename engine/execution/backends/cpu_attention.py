@@ -99,20 +99,25 @@ def _attention(
     scale: float,
     gqa: bool,
     sinks: torch.Tensor | None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """SDPA; with sinks (which it has no room for), the same softmax written out with one more
-    logit per head in each denominator."""
-    if sinks is None:
+    """SDPA; with sinks or a soft cap (which it has no room for), the same softmax written out:
+    one more logit per head in each denominator, each score s capped as softcap * tanh(s / softcap)."""
+    if sinks is None and not softcap:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, n, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         n, length = scores.shape[-2:]
         mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(weights, v)
@@ -128,22 +133,25 @@ def paged_attention(
     scale: float,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend every row to its context (with ``window``
     > 0, each row only its last ``window`` tokens: a sliding-window layer; ``sinks`` [H], gpt-oss's
-    logit per head in each softmax's denominator)."""
+    logit per head in each softmax's denominator; ``softcap`` > 0, Gemma 2's cap of the scores)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != kv_heads
     d = meta.decode_rows
     if d is not None and d.rows is None:  # a decode-only step: no row shuffling (1/3 of it at one row)
-        return cpu_decode.decode_attention(q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks)
+        return cpu_decode.decode_attention(
+            q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks, softcap
+        )
     out = torch.empty_like(q)
 
     if d is not None and d.rows is not None:
         od = cpu_decode.decode_attention(
-            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks
+            q.index_select(0, d.rows), k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks, softcap
         )
         out.index_copy_(0, d.rows, od)
 
@@ -151,13 +159,13 @@ def paged_attention(
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bd, H, 1, D]
         kd = _gather(k_cache, group.pages).transpose(1, 2)  # [Bd, KVH, L, D]
         vd = _gather(v_cache, group.pages).transpose(1, 2)
-        od = _attention(qd, kd, vd, group.window_mask(window), scale, gqa, sinks)
+        od = _attention(qd, kd, vd, group.window_mask(window), scale, gqa, sinks, softcap)
         out.index_copy_(0, group.rows, od.squeeze(2))
 
     for span in meta.prefills:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = _gather(k_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
         vp = _gather(v_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
-        op = _attention(qp, kp, vp, span.window_mask(window), scale, gqa, sinks)
+        op = _attention(qp, kp, vp, span.window_mask(window), scale, gqa, sinks, softcap)
         out[span.start : span.end] = op.squeeze(0).transpose(0, 1)
     return out

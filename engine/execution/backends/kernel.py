@@ -125,10 +125,10 @@ class KernelBackend(Backend):
                 q, k, positions, model.local_cos if local else model.cos, model.local_sin if local else model.sin
             )
             ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            window, sinks = s.window(i), layer.sinks
+            window, sinks, cap = s.window(i), layer.sinks, s.attn_logit_softcap or 0.0
             if meta.decode_only:
                 attn = ops.decode_attention(
-                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale, window, sinks
+                    q, k_cache, v_cache, meta.block_tables, meta.context_lens, model.scale, window, sinks, cap
                 )
             else:
                 attn = ops.extend_attention(
@@ -141,6 +141,7 @@ class KernelBackend(Backend):
                     model.scale,
                     window,
                     sinks,
+                    cap,
                 )
             delta = model.tp.all_reduce(project(attn.reshape(-1, q_size), layer.o_proj))
             if layer.o_bias is not None:  # gpt-oss: once, after the all-reduce
