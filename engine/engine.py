@@ -96,7 +96,13 @@ class Engine:
         cache = PrefixCache(self.allocator, config.page_size) if config.prefix_cache else None
         policy = SchedulingPolicy(config.scheduling_policy, config.priority_aging_seconds)
         self.scheduler = Scheduler(
-            self.allocator, config.page_size, config.max_num_seqs, config.max_batch_tokens, cache, policy
+            self.allocator,
+            config.page_size,
+            config.max_num_seqs,
+            config.max_batch_tokens,
+            cache,
+            policy,
+            window=model.shape.attention_span,
         )
         self.max_model_len = min(context, num_pages * config.page_size)
         log.info(

@@ -95,6 +95,14 @@ class ModelShape:
         """How many of its last tokens layer ``layer`` attends (0: all of them)."""
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    @property
+    def attention_span(self) -> int:
+        """How many of its last tokens every layer attends: the widest window where every layer
+        has one (older tokens' KV is read by no layer), else 0 (some layer attends them all)."""
+        if not self.layer_windows or not all(self.layer_windows):
+            return 0
+        return max(self.layer_windows)
+
     def local_rope(self, layer: int) -> bool:
         """Whether layer ``layer`` rotates by the local rope table (a windowed layer of Gemma 3)."""
         return self.local_rope_theta is not None and self.window(layer) > 0

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# What a sequence's table holds in place of a page it gave back (``Scheduler._drop_passed_pages``):
+# a valid index (the KV pool is zeroed at start and holds finite values), read by no kernel with
+# any weight: the windowed kernels skip or mask every position before the window.
+DROPPED_PAGE = 0
+
 
 class OutOfPages(Exception):
     """Raised when an allocation asks for more pages than are free."""

@@ -11,7 +11,7 @@ from collections import deque
 
 import attrs
 
-from trillm.engine.scheduling.kv_pages import PageAllocator, pages_needed
+from trillm.engine.scheduling.kv_pages import DROPPED_PAGE, PageAllocator, pages_needed
 from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.sequence import Sequence
@@ -68,8 +68,13 @@ class Scheduler:
         max_batch_tokens: int,
         prefix_cache: PrefixCache | None = None,
         policy: SchedulingPolicy | None = None,
+        window: int = 0,
     ) -> None:
+        """``window`` > 0: every layer attends only its last ``window`` tokens (``ModelShape.
+        attention_span``), so a sequence's pages wholly before its next query's window go back
+        to the pool as it advances (``_drop_passed_pages``)."""
         self.allocator = allocator
+        self.window = window
         self.policy = policy or SchedulingPolicy()
         self.prefix_cache = prefix_cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -136,6 +141,7 @@ class Scheduler:
                 continue  # preempted while making room for another
             if seq.awaits_last_token:
                 continue  # it ends when the step in flight returns
+            self._drop_passed_pages(seq)
             length = min(seq.num_pending, draft.budget)
             if not self._grow(seq, seq.num_computed + length, draft):
                 continue  # it preempted itself
@@ -154,6 +160,7 @@ class Scheduler:
             if full:
                 self._displace(seq, draft)
             self._reuse_cached_prefix(seq)
+            self._drop_passed_pages(seq)  # a long cached prefix: its first pages may be past the window
             length = min(seq.num_pending, draft.budget)
             need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
             while not self._make_room(need) and self._displace(seq, draft):
@@ -162,8 +169,8 @@ class Scheduler:
                 # Admission never over-commits: it waits for pages, holding none. Cached or leader's
                 # pages taken above go back (else a sequence requeued before it could wait for them).
                 if seq.pages:
-                    self.allocator.free(seq.pages)
-                    seq.pages, seq.num_computed, seq.num_settled = [], 0, 0
+                    self.allocator.free(seq.pages[seq.dropped_pages :])
+                    seq.pages, seq.dropped_pages, seq.num_computed, seq.num_settled = [], 0, 0, 0
                 break
             if not seq.admitted:
                 seq.admitted = True
@@ -224,6 +231,9 @@ class Scheduler:
         """
         leader = seq.leader
         assert leader is not None
+        if leader in self.running and leader.dropped_pages:  # its first pages are gone: compute alone
+            seq.leader = None
+            return True
         if leader in self.running and leader.num_settled >= len(leader.prompt_ids):
             shared = (len(seq.prompt_ids) - 1) // self.page_size
             seq.pages = self.allocator.share(leader.pages[:shared])
@@ -234,6 +244,19 @@ class Scheduler:
             return False
         seq.leader = None  # the leader is gone: compute the prompt alone
         return True
+
+    def _drop_passed_pages(self, seq: Sequence) -> None:
+        """Give back the pages no query of ``seq`` will read again: its next query is at position
+        ``num_computed`` (a step in flight reads before the next one writes: the steps run one
+        after the other), and sees keys from ``num_computed - window + 1`` on. Pages in the prefix
+        cache stay there (its reference), evictable as any unreferenced page."""
+        if not self.window:
+            return
+        dead = max(0, seq.num_computed - self.window + 1) // self.page_size
+        if dead > seq.dropped_pages:
+            self.allocator.free(seq.pages[seq.dropped_pages : dead])
+            seq.pages[seq.dropped_pages : dead] = [DROPPED_PAGE] * (dead - seq.dropped_pages)
+            seq.dropped_pages = dead
 
     def _grow(self, seq: Sequence, num_tokens: int, draft: _Draft) -> bool:
         """Give ``seq`` pages for ``num_tokens``, preempting others if needed: under fcfs the
@@ -300,7 +323,7 @@ class Scheduler:
                 continue
             if chunk.generation == seq.num_preemptions:
                 seq.num_settled = max(seq.num_settled, chunk.end)
-                if self.prefix_cache is not None and chunk.length > 1:
+                if self.prefix_cache is not None and chunk.length > 1 and not seq.dropped_pages:
                     # Full prompt pages are final once computed: share them with
                     # requests arriving now, not only after this one ends.
                     self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
@@ -321,8 +344,9 @@ class Scheduler:
         return [seq for seq, _ in self.resolve(batch, sampled)]
 
     def _release(self, seq: Sequence) -> None:
-        """Drop the sequence's pages; with a prefix cache its computed full pages stay cached."""
-        if self.prefix_cache is not None and seq.pages:
+        """Drop the sequence's pages; with a prefix cache its computed full pages stay cached
+        (unless the window has taken its first ones: a cached prefix starts at the first page)."""
+        if self.prefix_cache is not None and seq.pages and not seq.dropped_pages:
             self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        self.allocator.free(seq.pages[seq.dropped_pages :])
+        seq.pages, seq.dropped_pages = [], 0

@@ -33,6 +33,9 @@ class Sequence:
     arrival_time: float = 0.0
     output_ids: list[int] = attrs.field(factory=list)
     pages: list[int] = attrs.field(factory=list)
+    # Leading pages given back because every layer's sliding window has passed them (their places
+    # in ``pages`` hold DROPPED_PAGE, a valid index the kernels never weigh: they mask or skip it).
+    dropped_pages: int = 0
     num_computed: int = 0
     num_settled: int = 0
     pending_sample: int = -1
