@@ -28,6 +28,7 @@ from tests.families import (
     two_ranks_give_transformers_tokens,
 )
 from tests.test_cpu_forward import _counting, _fused_equals_plain
+from tests.test_gguf_quality import _all_logits
 
 GEMMA3 = dict(
     vocab_size=49152,  # the default model's tokenizer, so the folder can be served
@@ -123,3 +124,50 @@ async def test_tp_2_gives_transformers_greedy_tokens(gemma3_dir, hf_gemma3):
     (after the all-reduce) as at one rank."""
     model = await two_ranks_give_transformers_tokens(gemma3_dir, hf_gemma3, n=16)
     assert model.shape.num_heads == 2
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal_dir(tmp_path_factory, model_dir):
+    """An image-and-text checkpoint (``Gemma3ForConditionalGeneration``, as google/gemma-3-4b-it and
+    larger are published): the language model under ``language_model.model.*``, a SigLIP tower beside it."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(4)
+    text = {k: v for k, v in GEMMA3.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={**vision, "patch_size": 14},
+        mm_tokens_per_image=4,
+        boi_token_index=49149,
+        eoi_token_index=49150,
+        image_token_index=49151,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.language_model.embed_tokens.weight.mul_(0.125)
+    return save_random(model, tmp_path_factory.mktemp("gemma3mm"), model_dir, norm_offset=0.0)
+
+
+async def test_an_image_and_text_checkpoint_serves_its_language_model(gemma3_multimodal_dir):
+    """Its text config (defaults filled as transformers fills them) and its language model's weights,
+    the vision tower not read: text-only logits and greedy tokens as transformers' whole model gives."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    folder = gemma3_multimodal_dir
+    raw = config_of(folder)
+    assert raw["architectures"] == ["Gemma3ForConditionalGeneration"] and "text_config" in raw
+    shape = ModelShape.from_config(raw)
+    assert shape.layer_windows == (8, 8, 0, 8) and shape.qk_norm and shape.scale == 24**-0.5
+    hf = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = create_backend("reference", torch.device("cpu"), torch.float32)
+    model = DecoderModel.load(folder, raw, torch.float32, 256, backend=reference)
+    ids = list(range(5, 45))
+    with torch.inference_mode():
+        theirs = hf(input_ids=torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=5e-5, rtol=1e-4)
+    served = await engine_serves_transformers_tokens(folder, hf, n=12)
+    assert served.num_block_weights == len(served.projections()) - 1  # every text projection; the tied head not

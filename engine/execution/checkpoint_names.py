@@ -89,6 +89,26 @@ def _rows_every(w: GGUFWeight, start: int) -> GGUFWeight:
     return rows_of(w, w.data[start::2].contiguous())
 
 
+# An image-and-text checkpoint's parts the text model does not read, and its language model's prefixes
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_LANGUAGE_PREFIXES = {
+    "language_model.model.": "model.",  # the published Gemma 3 checkpoints
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",  # transformers 5's own layout
+}
+
+
+def text_name(name: str) -> str | None:
+    """A checkpoint tensor's name for the text model: a multimodal checkpoint's language model
+    under a Llama-style name, None for its vision tower and projector (not read); others as they are."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, ours in _LANGUAGE_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name
+
+
 def canonical_names(weights: dict[str, Any], shape: ModelShape, blocks: bool = False) -> dict[str, Any]:
     """``weights`` under the names the model reads: Mixtral's ``block_sparse_moe.experts.E.w1``
     as ``mlp.experts.E.gate_proj`` (and so on), its router ``block_sparse_moe.gate`` as ``mlp.gate``;

@@ -29,6 +29,7 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import create_backend
+from trillm.engine.execution.checkpoint_names import text_name
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.kernels import cpu_matmul
 from trillm.kernels.block_weights import pack_exact
@@ -88,10 +89,10 @@ def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
     block_bytes = weights = 0
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            keys = set(f.keys())
+            keys = {text_name(key): key for key in f.keys()}
             for name in _LAYER0:
-                key = f"model.layers.0.{name}.weight"
-                if key not in keys:
+                key = keys.get(f"model.layers.0.{name}.weight")
+                if key is None:
                     continue
                 w = f.get_tensor(key).float()
                 packed = pack_exact(w)

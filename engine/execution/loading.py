@@ -24,6 +24,7 @@ from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resolve_model
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.topology import check_same_model
+from trillm.engine.execution.shape import language_config
 from trillm.kernels import cpu_build, cpu_matmul
 
 log = logging.getLogger("trillm.engine")
@@ -89,7 +90,7 @@ def _model_config(config: EngineConfig, folder: Path, source: Path | GGUFHeader 
     code may have written), else the config.json."""
     if isinstance(source, GGUFHeader):
         return gguf_config(source)
-    return json.loads(_config_file(config, folder).read_text())
+    return language_config(json.loads(_config_file(config, folder).read_text()))
 
 
 def choose_device(config: EngineConfig) -> torch.device:

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache
-from trillm.engine.execution.checkpoint_names import canonical_names
+from trillm.engine.execution.checkpoint_names import canonical_names, text_name
 from trillm.engine.execution.experts import blocks_groupable
 from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.gguf_header import GGUFHeader
@@ -344,8 +344,11 @@ class DecoderModel:
             for file in sorted(folder.glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as f:
                     for key in f.keys():
-                        weights[key] = f.get_tensor(key)
-                        check_finite(file, key, weights[key], cure)  # damaged weights are refused, not served
+                        name = text_name(key)
+                        if name is None:
+                            continue  # an image-and-text checkpoint's vision part: the text model is served
+                        weights[name] = f.get_tensor(key)
+                        check_finite(file, key, weights[name], cure)  # damaged weights are refused, not served
             if not weights:
                 raise FileNotFoundError(f"no .safetensors files in {folder}")
             return weights

@@ -18,7 +18,10 @@ import torch
 LLAMA_LIKE = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"}
 MIXTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM"}
 GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA
+# Image-and-text checkpoints whose language model is served alone (its text config and weights;
+# the vision tower and projector are not read): the architecture their text part is
+MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA | set(MULTIMODAL_TEXT)
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
 _WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
@@ -134,6 +137,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        cfg = language_config(cfg)
         archs = set(cfg.get("architectures") or ["LlamaForCausalLM"])
         if not archs & SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -161,6 +165,23 @@ class ModelShape:
             layer_windows=_windows(cfg, bool(archs & _WINDOWED_ALL)),
             **(_mixture(cfg, archs) if archs & MIXTURES else {}),
         )
+
+
+def language_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An image-and-text checkpoint's config (``MULTIMODAL_TEXT``) as its language model's own: the
+    ``text_config``, its unset keys filled with transformers' defaults (published configs list only
+    what differs from them); any other config as it is."""
+    archs = cfg.get("architectures") or []
+    text = next((MULTIMODAL_TEXT[a] for a in archs if a in MULTIMODAL_TEXT), None)
+    if text is None:
+        return cfg
+    from transformers import Gemma3TextConfig
+
+    inner = Gemma3TextConfig(**(cfg.get("text_config") or {})).to_dict()
+    for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):  # where the outer config says them
+        if key in cfg and cfg[key] is not None:
+            inner.setdefault(key, cfg[key])
+    return {**inner, "architectures": [text]}
 
 
 def _common(cfg: dict[str, Any]) -> dict[str, Any]:
