@@ -118,6 +118,13 @@ class EngineConfig:
         "VNNI; within 5e-3)",
         choices=("8", "16"),
     )
+    prefault: bool = setting(
+        True,
+        "read a GGUF file's pages into memory in the background after start (llama.cpp reads them "
+        "at load): the first requests then wait on no page faults (a mixture of experts touches "
+        "new experts for thousands of tokens)",
+        flag="--no-prefault",
+    )
     enforce_eager: bool = setting(False, "on GPUs, run decode steps without CUDA graphs (debugging)")
     overlap_schedule: bool = setting(
         True,

@@ -23,6 +23,7 @@ import torch
 
 from trillm.engine.execution.file_checks import check_finite
 from trillm.engine.execution.gguf_header import GGUFHeader, TensorInfo
+from trillm.engine.execution.prefault import start as prefault_start
 from trillm.kernels import cpu_gguf
 from trillm.kernels.block_weights import BlockWeight
 from trillm.kernels.gguf_blocks import BY_ID, GGUFWeight, from_bytes, reference_dequantize, repacked, rows_of
@@ -337,13 +338,16 @@ def _unpermute_rows(heads: int, rows: int) -> torch.Tensor:
 Tensorish = torch.Tensor | GGUFWeight | BlockWeight
 
 
-def gguf_weights(header: GGUFHeader, blocks: bool, activation_bits: int = 16) -> dict[str, Tensorish]:
+def gguf_weights(
+    header: GGUFHeader, blocks: bool, activation_bits: int = 16, prefault: bool = False
+) -> dict[str, Tensorish]:
     """The checkpoint-named weights of ``header``'s file. With ``blocks``, every matrix stays in the
     file's blocks (``GGUFWeight``, or repacked into ``block_weights``' layouts where that is
     exact); else each is decoded to float32. Vectors (norms, biases) are float32 tensors. What is
     decoded is checked to be finite (a damaged file is refused, ``file_checks``); blocks are not
     read here (a mapped page is read when the model first runs it). ``activation_bits``: what the
-    blocks' integer dot products quantize x to (``GGUFWeight.activation_bits``)."""
+    blocks' integer dot products quantize x to (``GGUFWeight.activation_bits``). ``prefault``: with
+    ``blocks``, the mapping's pages are read in the background (``prefault.start``)."""
     arch = header.metadata["general.architecture"]
     config = gguf_config(header)
     file = _mapped(header)
@@ -379,4 +383,6 @@ def gguf_weights(header: GGUFHeader, blocks: bool, activation_bits: int = 16) ->
             if name.endswith("shared_expert_gate.weight"):
                 dense = dense.reshape(1, -1)
             out[name] = dense[order] if order is not None else dense
+    if blocks and prefault:
+        prefault_start(file, header.path.name)
     return out

@@ -201,6 +201,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
             block_weights=blocks,
             tp=tp,
             activation_bits=config.activation_bits,
+            prefault=config.prefault,
         )
     else:
         if not blocks:  # dense in the dtype served (block weights take less: they are not known yet)

@@ -1,0 +1,37 @@
+"""A mapped weights file's pages read into the process in the background (``prefault``)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trillm.engine.execution import prefault
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
+
+
+def rss_file() -> int:
+    """Bytes of mapped files resident in this process's page tables."""
+    return int(re.search(r"RssFile:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def test_the_whole_mapping_becomes_resident(tmp_path, caplog):
+    path = tmp_path / "weights.bin"
+    size = 96 << 20  # past one chunk: the loop's every step
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    mapping = np.memmap(path, dtype=np.uint8, mode="c")
+    before = rss_file()
+    assert rss_file() - before < size // 8  # mapping reads nothing
+    with caplog.at_level(logging.INFO, logger="trillm.engine"):
+        thread = prefault.start(mapping, path.name)
+        assert thread is not None and thread.daemon
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert rss_file() - before >= 0.9 * size  # every page now in this mapping's tables
+    assert any("weights.bin: 0.1 GiB" in r.getMessage() for r in caplog.records)
+    assert int(mapping[size - 1]) == path.read_bytes()[-1]  # the same bytes
+    del mapping
