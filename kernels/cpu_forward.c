@@ -11,6 +11,8 @@
  * A projection is one to four parts side by side (Q and K in Q4_K beside V in Q6_K), each with
  * its own matmul and weight layout, written into its columns of the output.
  */
+#include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -26,7 +28,12 @@ typedef int (*DecodeFn)(const float *q, const float *k_cache, const float *v_cac
                         int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads,
                         int64_t window, const float *sinks, float softcap);
 
+typedef int (*GroupedFn)(const float *x, int64_t ldx, int64_t x_step, int type, const uint8_t *const *ws, int64_t G,
+                         int64_t row_bytes, int64_t N, int64_t K, float *out, int64_t ldo, int64_t out_step, int64_t M,
+                         int flags, int num_threads);
+
 enum { ACCUMULATE = 1 }; /* the matmuls' flag: out += x @ W^T */
+#define MAX_TOP_K 16
 
 typedef struct { /* _Part in cpu_forward.py: out[:, col0 : col0 + its rows] (+)= x @ W^T */
     MatmulFn matmul;
@@ -49,7 +56,15 @@ typedef struct { /* _Model in cpu_forward.py */
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_pages, page_size;
     int64_t rotary_dim; /* the rotated part of each head (< head_dim: partial rotary) */
     float eps, scale, softcap; /* softcap > 0: the attention scores' (Gemma 2) */
+    GroupedFn grouped;         /* cpu_gguf's grouped matmul: a mixture's experts */
 } Model;
+
+typedef struct {                 /* _Mixture in cpu_forward.py: a mixture of experts, a GGUF file's blocks */
+    const float *router;         /* [hidden, experts] float32 */
+    int64_t experts, top_k, normalize, inter; /* normalize: the top k's weights sum to 1 */
+    int64_t gate_up_type, gate_up_row_bytes, down_type, down_row_bytes, flags; /* flags: the activations' width */
+    const uint8_t *const *gate, *const *up, *const *down; /* [experts] each: [inter, hidden] and [hidden, inter] */
+} Mixture;
 
 typedef struct {                              /* _Layer in cpu_forward.py */
     const float *input_norm, *post_norm;      /* [hidden] */
@@ -60,6 +75,7 @@ typedef struct {                              /* _Layer in cpu_forward.py */
     int64_t window;                           /* > 0: attends its last `window` tokens only (no sinks here:
                                                  gpt-oss's layers run the Python loop) */
     int64_t local_rope;                       /* rotates by the local tables (Gemma 3's windowed layers) */
+    const Mixture *moe;                       /* a mixture of experts in place of gate_up / down, or NULL */
 } Layer;
 
 static int project(const Projection *P, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M, int flags,
@@ -104,6 +120,71 @@ static int project_residual(const Model *m, const Projection *P, const float *no
     return rc;
 }
 
+/* One row's mixture, as experts.moe_mlp computes one token's: the router's softmax over every
+ * expert in float32, the top k (renormalised where the family does), their gates and ups as one
+ * grouped call and their downs as another, each output weighed and summed into out [hidden].
+ * buf: experts + 5 top_k inter + top_k hidden floats. */
+static int mixture(const Model *m, const Mixture *X, const float *x, float *out, float *buf, int num_threads)
+{
+    const int64_t E = m->hidden, NE = X->experts, K = X->top_k, I = X->inter;
+    float *probs = buf, *gu = probs + NE, *rows = gu + 2 * K * I, *act = rows + 2 * K * I, *down = act + K * I;
+    for (int64_t e = 0; e < NE; e++)
+        probs[e] = 0.0f;
+    for (int64_t k = 0; k < E; k++) { /* x . router, a row of the router at a time */
+        const float v = x[k], *r = X->router + k * NE;
+        for (int64_t e = 0; e < NE; e++)
+            probs[e] += v * r[e];
+    }
+    float top = probs[0], total = 0.0f;
+    for (int64_t e = 1; e < NE; e++)
+        top = probs[e] > top ? probs[e] : top;
+    for (int64_t e = 0; e < NE; e++)
+        total += probs[e] = expf(probs[e] - top);
+    int64_t chosen[MAX_TOP_K];
+    float w[MAX_TOP_K], kept = 0.0f;
+    for (int64_t j = 0; j < K; j++) { /* the largest left, the lower index first among equals */
+        int64_t best = -1;
+        for (int64_t e = 0; e < NE; e++) {
+            int taken = 0;
+            for (int64_t i = 0; i < j; i++)
+                taken |= chosen[i] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best]))
+                best = e;
+        }
+        chosen[j] = best;
+        kept += w[j] = probs[best] / total;
+    }
+    if (X->normalize)
+        for (int64_t j = 0; j < K; j++)
+            w[j] /= kept;
+    const uint8_t *ws[2 * MAX_TOP_K];
+    for (int64_t j = 0; j < K; j++) {
+        ws[j] = X->gate[chosen[j]];
+        ws[K + j] = X->up[chosen[j]];
+    }
+    int rc = m->grouped(x, E, 0, (int)X->gate_up_type, ws, 2 * K, X->gate_up_row_bytes, I, E, gu, 2 * K * I, I, 1,
+                        (int)X->flags, num_threads);
+    if (rc)
+        return rc == 1 ? 2 : 3;
+    for (int64_t j = 0; j < K; j++) { /* each expert's gate and up side by side, as the gated mul reads them */
+        memcpy(rows + j * 2 * I, gu + j * I, sizeof(float) * (size_t)I);
+        memcpy(rows + j * 2 * I + I, gu + (K + j) * I, sizeof(float) * (size_t)I);
+        ws[j] = X->down[chosen[j]];
+    }
+    m->gated_mul(rows, 2 * I, act, K, I, num_threads);
+    rc = m->grouped(act, K * I, I, (int)X->down_type, ws, K, X->down_row_bytes, E, I, down, K * E, E, 1,
+                    (int)X->flags, num_threads);
+    if (rc)
+        return rc == 1 ? 2 : 3;
+    for (int64_t k = 0; k < E; k++) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < K; j++)
+            s += w[j] * down[j * E + k];
+        out[k] = s;
+    }
+    return 0;
+}
+
 /* h [M, hidden] (in place): the residual stream of M sequences decoding one token each,
  * at cache slots slots[M], rotated by cos/sin [M, rotary_dim] (a layer with local_rope by
  * local_cos/local_sin), attending context_lens[M] tokens through block_tables [M, max_pages].
@@ -119,13 +200,31 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
     float *x = work, *qkv = x + M * E, *q = qkv + M * qkv_size, *attn = q + M * q_size, *gu = attn + M * q_size,
           *act = gu + M * 2 * I, *tmp = act + M * I;
     int rc = 0;
+    float *moe_buf = NULL; /* a mixture's: M hidden outputs, then one row's scratch (mixture) */
+    for (int64_t l = 0; l < num_layers; l++) {
+        const Mixture *X = layers[l].moe;
+        if (X && !moe_buf) {
+            int64_t most = 0;
+            for (int64_t j = 0; j < num_layers; j++) {
+                const Mixture *Y = layers[j].moe;
+                const int64_t need = Y ? Y->experts + 5 * Y->top_k * Y->inter + Y->top_k * E : 0;
+                most = need > most ? need : most;
+            }
+            if (!(moe_buf = malloc(sizeof(float) * (size_t)(M * E + most))))
+                return 2;
+        }
+        if (X && (X->top_k < 1 || X->top_k > MAX_TOP_K || X->top_k > X->experts)) {
+            free(moe_buf);
+            return 3;
+        }
+    }
     for (int64_t r = 0; r < M; r++) { /* refuse before anything is written */
         const int64_t n = context_lens[r];
         if (slots[r] < 0 || slots[r] >= m->num_pages * m->page_size || n < 0 || n > max_pages * m->page_size)
-            return 1;
+            return free(moe_buf), 1;
         for (int64_t i = 0; i < (n + m->page_size - 1) / m->page_size; i++)
             if (block_tables[r * max_pages + i] < 0 || block_tables[r * max_pages + i] >= m->num_pages)
-                return 1;
+                return free(moe_buf), 1;
     }
     for (int64_t l = 0; l < num_layers && !rc; l++) {
         const Layer *L = &layers[l];
@@ -153,10 +252,23 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
         if ((rc = project_residual(m, L->o, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
             break;
         m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
+        if (L->moe) { /* each row its own experts; h += the outputs (normed first where the family norms them) */
+            for (int64_t r = 0; r < M && !rc; r++)
+                rc = mixture(m, L->moe, x + r * E, moe_buf + r * E, moe_buf + M * E, num_threads);
+            if (rc)
+                break;
+            if (L->mlp_out_norm)
+                add_normed(m, h, moe_buf, L->mlp_out_norm, tmp, M, num_threads);
+            else
+                for (int64_t i = 0; i < M * E; i++)
+                    h[i] += moe_buf[i];
+            continue;
+        }
         if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, 0, num_threads)))
             break;
         m->gated_mul(gu, 2 * I, act, M, I, num_threads);
         rc = project_residual(m, L->down, L->mlp_out_norm, act, I, h, x, tmp, M, num_threads);
     }
+    free(moe_buf);
     return rc;
 }

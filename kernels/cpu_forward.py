@@ -5,14 +5,17 @@ block matmul, RMSNorm, rotary, SiLU- or GELU-mul and decode attention, sliding w
 Gemma's output norms included), in the same order on
 the same buffers, so the logits are bit for bit the same; what goes is ~10 Python
 wrappers per layer, a third of a one-row step. ``ctypes`` releases the GIL for the
-whole call. Float32 CPU tensors, block weights, no QKV bias.
+whole call. Float32 CPU tensors, block weights, no QKV bias. A mixture of experts whose experts
+are a GGUF file's blocks runs here too (router, top k, two grouped calls per token: what
+``experts.moe_mlp`` does for one token), within float rounding of the Python loop (the router's
+dot products are summed in another order than torch's).
 """
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, ClassVar, TypeAlias
 
 import attrs
 import torch
@@ -33,7 +36,7 @@ Projection: TypeAlias = BlockWeight | GGUFWeight | Stacked
 
 
 class _Model(ctypes.Structure):
-    _fields_ = (
+    _fields_: ClassVar[Any] = (
         [(name, _P) for name in ("rms_norm", "rotary", "gated_mul", "decode")]
         + [
             (name, _I64)
@@ -48,7 +51,28 @@ class _Model(ctypes.Structure):
                 "rotary_dim",
             )
         ]
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("grouped", _P)]
+    )
+
+
+class _Mixture(ctypes.Structure):
+    _fields_ = (
+        [("router", _P)]
+        + [
+            (name, _I64)
+            for name in (
+                "experts",
+                "top_k",
+                "normalize",
+                "inter",
+                "gate_up_type",
+                "gate_up_row_bytes",
+                "down_type",
+                "down_row_bytes",
+                "flags",
+            )
+        ]
+        + [("gate", _P), ("up", _P), ("down", _P)]
     )
 
 
@@ -61,7 +85,7 @@ class _Projection(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [
+    _fields_: ClassVar[Any] = [
         (name, _P)
         for name in (
             "input_norm",
@@ -77,7 +101,23 @@ class _Layer(ctypes.Structure):
             "k_cache",
             "v_cache",
         )
-    ] + [("window", _I64), ("local_rope", _I64)]
+    ] + [("window", _I64), ("local_rope", _I64), ("moe", _P)]
+
+
+MAX_TOP_K = 16  # cpu_forward.c's
+
+
+@attrs.frozen
+class MixtureSpec:
+    """A mixture of experts as the loop runs it: a float32 router [hidden, experts] and each
+    expert's gate, up and down in a GGUF file's blocks (``cpu_gguf.matmul_grouped`` runs them)."""
+
+    router: torch.Tensor
+    top_k: int
+    normalize: bool
+    gate: Sequence[GGUFWeight]
+    up: Sequence[GGUFWeight]
+    down: Sequence[GGUFWeight]
 
 
 @attrs.frozen
@@ -88,14 +128,15 @@ class LayerSpec:
     qkv: Projection
     o: Projection
     post_norm: torch.Tensor
-    gate_up: Projection
-    down: Projection
+    gate_up: Projection | None  # None where ``moe`` takes the MLP's place
+    down: Projection | None
     q_norm: torch.Tensor | None = None  # Qwen3, Gemma 3: per-head norms
     k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # Gemma: norms of each block's output
     mlp_out_norm: torch.Tensor | None = None
     window: int = 0  # > 0: attends its last ``window`` tokens
     local_rope: bool = False  # rotates by the local tables (Gemma 3's windowed layers)
+    moe: MixtureSpec | None = None  # a mixture of experts in place of gate_up / down
 
 
 def available() -> bool:
@@ -140,22 +181,23 @@ class DecodeLayers:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
         hidden = layers[0].input_norm.shape[0]
-        intermediate = layers[0].gate_up.shape[0] // 2
+        dense = [la for la in layers if la.moe is None]
+        intermediate = dense[0].gate_up.shape[0] // 2 if dense and dense[0].gate_up is not None else 0
         self._structs: list[Any] = []  # every ctypes struct whose address a _Layer holds
         self.max_rows = 1 << 30
         for la in layers:
             norms = [la.input_norm, la.post_norm] + [n for n in (la.attn_out_norm, la.mlp_out_norm) if n is not None]
             if any(t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in norms):
                 raise ValueError("norm weights must be contiguous float32 CPU tensors")
-            if not all(fusable(w) for w in (la.qkv, la.o, la.gate_up, la.down)):
+            mlp = (la.gate_up, la.down) if la.moe is None else ()
+            if not all(w is not None and fusable(w) for w in (la.qkv, la.o, *mlp)):
                 raise ValueError("the C loop runs block weights only (repacked or a GGUF file's, up to 4 side by side)")
-            shapes = [w.shape for w in (la.qkv, la.o, la.gate_up, la.down)]
-            expected = [
-                ((heads + 2 * kv_heads) * head_dim, hidden),
-                (hidden, heads * head_dim),
-                (2 * intermediate, hidden),
-                (hidden, intermediate),
-            ]
+            shapes = [w.shape for w in (la.qkv, la.o, *mlp) if w is not None]
+            expected = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim)]
+            if la.moe is None:
+                expected += [(2 * intermediate, hidden), (hidden, intermediate)]
+            else:
+                self._check_mixture(la.moe, hidden)
             if shapes != expected or any(n.shape != (hidden,) for n in norms):
                 raise ValueError(f"layer shapes {shapes} do not match {expected}")
             for head_norm in (la.q_norm, la.k_norm):
@@ -192,6 +234,7 @@ class DecodeLayers:
             eps,
             scale,
             softcap,
+            _address(cpu_gguf._KERNEL.functions()[5]) if cpu_gguf.available() else None,
         )
 
         def address(t: torch.Tensor | None) -> int | None:
@@ -211,6 +254,7 @@ class DecodeLayers:
                     v.data_ptr(),
                     la.window,
                     int(la.local_rope),
+                    self._mixture(la.moe),
                 )
                 for la, (k, v) in zip(layers, kv_cache)
             )
@@ -220,8 +264,51 @@ class DecodeLayers:
         q_size, qkv_size = heads * head_dim, (heads + 2 * kv_heads) * head_dim
         self._work_per_row = 2 * hidden + qkv_size + 2 * q_size + 3 * intermediate
 
-    def _projection(self, weight: Projection) -> int:
-        """The address of a _Projection of ``weight``'s parts (kept alive in ``_structs``)."""
+    @staticmethod
+    def _check_mixture(moe: MixtureSpec, hidden: int) -> None:
+        experts = len(moe.gate)
+        inter = moe.gate[0].shape[0]
+        if not (1 <= moe.top_k <= min(MAX_TOP_K, experts)) or not (len(moe.up) == len(moe.down) == experts):
+            raise ValueError(f"a mixture of {experts} experts, {moe.top_k} a token: the C loop takes up to {MAX_TOP_K}")
+        r = moe.router
+        if r.dtype is not _F32 or not (r.is_cpu and r.is_contiguous()) or r.shape != (hidden, experts):
+            raise ValueError(f"the router must be contiguous float32 [{hidden}, {experts}]")
+        if not (
+            cpu_gguf.groupable([*moe.gate, *moe.up], 1)
+            and cpu_gguf.groupable(list(moe.down), 1)
+            and moe.gate[0].shape == (inter, hidden)
+            and moe.down[0].shape == (hidden, inter)
+            and moe.down[0].activation_bits == moe.gate[0].activation_bits
+        ):
+            raise ValueError("the C loop runs a mixture whose experts are GGUF blocks of one type and shape")
+
+    def _mixture(self, moe: MixtureSpec | None) -> int | None:
+        """The address of a _Mixture (its pointer arrays kept alive in ``_structs``), or None."""
+        if moe is None:
+            return None
+        arrays = [(ctypes.c_void_p * len(ws))(*(w.data.data_ptr() for w in ws)) for ws in (moe.gate, moe.up, moe.down)]
+        first, down = moe.gate[0], moe.down[0]
+        mixture = _Mixture(
+            moe.router.data_ptr(),
+            len(moe.gate),
+            moe.top_k,
+            int(moe.normalize),
+            first.shape[0],
+            first.kind.id,
+            first.data.stride(0),
+            down.kind.id,
+            down.data.stride(0),
+            cpu_gguf.layout(first).flags,
+            *(ctypes.addressof(a) for a in arrays),
+        )
+        self._structs += [*arrays, mixture]
+        return ctypes.addressof(mixture)
+
+    def _projection(self, weight: Projection | None) -> int | None:
+        """The address of a _Projection of ``weight``'s parts (kept alive in ``_structs``); None
+        for a mixture's layer (no gate_up / down)."""
+        if weight is None:
+            return None
         parts = weight.parts if isinstance(weight, Stacked) else (weight,)
         projection = _Projection(len(parts))
         col0 = 0
@@ -292,6 +379,8 @@ class DecodeLayers:
         )
         if rc == 1:
             raise ValueError("a KV slot, context length or page index is out of range for the cache")
+        if rc == 3:
+            raise ValueError("a mixture's experts could not run as grouped calls")
         if rc != 0:
             raise MemoryError("a CPU kernel could not allocate its buffers")
         return h

@@ -45,8 +45,9 @@ def fusing_model(model_parts, monkeypatch):
     model.backend.fuse_decode = True
 
 
-def _fused_equals_plain(model, calls: list[int], max_rows: int = 7) -> None:
-    """Decode batches of 7 down to 1 rows (or ``max_rows``), fused and not: the same logits and KV."""
+def _fused_equals_plain(model, calls: list[int], max_rows: int = 7, exact: bool = True) -> None:
+    """Decode batches of 7 down to 1 rows (or ``max_rows``), fused and not: the same logits and KV
+    (``exact=False``: within float rounding, the same greedy tokens)."""
     fused, plain = ModelRunner(model, 40, 16), ModelRunner(model, 40, 16)
     assert fused._bound is not None
     sched = Scheduler(PageAllocator(40), 16, 8, 256)
@@ -72,13 +73,21 @@ def _fused_equals_plain(model, calls: list[int], max_rows: int = 7) -> None:
             model.backend.fuse_decode = fuse
             with torch.inference_mode():
                 logits[name] = runner.execute_logits(runner.prepare(batch))
-        assert torch.equal(logits["fused"], logits["plain"])
+        if exact:
+            assert torch.equal(logits["fused"], logits["plain"])
+        else:
+            torch.testing.assert_close(logits["fused"], logits["plain"], atol=5e-3, rtol=1e-3)
+            assert logits["fused"].argmax(-1).tolist() == logits["plain"].argmax(-1).tolist()
         if all(c.length == 1 for c in batch.chunks) and len(batch.chunks) <= max_rows:
             decode_rows.append(len(batch.chunks))
         sched.complete(batch, logits["plain"].argmax(-1).tolist())
     assert calls == decode_rows and 7 in calls and 1 in calls  # every decode-only step, and only those, in C
     for (k1, v1), (k2, v2) in zip(fused.kv_cache, plain.kv_cache):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        if exact:
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        else:
+            torch.testing.assert_close(k1, k2, atol=5e-3, rtol=1e-3)
+            torch.testing.assert_close(v1, v2, atol=5e-3, rtol=1e-3)
 
 
 def _counting(monkeypatch) -> list[int]:

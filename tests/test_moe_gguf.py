@@ -21,6 +21,7 @@ from trillm.engine.execution.model import DecoderModel
 from trillm.kernels import cpu_gguf
 from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, reference_dequantize
 
+from tests.test_cpu_forward import _counting, _fused_equals_plain
 from tests.test_gguf_quality import _all_logits
 from tests.test_qwen3 import _q8_0_exact
 
@@ -130,16 +131,36 @@ def test_grouped_matmul_is_each_matmul_bit_for_bit(type_name, rows):
     assert not cpu_gguf.groupable(weights[:2] + [GGUFWeight(BLOCK_TYPES["Q8_0"], weights[0].data, 512)], 1)
 
 
-def test_k_quant_experts_run_grouped_at_one_token_as_the_dense_file(tmp_path, monkeypatch):
-    """Q4_K experts (the real files' kind): a token a step goes through the grouped calls, and its
-    logits are those of the same file decoded to float32 within the int16 path's rounding."""
+def _q4_k_mixture(folder):
+    """A Qwen3-MoE file of Q4_K experts (the real files' kind), from random weights: its header."""
     torch.manual_seed(1)
     config = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
     hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).eval()
-    hf.save_pretrained(tmp_path)  # the checkpoint's names: one matrix per expert
-    path = tmp_path / "qwen3moe-q4_k.gguf"
-    qwen3_moe_from_weights(load_file(tmp_path / "model.safetensors"), config, path, "Q4_K")
-    header = read_header(path)
+    hf.save_pretrained(folder)  # the checkpoint's names: one matrix per expert
+    path = folder / "qwen3moe-q4_k.gguf"
+    qwen3_moe_from_weights(load_file(folder / "model.safetensors"), config, path, "Q4_K")
+    return read_header(path)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_the_c_layer_loop_runs_a_mixture_as_the_python_loop(tmp_path, monkeypatch, bits):
+    """Router, top k and the two grouped expert calls a token in ``cpu_forward.c``: decode batches
+    of 7 down to 1 rows give the Python loop's logits and KV within float rounding (the router's
+    sums run in another order than torch's) and its greedy tokens, at either activation width."""
+    header = _q4_k_mixture(tmp_path)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(
+        header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True, activation_bits=bits
+    )
+    assert cpu.fusable(model) and all(layer.moe is not None for layer in model.layers)
+    _fused_equals_plain(model, _counting(monkeypatch), exact=False)
+    model.backend.fuse_decode = True
+
+
+def test_k_quant_experts_run_grouped_at_one_token_as_the_dense_file(tmp_path, monkeypatch):
+    """Q4_K experts (the real files' kind): a token a step goes through the grouped calls, and its
+    logits are those of the same file decoded to float32 within the int16 path's rounding."""
+    header = _q4_k_mixture(tmp_path)
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
     blocks = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=True)
     dense = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 256, backend=cpu, block_weights=False)

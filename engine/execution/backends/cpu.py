@@ -33,6 +33,7 @@ from trillm.engine.execution.backends.cpu_attention import (
 )
 from trillm.engine.execution.experts import moe_mlp
 from trillm.engine.execution.layers import (
+    MoEWeights,
     Weight,
     gated_activation,
     project,
@@ -43,6 +44,8 @@ from trillm.engine.execution.layers import (
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
+from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels.stacked import Stacked
 
 
 class CpuBackend(Backend):
@@ -76,11 +79,14 @@ class CpuBackend(Backend):
             and model.tp.size == 1  # the C loop has no all-reduce between layers
             and all(
                 layer.qkv_bias is None
-                and layer.moe is None  # the C loop has no router: mixtures run the Python loop
-                and layer.sinks is None  # nor sinks, nor O's bias (gpt-oss)
+                and (layer.moe is None or _mixture_fusable(layer.moe))
+                and layer.sinks is None  # the C loop has no sinks, nor O's bias (gpt-oss)
                 and layer.o_bias is None
                 and model.shape.activation in cpu_ops.GATED
-                and all(cpu_forward.fusable(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+                and all(
+                    w is not None and cpu_forward.fusable(w)
+                    for w in (layer.qkv, layer.o_proj, *((layer.gate_up, layer.down) if layer.moe is None else ()))
+                )
                 for layer in model.layers
             )
         )
@@ -94,20 +100,24 @@ class CpuBackend(Backend):
         def blocks(w: Weight | None) -> cpu_forward.Projection:
             return cast(cpu_forward.Projection, w)  # every projection is: ``fusable`` said so
 
+        def mlp(w: Weight | None) -> cpu_forward.Projection | None:
+            return None if w is None else blocks(w)  # None: a mixture's layer
+
         layers = [
             cpu_forward.LayerSpec(
                 la.input_norm,
                 blocks(la.qkv),
                 blocks(la.o_proj),
                 la.post_norm,
-                blocks(la.gate_up),
-                blocks(la.down),
+                mlp(la.gate_up),
+                mlp(la.down),
                 la.q_norm,
                 la.k_norm,
                 la.attn_out_norm,
                 la.mlp_out_norm,
                 s.window(i),
                 s.local_rope(i),
+                _mixture_spec(la.moe) if la.moe is not None else None,
             )
             for i, la in enumerate(model.layers)
         ]
@@ -289,3 +299,30 @@ def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], pag
         mask = (torch.arange(width * page_size).unsqueeze(0) < group_lens.unsqueeze(1)).view(len(members), 1, 1, -1)
         out.append(DecodeGroup(torch.tensor([rows[i] for i in members], dtype=torch.long), pages, mask, group_lens))
     return tuple(out)
+
+
+def _mixture_fusable(moe: MoEWeights) -> bool:
+    """Whether the C loop runs this mixture: its experts a GGUF file's blocks of one type
+    (``grouped_blocks``), no biases (gpt-oss's) and no shared expert (Qwen2-MoE's)."""
+    return (
+        moe.grouped_blocks
+        and moe.router_bias is None
+        and moe.gate_up_bias is None
+        and moe.down_bias is None
+        and moe.shared_gate_up is None
+        and moe.top_k <= cpu_forward.MAX_TOP_K
+        and moe.router.dtype is torch.float32
+        and moe.router.is_contiguous()
+    )
+
+
+def _mixture_spec(moe: MoEWeights) -> cpu_forward.MixtureSpec:
+    halves = [cast(Stacked, w).parts for w in moe.gate_up]  # gate, up: ``grouped_blocks`` said so
+    return cpu_forward.MixtureSpec(
+        moe.router,
+        moe.top_k,
+        moe.normalize,
+        [cast(GGUFWeight, h[0]) for h in halves],
+        [cast(GGUFWeight, h[1]) for h in halves],
+        [cast(GGUFWeight, w) for w in moe.down],
+    )
