@@ -269,11 +269,23 @@ def _gpt_oss_metadata(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
 
 
 def gpt_oss_file(
-    dst: Path, cfg: dict[str, Any], dense: dict[str, np.ndarray], experts: dict[str, np.ndarray], tokenizer: Path | None
+    dst: Path,
+    cfg: dict[str, Any],
+    dense: dict[str, np.ndarray],
+    experts: dict[str, np.ndarray],
+    tokenizer: Path | None,
+    q8_0: tuple[str, ...] = (),
 ) -> None:
-    """A ``gpt-oss`` GGUF file: ``dense`` (llama.cpp's names -> float arrays, written float32) and
+    """A ``gpt-oss`` GGUF file: ``dense`` (llama.cpp's names -> float arrays, written float32, or
+    Q8_0 where a name ends with one of ``q8_0``, as the published files hold attention) and
     ``experts`` (``blk.N.ffn_*_exps.weight`` -> MXFP4 bytes [experts, rows, row bytes])."""
-    planned: list[Planned] = [(n, a.shape, "F32", functools.partial(np.asarray, a)) for n, a in dense.items()]
+    planned: list[Planned] = []
+    for n, a in dense.items():
+        if n.endswith(q8_0) if q8_0 else False:
+            raw = encode(a, "Q8_0")
+            planned.append((n, raw.shape, "Q8_0", functools.partial(np.asarray, raw)))
+        else:
+            planned.append((n, a.shape, "F32", functools.partial(np.asarray, a)))
     planned += [(n, raw.shape, "MXFP4", functools.partial(np.asarray, raw)) for n, raw in experts.items()]
     _write(dst, "gpt-oss", _gpt_oss_metadata(cfg, cfg["num_hidden_layers"]), tokenizer, planned)
 

@@ -57,6 +57,8 @@ typedef struct { /* _Model in cpu_forward.py */
     int64_t rotary_dim; /* the rotated part of each head (< head_dim: partial rotary) */
     float eps, scale, softcap; /* softcap > 0: the attention scores' (Gemma 2) */
     GroupedFn grouped;         /* cpu_gguf's grouped matmul: a mixture's experts */
+    int64_t swiglu_oai;        /* the gated MLP is gpt-oss's (gated_mul unused): clamped at limit, */
+    float alpha, limit;        /* gate * sigmoid(alpha gate) * (up + 1) */
 } Model;
 
 typedef struct {                 /* _Mixture in cpu_forward.py: a mixture of experts, a GGUF file's blocks */
@@ -64,6 +66,7 @@ typedef struct {                 /* _Mixture in cpu_forward.py: a mixture of exp
     int64_t experts, top_k, normalize, inter; /* normalize: the top k's weights sum to 1 */
     int64_t gate_up_type, gate_up_row_bytes, down_type, down_row_bytes, flags; /* flags: the activations' width */
     const uint8_t *const *gate, *const *up, *const *down; /* [experts] each: [inter, hidden] and [hidden, inter] */
+    const float *router_bias, *gate_up_bias, *down_bias;  /* gpt-oss: [experts], [experts, 2 inter], [experts, hidden] */
 } Mixture;
 
 typedef struct {                              /* _Layer in cpu_forward.py */
@@ -76,7 +79,28 @@ typedef struct {                              /* _Layer in cpu_forward.py */
                                                  gpt-oss's layers run the Python loop) */
     int64_t local_rope;                       /* rotates by the local tables (Gemma 3's windowed layers) */
     const Mixture *moe;                       /* a mixture of experts in place of gate_up / down, or NULL */
+    const float *qkv_bias;                    /* [qkv] (Qwen2, gpt-oss), or NULL */
+    const float *sinks;                       /* [heads]: gpt-oss's logit per head in each softmax, or NULL */
+    const float *o_bias;                      /* [hidden]: gpt-oss's O bias, or NULL */
 } Layer;
+
+/* The gated MLP's act(gate) * up over T rows of [gate (I), up (I)]: the model's kernel, or gpt-oss's
+ * clamped SwiGLU as layers.gated_activation computes it (up + 1) * (gate * sigmoid(alpha gate)). */
+static void gated(const Model *m, const float *gu, int64_t stride, float *out, int64_t T, int64_t I, int num_threads)
+{
+    if (!m->swiglu_oai) {
+        m->gated_mul(gu, stride, out, T, I, num_threads);
+        return;
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < I; i++) {
+            float g = gu[t * stride + i], u = gu[t * stride + I + i];
+            g = g < m->limit ? g : m->limit;
+            u = u < -m->limit ? -m->limit : u > m->limit ? m->limit : u;
+            const float sig = 1.0f / (1.0f + expf(-(g * m->alpha)));
+            out[t * I + i] = (u + 1.0f) * (g * sig);
+        }
+}
 
 static int project(const Projection *P, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M, int flags,
                    int num_threads)
@@ -135,6 +159,9 @@ static int mixture(const Model *m, const Mixture *X, const float *x, float *out,
         for (int64_t e = 0; e < NE; e++)
             probs[e] += v * r[e];
     }
+    if (X->router_bias)
+        for (int64_t e = 0; e < NE; e++)
+            probs[e] += X->router_bias[e];
     float top = probs[0], total = 0.0f;
     for (int64_t e = 1; e < NE; e++)
         top = probs[e] > top ? probs[e] : top;
@@ -169,17 +196,25 @@ static int mixture(const Model *m, const Mixture *X, const float *x, float *out,
     for (int64_t j = 0; j < K; j++) { /* each expert's gate and up side by side, as the gated mul reads them */
         memcpy(rows + j * 2 * I, gu + j * I, sizeof(float) * (size_t)I);
         memcpy(rows + j * 2 * I + I, gu + (K + j) * I, sizeof(float) * (size_t)I);
+        if (X->gate_up_bias)
+            for (int64_t i = 0; i < 2 * I; i++)
+                rows[j * 2 * I + i] += X->gate_up_bias[chosen[j] * 2 * I + i];
         ws[j] = X->down[chosen[j]];
     }
-    m->gated_mul(rows, 2 * I, act, K, I, num_threads);
+    gated(m, rows, 2 * I, act, K, I, num_threads);
     rc = m->grouped(act, K * I, I, (int)X->down_type, ws, K, X->down_row_bytes, E, I, down, K * E, E, 1,
                     (int)X->flags, num_threads);
     if (rc)
         return rc == 1 ? 2 : 3;
     for (int64_t k = 0; k < E; k++) {
-        float s = 0.0f;
+        float s = 0.0f, b = 0.0f;
         for (int64_t j = 0; j < K; j++)
             s += w[j] * down[j * E + k];
+        if (X->down_bias) { /* the downs' biases, weighed as their outputs are, added after */
+            for (int64_t j = 0; j < K; j++)
+                b += w[j] * X->down_bias[chosen[j] * E + k];
+            s += b;
+        }
         out[k] = s;
     }
     return 0;
@@ -231,6 +266,10 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
         m->rms_norm(h, E, L->input_norm, x, M, E, m->eps, num_threads);
         if ((rc = project(L->qkv, x, E, qkv, qkv_size, M, 0, num_threads)))
             break;
+        if (L->qkv_bias)
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t j = 0; j < qkv_size; j++)
+                    qkv[r * qkv_size + j] += L->qkv_bias[j];
         if (L->q_norm && L->k_norm) /* attn is free until the attention writes it: M * q_size floats */
             for (int64_t r = 0; r < M; r++) {
                 head_norm(m, qkv + r * qkv_size, L->q_norm, m->heads, attn, num_threads);
@@ -246,10 +285,21 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
             memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
         }
         if ((rc = m->decode(q, L->k_cache, L->v_cache, block_tables, context_lens, attn, M, m->heads, KVH, D,
-                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, NULL, m->softcap)))
+                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, L->sinks, m->softcap)))
             break;
         /* x is free once QKV is projected, and again once gate_up is: the blocks' outputs go there. */
-        if ((rc = project_residual(m, L->o, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
+        if (L->o_bias) { /* gpt-oss: h + (o + bias), as the Python loop adds them */
+            if ((rc = project(L->o, attn, q_size, x, E, M, 0, num_threads)))
+                break;
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t k = 0; k < E; k++)
+                    x[r * E + k] += L->o_bias[k];
+            if (L->attn_out_norm)
+                add_normed(m, h, x, L->attn_out_norm, tmp, M, num_threads);
+            else
+                for (int64_t i = 0; i < M * E; i++)
+                    h[i] += x[i];
+        } else if ((rc = project_residual(m, L->o, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
             break;
         m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
         if (L->moe) { /* each row its own experts; h += the outputs (normed first where the family norms them) */
@@ -266,7 +316,7 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
         }
         if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, 0, num_threads)))
             break;
-        m->gated_mul(gu, 2 * I, act, M, I, num_threads);
+        gated(m, gu, 2 * I, act, M, I, num_threads);
         rc = project_residual(m, L->down, L->mlp_out_norm, act, I, h, x, tmp, M, num_threads);
     }
     free(moe_buf);

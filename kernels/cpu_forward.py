@@ -52,6 +52,7 @@ class _Model(ctypes.Structure):
             )
         ]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("grouped", _P)]
+        + [("swiglu_oai", _I64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
     )
 
 
@@ -72,7 +73,7 @@ class _Mixture(ctypes.Structure):
                 "flags",
             )
         ]
-        + [("gate", _P), ("up", _P), ("down", _P)]
+        + [("gate", _P), ("up", _P), ("down", _P), ("router_bias", _P), ("gate_up_bias", _P), ("down_bias", _P)]
     )
 
 
@@ -101,7 +102,7 @@ class _Layer(ctypes.Structure):
             "k_cache",
             "v_cache",
         )
-    ] + [("window", _I64), ("local_rope", _I64), ("moe", _P)]
+    ] + [("window", _I64), ("local_rope", _I64), ("moe", _P), ("qkv_bias", _P), ("sinks", _P), ("o_bias", _P)]
 
 
 MAX_TOP_K = 16  # cpu_forward.c's
@@ -118,6 +119,9 @@ class MixtureSpec:
     gate: Sequence[GGUFWeight]
     up: Sequence[GGUFWeight]
     down: Sequence[GGUFWeight]
+    router_bias: torch.Tensor | None = None  # gpt-oss: [experts], [experts, 2 inter], [experts, hidden]
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 @attrs.frozen
@@ -137,6 +141,9 @@ class LayerSpec:
     window: int = 0  # > 0: attends its last ``window`` tokens
     local_rope: bool = False  # rotates by the local tables (Gemma 3's windowed layers)
     moe: MixtureSpec | None = None  # a mixture of experts in place of gate_up / down
+    qkv_bias: torch.Tensor | None = None  # Qwen2, gpt-oss
+    sinks: torch.Tensor | None = None  # gpt-oss: [heads]
+    o_bias: torch.Tensor | None = None  # gpt-oss: [hidden]
 
 
 def available() -> bool:
@@ -164,7 +171,7 @@ class DecodeLayers:
     ``max_rows``: the most rows a step may have here (a GGUF weight's matmul hands larger
     batches to torch's GEMM, which the C loop cannot call). ``activation``: of the gated MLP,
     silu or gelu_tanh; ``rotary_dim``: the rotated part of each head (None: all of it);
-    ``softcap`` > 0: the attention scores' soft cap (Gemma 2).
+    ``softcap`` > 0: the attention scores' soft cap (Gemma 2); ``swiglu``: gpt-oss's (alpha, limit).
     """
 
     def __init__(
@@ -177,6 +184,7 @@ class DecodeLayers:
         activation: str = "silu",
         rotary_dim: int | None = None,
         softcap: float = 0.0,
+        swiglu: tuple[float, float] = (1.702, 7.0),
     ) -> None:
         k0 = kv_cache[0][0]
         num_pages, page_size, kv_heads, head_dim = k0.shape
@@ -209,12 +217,20 @@ class DecodeLayers:
                     raise ValueError(f"Q/K norms must be contiguous float32 CPU [{head_dim}]")
             if la.window < 0:
                 raise ValueError(f"a window of {la.window} tokens")
+            vectors = {
+                "qkv_bias": (la.qkv_bias, ((heads + 2 * kv_heads) * head_dim,)),
+                "sinks": (la.sinks, (heads,)),
+                "o_bias": (la.o_bias, (hidden,)),
+            }
+            for what, (t, shape) in vectors.items():
+                if t is not None and (t.dtype is not _F32 or t.shape != shape or not (t.is_cpu and t.is_contiguous())):
+                    raise ValueError(f"{what} must be contiguous float32 CPU {list(shape)}")
         for k, v in kv_cache:
             if any(t.shape != k0.shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
                 raise ValueError("the KV cache must be contiguous float32 CPU tensors of one shape")
         if len(kv_cache) != len(layers):
             raise ValueError(f"{len(layers)} layers but {len(kv_cache)} caches")
-        if activation not in ("silu", "gelu_tanh"):
+        if activation not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(f"no C kernel for the activation {activation!r}")
         rms_norm, rotary, silu_mul, _, gelu_tanh_mul = cpu_ops._functions()
         (decode,) = cpu_decode._KERNEL.functions()
@@ -235,6 +251,9 @@ class DecodeLayers:
             scale,
             softcap,
             _address(cpu_gguf._KERNEL.functions()[5]) if cpu_gguf.available() else None,
+            int(activation == "swiglu_oai"),
+            swiglu[0],
+            swiglu[1],
         )
 
         def address(t: torch.Tensor | None) -> int | None:
@@ -255,6 +274,9 @@ class DecodeLayers:
                     la.window,
                     int(la.local_rope),
                     self._mixture(la.moe),
+                    address(la.qkv_bias),
+                    address(la.sinks),
+                    address(la.o_bias),
                 )
                 for la, (k, v) in zip(layers, kv_cache)
             )
@@ -270,9 +292,15 @@ class DecodeLayers:
         inter = moe.gate[0].shape[0]
         if not (1 <= moe.top_k <= min(MAX_TOP_K, experts)) or not (len(moe.up) == len(moe.down) == experts):
             raise ValueError(f"a mixture of {experts} experts, {moe.top_k} a token: the C loop takes up to {MAX_TOP_K}")
-        r = moe.router
-        if r.dtype is not _F32 or not (r.is_cpu and r.is_contiguous()) or r.shape != (hidden, experts):
-            raise ValueError(f"the router must be contiguous float32 [{hidden}, {experts}]")
+        biases = (
+            (moe.router, (hidden, experts)),
+            (moe.router_bias, (experts,)),
+            (moe.gate_up_bias, (experts, 2 * inter)),
+            (moe.down_bias, (experts, hidden)),
+        )
+        for t, shape in biases:
+            if t is not None and (t.dtype is not _F32 or not (t.is_cpu and t.is_contiguous()) or t.shape != shape):
+                raise ValueError(f"a mixture's router and biases must be contiguous float32 {list(shape)}")
         if not (
             cpu_gguf.groupable([*moe.gate, *moe.up], 1)
             and cpu_gguf.groupable(list(moe.down), 1)
@@ -300,6 +328,7 @@ class DecodeLayers:
             down.data.stride(0),
             cpu_gguf.layout(first).flags,
             *(ctypes.addressof(a) for a in arrays),
+            *(t.data_ptr() if t is not None else None for t in (moe.router_bias, moe.gate_up_bias, moe.down_bias)),
         )
         self._structs += [*arrays, mixture]
         return ctypes.addressof(mixture)

@@ -25,12 +25,15 @@ from tests.families import (
     config_of,
     engine_serves_transformers_tokens,
     every_backend,
+    q8_0_exact,
     save_random,
     steps_match_transformers,
     two_ranks_give_transformers_tokens,
 )
+from tests.test_cpu_forward import _counting, _fused_equals_plain
 from tests.test_gguf_quality import _all_logits
 
+ATTENTION = tuple(f"attn_{x}.weight" for x in ("q", "k", "v", "output"))  # written Q8_0
 GPT_OSS = dict(
     vocab_size=49152,
     hidden_size=64,
@@ -130,7 +133,8 @@ def _decoded(raw: np.ndarray, cols: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def gpt_oss_gguf(tmp_path_factory):
-    """A gpt-oss GGUF file with MXFP4 experts, and transformers' model of the same values."""
+    """A gpt-oss GGUF file with MXFP4 experts and Q8_0 attention (as published files hold them),
+    and transformers' model of the same values."""
     torch.manual_seed(2)
     cfg = {**GPT_OSS, "vocab_size": 512}
     hf = GptOssForCausalLM(GptOssConfig(**cfg)).eval()
@@ -151,6 +155,8 @@ def gpt_oss_gguf(tmp_path_factory):
                 p[:, :, 0::2], p[:, :, 1::2] = gate.transpose(1, 2), up.transpose(1, 2)
             elif name.endswith("experts.down_proj"):
                 p.copy_(down.transpose(1, 2))
+            elif name.endswith("_proj.weight") and ".self_attn." in name:  # Q8_0 in the file, exactly
+                p.copy_(q8_0_exact(torch.randn_like(p) * 0.1))
             else:
                 p.copy_(torch.randn_like(p) * 0.1)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
@@ -200,7 +206,7 @@ def gpt_oss_gguf(tmp_path_factory):
         "original_context": 128,
     }
     path = tmp_path_factory.mktemp("gpt_oss_gguf") / "gpt-oss-mxfp4.gguf"
-    gpt_oss_file(path, meta_cfg, dense, experts, None)
+    gpt_oss_file(path, meta_cfg, dense, experts, None, q8_0=ATTENTION)
     return hf, path
 
 
@@ -221,7 +227,7 @@ def test_a_gguf_file_with_mxfp4_experts_is_transformers(gpt_oss_gguf):
     ids = list(range(3, 75, 2))
     with torch.inference_mode():
         theirs = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(_all_logits(model, ids, 64), theirs, atol=3e-4, rtol=1e-4)
     decoded = _all_logits(model, ids, 1)
     assert (decoded.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.95
     assert (decoded - theirs).abs().max() < 0.02 * theirs.abs().max()
@@ -274,8 +280,22 @@ def test_an_mxfp4_checkpoint_keeps_its_experts_in_blocks(gpt_oss_gguf, tmp_path,
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
     kept = DecoderModel.load(folder, config, torch.float32, 256, backend=cpu, block_weights=True)
     assert all(isinstance(w, GGUFWeight) and w.kind.name == "MXFP4" for w in kept.layers[1].moe.down)
-    torch.testing.assert_close(_all_logits(kept, ids, 64), theirs, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(_all_logits(kept, ids, 64), theirs, atol=3e-4, rtol=1e-4)
     reference = create_backend("reference", torch.device("cpu"), torch.float32)
     decoded = DecoderModel.load(folder, config, torch.float32, 256, backend=reference)
     assert isinstance(decoded.layers[0].moe.gate_up[0], torch.Tensor)
     torch.testing.assert_close(_all_logits(decoded, ids, 64), theirs, atol=2e-4, rtol=1e-4)
+
+
+def test_the_c_layer_loop_runs_gpt_oss_as_the_python_loop(gpt_oss_gguf, monkeypatch):
+    """Sinks, Q/K/V and O biases, the router's bias, the experts' biases and the clamped SwiGLU in
+    ``cpu_forward.c``, the MXFP4 experts as grouped calls: decode batches of 7 down to 1 rows give
+    the Python loop's logits and KV within float rounding, and its greedy tokens."""
+    _, path = gpt_oss_gguf
+    header = read_header(path)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True)
+    assert cpu.fusable(model)
+    assert all(la.sinks is not None and la.o_bias is not None and la.qkv_bias is not None for la in model.layers)
+    _fused_equals_plain(model, _counting(monkeypatch), exact=False)
+    model.backend.fuse_decode = True

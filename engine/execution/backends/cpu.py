@@ -78,11 +78,8 @@ class CpuBackend(Backend):
             and cpu_forward.available()
             and model.tp.size == 1  # the C loop has no all-reduce between layers
             and all(
-                layer.qkv_bias is None
-                and (layer.moe is None or _mixture_fusable(layer.moe))
-                and layer.sinks is None  # the C loop has no sinks, nor O's bias (gpt-oss)
-                and layer.o_bias is None
-                and model.shape.activation in cpu_ops.GATED
+                (layer.moe is None or _mixture_fusable(layer.moe))
+                and (model.shape.activation in cpu_ops.GATED or model.shape.activation == "swiglu_oai")
                 and all(
                     w is not None and cpu_forward.fusable(w)
                     for w in (layer.qkv, layer.o_proj, *((layer.gate_up, layer.down) if layer.moe is None else ()))
@@ -118,6 +115,9 @@ class CpuBackend(Backend):
                 s.window(i),
                 s.local_rope(i),
                 _mixture_spec(la.moe) if la.moe is not None else None,
+                la.qkv_bias,
+                la.sinks,
+                la.o_bias,
             )
             for i, la in enumerate(model.layers)
         ]
@@ -130,6 +130,7 @@ class CpuBackend(Backend):
             s.activation,
             s.rope_dim,
             s.attn_logit_softcap or 0.0,
+            (s.swiglu_alpha, s.swiglu_limit),
         )
 
     def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
@@ -303,12 +304,9 @@ def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], pag
 
 def _mixture_fusable(moe: MoEWeights) -> bool:
     """Whether the C loop runs this mixture: its experts a GGUF file's blocks of one type
-    (``grouped_blocks``), no biases (gpt-oss's) and no shared expert (Qwen2-MoE's)."""
+    (``grouped_blocks``), and no shared expert (Qwen2-MoE's)."""
     return (
         moe.grouped_blocks
-        and moe.router_bias is None
-        and moe.gate_up_bias is None
-        and moe.down_bias is None
         and moe.shared_gate_up is None
         and moe.top_k <= cpu_forward.MAX_TOP_K
         and moe.router.dtype is torch.float32
@@ -325,4 +323,7 @@ def _mixture_spec(moe: MoEWeights) -> cpu_forward.MixtureSpec:
         [cast(GGUFWeight, h[0]) for h in halves],
         [cast(GGUFWeight, h[1]) for h in halves],
         [cast(GGUFWeight, w) for w in moe.down],
+        moe.router_bias,
+        moe.gate_up_bias,
+        moe.down_bias,
     )
