@@ -38,6 +38,40 @@ def q8_0_exact(w: torch.Tensor) -> torch.Tensor:
     return (d * (blocks / d).round().clamp(-127, 127)).view_as(w)
 
 
+class GGUFFromFolder:
+    """A tiny family's HF folder written as llama.cpp's converter writes its GGUF file: the
+    folder's float tensors (``w``), a writer with the keys every family has set from ``cfg``, and
+    ``q8`` for the projections (their values are exact Q8_0 blocks, so the file holds them exactly).
+    ``close`` writes the file."""
+
+    def __init__(self, folder: Path, path: Path, arch: str, cfg: dict[str, Any]) -> None:
+        from gguf import GGUFWriter
+        from safetensors.torch import load_file
+
+        self.w = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
+        self.writer = writer = GGUFWriter(path, arch)
+        writer.add_context_length(cfg["max_position_embeddings"])
+        writer.add_embedding_length(cfg["hidden_size"])
+        writer.add_feed_forward_length(cfg["intermediate_size"])
+        writer.add_block_count(cfg["num_hidden_layers"])
+        writer.add_head_count(cfg["num_attention_heads"])
+        writer.add_head_count_kv(cfg["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+    def q8(self, name: str, array: Any) -> None:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        raw = quantize(array, GGMLQuantizationType.Q8_0)
+        self.writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+
+    def close(self) -> None:
+        self.writer.write_header_to_file()
+        self.writer.write_kv_data_to_file()
+        self.writer.write_tensors_to_file()
+        self.writer.close()
+
+
 def save_random(model: torch.nn.Module, folder: Path, tokenizer_dir: Path, norm_offset: float = 1.0) -> Path:
     """``model`` (seeded by the caller) with random norms around ``norm_offset`` (unit norms would hide
     a missing or misplaced one) and every projection an exact Q8_0 block matrix (so the CPU path

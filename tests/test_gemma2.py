@@ -11,7 +11,6 @@ blocks: the CPU path runs them in its C layer loop, the cap included.
 from __future__ import annotations
 
 import attrs
-import numpy as np
 import pytest
 import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
@@ -25,6 +24,7 @@ from trillm.engine.execution.shape import ModelShape
 from trillm.kernels import cpu_matmul
 
 from tests.families import (
+    GGUFFromFolder,
     config_of,
     engine_serves_transformers_tokens,
     every_backend,
@@ -130,28 +130,13 @@ async def test_tp_2_gives_transformers_greedy_tokens(gemma2_dir, hf_gemma2):
 def _gemma2_gguf(folder, path) -> None:
     """The folder as llama.cpp's converter writes Gemma 2: norms stored as 1 + w, the embedding tied,
     the projections in Q8_0 (their values are exact Q8_0 blocks), the caps and window as keys."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
-
-    w = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
-    writer = GGUFWriter(path, "gemma2")
-    writer.add_context_length(GEMMA2["max_position_embeddings"])
-    writer.add_embedding_length(GEMMA2["hidden_size"])
-    writer.add_feed_forward_length(GEMMA2["intermediate_size"])
-    writer.add_block_count(GEMMA2["num_hidden_layers"])
-    writer.add_head_count(GEMMA2["num_attention_heads"])
-    writer.add_head_count_kv(GEMMA2["num_key_value_heads"])
+    out = GGUFFromFolder(folder, path, "gemma2", GEMMA2)
+    w, writer, q8 = out.w, out.writer, out.q8
     writer.add_key_length(GEMMA2["head_dim"])
     writer.add_value_length(GEMMA2["head_dim"])
-    writer.add_layer_norm_rms_eps(GEMMA2["rms_norm_eps"])
     writer.add_sliding_window(GEMMA2["sliding_window"])
     writer.add_attn_logit_softcapping(GEMMA2["attn_logit_softcapping"])
     writer.add_final_logit_softcapping(GEMMA2["final_logit_softcapping"])
-
-    def q8(name: str, array: np.ndarray) -> None:
-        raw = quantize(array, GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q8_0)
 
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", w["model.norm.weight"] + 1)
@@ -174,10 +159,7 @@ def _gemma2_gguf(folder, path) -> None:
             q8(g + ours + ".weight", w[p + "self_attn." + theirs + ".weight"])
         for ours, theirs in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
             q8(g + ours + ".weight", w[p + "mlp." + theirs + ".weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    out.close()
 
 
 def test_a_gemma2_gguf_file_is_transformers(gemma2_dir, tmp_path):

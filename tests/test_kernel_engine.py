@@ -19,8 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.execution.backends import CpuBackend, create_backend
+from trillm.engine.execution.dummy_weights import dummy_weights
 from trillm.engine.execution.loading import load_model
-from trillm.engine.execution.model import DecoderModel, dummy_weights
+from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.sampling_params import SamplingParams

@@ -46,16 +46,24 @@ CONFIG = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def hf_and_file(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval()
+def _exact_q8_0_weights(hf: torch.nn.Module) -> torch.nn.Module:
+    """Random norms around 1, biases, and every matrix exact Q8_0 blocks but the routers (and
+    Qwen2-MoE's shared expert gate), which stay float32 in the file."""
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif p.dim() >= 2 and not name.endswith("gate.weight"):  # the router stays float32 in the file
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2 and not name.endswith("gate.weight"):
                 p.copy_(_q8_0_exact((torch.randn_like(p) * 0.1).reshape(-1, p.shape[-1])).view_as(p))
+    return hf
+
+
+@pytest.fixture(scope="module")
+def hf_and_file(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = _exact_q8_0_weights(Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).eval())
     folder = tmp_path_factory.mktemp("qwen3moe")
     hf.save_pretrained(folder)
     weights = load_file(folder / "model.safetensors")  # the checkpoint's own names: one matrix per expert
@@ -276,15 +284,7 @@ def qwen2_moe_file(tmp_path_factory):
     """A Qwen2-MoE checkpoint (Q/K/V biases, the shared expert and its gate) of exact Q8_0 blocks,
     written as llama.cpp's ``qwen2moe`` file."""
     torch.manual_seed(2)
-    hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(**QWEN2_MOE)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif p.dim() >= 2 and not name.endswith("gate.weight"):
-                p.copy_(_q8_0_exact((torch.randn_like(p) * 0.1).reshape(-1, p.shape[-1])).view_as(p))
+    hf = _exact_q8_0_weights(Qwen2MoeForCausalLM(Qwen2MoeConfig(**QWEN2_MOE)).eval())
     folder = tmp_path_factory.mktemp("qwen2moe")
     hf.save_pretrained(folder)
     path = folder / "qwen2moe-q8_0.gguf"

@@ -18,6 +18,7 @@ from trillm.engine.execution.rope import cos_sin_table
 from trillm.engine.execution.shape import ModelShape
 
 from tests.families import (
+    GGUFFromFolder,
     config_of,
     engine_serves_transformers_tokens,
     every_backend,
@@ -101,19 +102,8 @@ async def test_tp_2_gives_transformers_greedy_tokens(phi3_dir, hf_phi3):
 def _phi3_gguf(folder, path) -> None:
     """The folder as llama.cpp's converter writes Phi-3: attn_qkv and ffn_up (gate and up) fused,
     the projections in Q8_0 (their values are exact Q8_0 blocks), LongRoPE's factors as tensors."""
-    from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
-
-    w = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
-    writer = GGUFWriter(path, "phi3")
-    writer.add_context_length(PHI3["max_position_embeddings"])
-    writer.add_embedding_length(PHI3["hidden_size"])
-    writer.add_feed_forward_length(PHI3["intermediate_size"])
-    writer.add_block_count(PHI3["num_hidden_layers"])
-    writer.add_head_count(PHI3["num_attention_heads"])
-    writer.add_head_count_kv(PHI3["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(PHI3["rms_norm_eps"])
+    out = GGUFFromFolder(folder, path, "phi3", PHI3)
+    w, writer, q8 = out.w, out.writer, out.q8
     writer.add_rope_dimension_count(ROTARY)
     writer.add_rope_freq_base(10000.0)
     writer.add_rope_scaling_orig_ctx_len(PHI3["original_max_position_embeddings"])
@@ -121,10 +111,6 @@ def _phi3_gguf(folder, path) -> None:
     scaling = PHI3["rope_scaling"]
     writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
     writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
-
-    def q8(name: str, array: np.ndarray) -> None:
-        raw = quantize(array, GGMLQuantizationType.Q8_0)
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=GGMLQuantizationType.Q8_0)
 
     writer.add_tensor("token_embd.weight", w["model.embed_tokens.weight"])
     writer.add_tensor("output.weight", w["lm_head.weight"])
@@ -137,10 +123,7 @@ def _phi3_gguf(folder, path) -> None:
         q8(g + "attn_output.weight", w[p + "self_attn.o_proj.weight"])
         q8(g + "ffn_up.weight", w[p + "mlp.gate_up_proj.weight"])
         q8(g + "ffn_down.weight", w[p + "mlp.down_proj.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    out.close()
 
 
 def test_a_phi3_gguf_file_is_transformers(phi3_dir, hf_phi3, tmp_path):

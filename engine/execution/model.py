@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from trillm.engine.execution.backends import Backend, KVCache
 from trillm.engine.execution.checkpoint_names import canonical_names, text_name
+from trillm.engine.execution.dummy_weights import dummy_weights
 from trillm.engine.execution.experts import blocks_groupable
 from trillm.engine.execution.file_checks import check_finite, cure_for
 from trillm.engine.execution.gguf_header import GGUFHeader
@@ -44,77 +45,6 @@ from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import StepMetadata
-
-
-def dummy_weights(
-    shape: ModelShape, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0
-) -> dict[str, torch.Tensor]:
-    """Checkpoint-named random weights (std 0.02, unit norms), made on ``device``."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    h, d = shape.hidden_size, shape.head_dim
-    q, kv, inter = shape.num_heads * d, shape.num_kv_heads * d, shape.intermediate_size
-
-    def rand(*size: int) -> torch.Tensor:
-        return (torch.randn(size, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
-
-    def ones(n: int) -> torch.Tensor:  # unit norms, in the checkpoint's convention
-        return torch.full((n,), 0.0 if shape.norm_plus_one else 1.0, device=device, dtype=dtype)
-
-    w = {"model.embed_tokens.weight": rand(shape.vocab_size, h), "model.norm.weight": ones(h)}
-    if not shape.tie_word_embeddings:
-        w["lm_head.weight"] = rand(shape.vocab_size, h)
-    for i in range(shape.num_layers):
-        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-        w.update(
-            {
-                p + "input_layernorm.weight": ones(h),
-                p + "post_attention_layernorm.weight": ones(h),
-                a + "q_proj.weight": rand(q, h),
-                a + "k_proj.weight": rand(kv, h),
-                a + "v_proj.weight": rand(kv, h),
-                a + "o_proj.weight": rand(h, q),
-            }
-        )
-        if shape.is_moe(i):
-            e_inter = shape.expert_intermediate_size
-            w[p + "mlp.gate.weight"] = rand(shape.num_experts, h)
-            if shape.expert_bias:
-                w[p + "mlp.gate.bias"] = rand(shape.num_experts)
-            for e in range(shape.num_experts):
-                x = f"{p}mlp.experts.{e}."
-                w.update(
-                    {
-                        x + "gate_proj.weight": rand(e_inter, h),
-                        x + "up_proj.weight": rand(e_inter, h),
-                        x + "down_proj.weight": rand(h, e_inter),
-                    }
-                )
-                if shape.expert_bias:
-                    w.update({x + "gate_proj.bias": rand(e_inter), x + "up_proj.bias": rand(e_inter)})
-                    w[x + "down_proj.bias"] = rand(h)
-            if shape.shared_expert_intermediate_size:
-                s_inter, x = shape.shared_expert_intermediate_size, p + "mlp.shared_expert."
-                w.update({x + "gate_proj.weight": rand(s_inter, h), x + "up_proj.weight": rand(s_inter, h)})
-                w.update({x + "down_proj.weight": rand(h, s_inter), p + "mlp.shared_expert_gate.weight": rand(1, h)})
-        else:
-            w.update(
-                {
-                    p + "mlp.gate_proj.weight": rand(inter, h),
-                    p + "mlp.up_proj.weight": rand(inter, h),
-                    p + "mlp.down_proj.weight": rand(h, inter),
-                }
-            )
-        if shape.qk_norm:
-            w.update({a + "q_norm.weight": ones(d), a + "k_norm.weight": ones(d)})
-        if shape.sandwich_norms:
-            w.update({p + f"{where}_feedforward_layernorm.weight": ones(h) for where in ("pre", "post")})
-        if shape.attention_bias:
-            w.update({a + "q_proj.bias": rand(q), a + "k_proj.bias": rand(kv), a + "v_proj.bias": rand(kv)})
-        if shape.output_bias:
-            w[a + "o_proj.bias"] = rand(h)
-        if shape.attention_sinks:
-            w[a + "sinks"] = rand(shape.num_heads)
-    return w
 
 
 def fingerprint(weights: dict[str, Any]) -> str:
