@@ -194,7 +194,6 @@ def _peer_runs(
 
 def run_bench(args: argparse.Namespace) -> None:
     import torch
-    from transformers import AutoTokenizer
 
     from trillm.bench.extra import llama_cpp_single_stream, memory_bandwidth, plot
     from trillm.bench.structured import compile_report, load_schema, mask_counters, mask_report, response_format
@@ -207,6 +206,7 @@ def run_bench(args: argparse.Namespace) -> None:
         default_gguf,
         from_env,
         gguf_file,
+        load_tokenizer,
         overrides_from,
         resolve_model,
     )
@@ -228,8 +228,9 @@ def run_bench(args: argparse.Namespace) -> None:
         baseline_source = (converted_default(cache), {})
     elif gguf is not None:
         baseline_source = (gguf.parent, {"gguf_file": gguf.name})
-    model_config = json.loads((config_path if dummy else model_dir / "config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The tokenizer and config the servers use (a GGUF file's from its own keys: transformers
+    # cannot build every family's tokenizer from a folder of its file).
+    tokenizer, _, model_config = load_tokenizer(base)
     levels = [int(c) for c in args.concurrency.split(",")]
     structured = args.structured.split(",")
     if not set(structured) <= {"on", "off"} or ("on" in structured and structured[0] != "off" and len(structured) > 1):

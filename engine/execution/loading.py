@@ -254,5 +254,5 @@ def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str,
     """The tokenizer, EOS ids and ``config.json`` of ``config.model``, without its weights: what a
     front end of several replicas needs (each replica loads the model itself)."""
     folder = _model_folder(config)
-    model_config = json.loads(_config_file(config, folder).read_text())
+    model_config = _model_config(config, folder, _weights_source(config, folder))  # a GGUF file's own
     return (*_tokenizer_and_eos(config, folder, model_config), model_config)
