@@ -165,3 +165,27 @@ def test_bad_slots_and_layouts_are_refused(fusing_model):
     with pytest.raises(ValueError, match="int32"):
         loop.run(h.clone(), rope, torch.tensor([0]), tables.long(), lens, 2)
     assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_cache, before))  # nothing written by a refusal
+
+
+def test_a_qkv_bias_decodes_in_c_as_in_python(tmp_path, monkeypatch):
+    """Qwen2's Q/K/V bias, added after the projection inside the C loop as the Python loop adds it:
+    bit for bit."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN3.items() if k != "head_dim"})).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.split(".")[-2] in PROJECTIONS:
+                p.copy_(_q8_0_exact(p))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.load(tmp_path, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert all(layer.qkv_bias is not None for layer in model.layers) and cpu.fusable(model)
+    _fused_equals_plain(model, _counting(monkeypatch))
+    model.backend.fuse_decode = True
