@@ -67,6 +67,9 @@ typedef struct {                 /* _Mixture in cpu_forward.py: a mixture of exp
     int64_t gate_up_type, gate_up_row_bytes, down_type, down_row_bytes, flags; /* flags: the activations' width */
     const uint8_t *const *gate, *const *up, *const *down; /* [experts] each: [inter, hidden] and [hidden, inter] */
     const float *router_bias, *gate_up_bias, *down_bias;  /* gpt-oss: [experts], [experts, 2 inter], [experts, hidden] */
+    const Projection *shared_gate_up, *shared_down;       /* Qwen2-MoE's shared expert, or NULL */
+    const float *shared_gate;                             /* [hidden]: its output times sigmoid(x . shared_gate) */
+    int64_t shared_inter;
 } Mixture;
 
 typedef struct {                              /* _Layer in cpu_forward.py */
@@ -146,8 +149,9 @@ static int project_residual(const Model *m, const Projection *P, const float *no
 
 /* One row's mixture, as experts.moe_mlp computes one token's: the router's softmax over every
  * expert in float32, the top k (renormalised where the family does), their gates and ups as one
- * grouped call and their downs as another, each output weighed and summed into out [hidden].
- * buf: experts + 5 top_k inter + top_k hidden floats. */
+ * grouped call and their downs as another, each output weighed and summed into out [hidden]; a
+ * shared expert's output (Qwen2-MoE), gated, added after.
+ * buf: experts + 5 top_k inter + top_k hidden + 3 shared_inter + hidden floats. */
 static int mixture(const Model *m, const Mixture *X, const float *x, float *out, float *buf, int num_threads)
 {
     const int64_t E = m->hidden, NE = X->experts, K = X->top_k, I = X->inter;
@@ -217,6 +221,20 @@ static int mixture(const Model *m, const Mixture *X, const float *x, float *out,
         }
         out[k] = s;
     }
+    if (X->shared_gate_up) {
+        const int64_t S = X->shared_inter;
+        float *su = down + K * E, *sa = su + 2 * S, *sd = sa + S, g = 0.0f;
+        if ((rc = project(X->shared_gate_up, x, E, su, 2 * S, 1, 0, num_threads)))
+            return rc;
+        gated(m, su, 2 * S, sa, 1, S, num_threads);
+        if ((rc = project(X->shared_down, sa, S, sd, E, 1, 0, num_threads)))
+            return rc;
+        for (int64_t k = 0; k < E; k++)
+            g += x[k] * X->shared_gate[k];
+        g = 1.0f / (1.0f + expf(-g));
+        for (int64_t k = 0; k < E; k++)
+            out[k] += sd[k] * g;
+    }
     return 0;
 }
 
@@ -242,7 +260,7 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
             int64_t most = 0;
             for (int64_t j = 0; j < num_layers; j++) {
                 const Mixture *Y = layers[j].moe;
-                const int64_t need = Y ? Y->experts + 5 * Y->top_k * Y->inter + Y->top_k * E : 0;
+                const int64_t need = Y ? Y->experts + 5 * Y->top_k * Y->inter + Y->top_k * E + 3 * Y->shared_inter + E : 0;
                 most = need > most ? need : most;
             }
             if (!(moe_buf = malloc(sizeof(float) * (size_t)(M * E + most))))

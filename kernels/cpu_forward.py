@@ -197,6 +197,16 @@ class DecodeLayers:
         for t, shape in biases:
             if t is not None and (t.dtype is not _F32 or not (t.is_cpu and t.is_contiguous()) or t.shape != shape):
                 raise ValueError(f"a mixture's router and biases must be contiguous float32 {list(shape)}")
+        shared = (moe.shared_gate_up, moe.shared_down, moe.shared_gate)
+        if any(s is not None for s in shared):
+            gu, down, gate = shared
+            if gu is None or down is None or gate is None or not (fusable(gu) and fusable(down)):
+                raise ValueError("a shared expert runs here in block weights, with its gate")
+            s_inter = down.shape[1]
+            if gu.shape != (2 * s_inter, hidden) or down.shape != (hidden, s_inter):
+                raise ValueError(f"shared expert shapes {gu.shape}, {down.shape} do not match {hidden}")
+            if gate.dtype is not _F32 or gate.shape != (hidden, 1) or not (gate.is_cpu and gate.is_contiguous()):
+                raise ValueError(f"the shared expert's gate must be contiguous float32 [{hidden}, 1]")
         if not (
             cpu_gguf.groupable([*moe.gate, *moe.up], 1)
             and cpu_gguf.groupable(list(moe.down), 1)
@@ -225,6 +235,10 @@ class DecodeLayers:
             cpu_gguf.layout(first).flags,
             *(ctypes.addressof(a) for a in arrays),
             *(t.data_ptr() if t is not None else None for t in (moe.router_bias, moe.gate_up_bias, moe.down_bias)),
+            self._projection(moe.shared_gate_up),
+            self._projection(moe.shared_down),
+            moe.shared_gate.data_ptr() if moe.shared_gate is not None else None,
+            moe.shared_down.shape[1] if moe.shared_down is not None else 0,
         )
         self._structs += [*arrays, mixture]
         return ctypes.addressof(mixture)

@@ -65,6 +65,7 @@ class _Mixture(ctypes.Structure):
             )
         ]
         + [("gate", _P), ("up", _P), ("down", _P), ("router_bias", _P), ("gate_up_bias", _P), ("down_bias", _P)]
+        + [("shared_gate_up", _P), ("shared_down", _P), ("shared_gate", _P), ("shared_inter", _I64)]
     )
 
 
@@ -113,6 +114,9 @@ class MixtureSpec:
     router_bias: torch.Tensor | None = None  # gpt-oss: [experts], [experts, 2 inter], [experts, hidden]
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    shared_gate_up: Projection | None = None  # Qwen2-MoE's shared expert, and its gate [hidden, 1]
+    shared_down: Projection | None = None
+    shared_gate: torch.Tensor | None = None
 
 
 @attrs.frozen

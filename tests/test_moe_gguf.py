@@ -139,14 +139,20 @@ def test_grouped_matmul_is_each_matmul_bit_for_bit(type_name, rows):
     assert not cpu_gguf.groupable(weights[:2] + [GGUFWeight(BLOCK_TYPES["Q8_0"], weights[0].data, 512)], 1)
 
 
-def _q4_k_mixture(folder):
-    """A Qwen3-MoE file of Q4_K experts (the real files' kind), from random weights: its header."""
+def _q4_k_mixture(folder, shared: bool = False):
+    """A Qwen3-MoE file of Q4_K experts (the real files' kind), from random weights: its header.
+    ``shared``: a Qwen2-MoE file instead (Q/K/V biases, a shared expert of 256)."""
     torch.manual_seed(1)
     config = {**CONFIG, "hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
-    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).eval()
+    if shared:
+        config = {**config, "shared_expert_intermediate_size": 256, "norm_topk_prob": False}
+        hf = _exact_q8_0_weights(Qwen2MoeForCausalLM(Qwen2MoeConfig(**config)).eval())
+    else:
+        hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config)).eval()
     hf.save_pretrained(folder)  # the checkpoint's names: one matrix per expert
-    path = folder / "qwen3moe-q4_k.gguf"
-    qwen3_moe_from_weights(load_file(folder / "model.safetensors"), config, path, "Q4_K")
+    path = folder / "mixture-q4_k.gguf"
+    arch = "qwen2moe" if shared else "qwen3moe"
+    qwen3_moe_from_weights(load_file(folder / "model.safetensors"), config, path, "Q4_K", arch=arch)
     return read_header(path)
 
 
@@ -311,3 +317,14 @@ def test_a_qwen2_moe_file_runs_its_shared_expert_as_transformers(qwen2_moe_file)
     cut = attrs.evolve(header, tensors=tuple(t for t in header.tensors if t.name != "blk.0.ffn_down_shexp.weight"))
     with pytest.raises(UnsupportedModel, match="blk.0.ffn_down_shexp.weight missing"):
         check_servable(cut, available=1 << 40, native=True)
+
+
+def test_the_c_layer_loop_runs_the_shared_expert(tmp_path, monkeypatch):
+    """Qwen2-MoE's shared expert (its gated MLP in blocks, its sigmoid gate) inside ``cpu_forward.c``'s
+    mixture: the Python loop's logits and KV within float rounding, and its greedy tokens."""
+    header = _q4_k_mixture(tmp_path, shared=True)
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.from_gguf(header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True)
+    assert cpu.fusable(model) and all(la.moe is not None and la.moe.shared_gate is not None for la in model.layers)
+    _fused_equals_plain(model, _counting(monkeypatch), exact=False)
+    model.backend.fuse_decode = True

@@ -304,10 +304,11 @@ def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], pag
 
 def _mixture_fusable(moe: MoEWeights) -> bool:
     """Whether the C loop runs this mixture: its experts a GGUF file's blocks of one type
-    (``grouped_blocks``), and no shared expert (Qwen2-MoE's)."""
+    (``grouped_blocks``), a shared expert (Qwen2-MoE's) in blocks too."""
+    shared = moe.shared_gate_up, moe.shared_down
     return (
         moe.grouped_blocks
-        and moe.shared_gate_up is None
+        and all(w is None or cpu_forward.fusable(w) for w in shared)
         and moe.top_k <= cpu_forward.MAX_TOP_K
         and moe.router.dtype is torch.float32
         and moe.router.is_contiguous()
@@ -326,4 +327,7 @@ def _mixture_spec(moe: MoEWeights) -> cpu_forward.MixtureSpec:
         moe.router_bias,
         moe.gate_up_bias,
         moe.down_bias,
+        cast(cpu_forward.Projection | None, moe.shared_gate_up),
+        cast(cpu_forward.Projection | None, moe.shared_down),
+        moe.shared_gate,
     )
