@@ -116,6 +116,19 @@ def every_backend(folder: Path) -> dict[str, DecoderModel]:
     return models
 
 
+def c_loop_equals_python_loop(folder: Path, monkeypatch: Any) -> DecoderModel:
+    """The folder's model in blocks on the CPU path: its decode steps in the C layer loop give the
+    Python loop's logits and KV bit for bit (``test_cpu_forward._fused_equals_plain``)."""
+    from tests.test_cpu_forward import _counting, _fused_equals_plain
+
+    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
+    model = DecoderModel.load(folder, config_of(folder), torch.float32, 256, backend=cpu, block_weights=True)
+    assert cpu.fusable(model)
+    _fused_equals_plain(model, _counting(monkeypatch))
+    model.backend.fuse_decode = True
+    return model
+
+
 def steps_match_transformers(
     models: dict[str, DecoderModel], hf: Any, vocab: int, max_tokens: int = 10, atol: float = 1e-4
 ) -> None:

@@ -119,24 +119,32 @@ def test_a_gguf_files_own_blocks_decode_in_c_as_in_python(tmp_path, monkeypatch)
     model.backend.fuse_decode = True
 
 
-def test_qwen3_head_norms_decode_in_c_as_in_python(tmp_path, monkeypatch):
-    """Qwen3's per-head Q/K RMSNorm runs inside the C loop, bit for bit the Python loop's."""
-    torch.manual_seed(0)
-    cfg = Qwen3Config(**QWEN3)
-    hf = Qwen3ForCausalLM(cfg).eval()
+def _folder_in_the_c_loop(hf: torch.nn.Module, folder, monkeypatch) -> DecoderModel:
+    """``hf`` (seeded by the caller) with random norms and biases and exact Q8_0 projections, saved
+    and loaded in blocks: decode steps in the C loop equal the Python loop's bit for bit."""
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
             elif name.split(".")[-2] in PROJECTIONS:
                 p.copy_(_q8_0_exact(p))
-    hf.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
+    hf.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
     cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = DecoderModel.load(tmp_path, config, torch.float32, 256, backend=cpu, block_weights=True)
-    assert all(layer.q_norm is not None for layer in model.layers) and cpu.fusable(model)
+    model = DecoderModel.load(folder, config, torch.float32, 256, backend=cpu, block_weights=True)
+    assert cpu.fusable(model)
     _fused_equals_plain(model, _counting(monkeypatch))
     model.backend.fuse_decode = True
+    return model
+
+
+def test_qwen3_head_norms_decode_in_c_as_in_python(tmp_path, monkeypatch):
+    """Qwen3's per-head Q/K RMSNorm runs inside the C loop, bit for bit the Python loop's."""
+    torch.manual_seed(0)
+    model = _folder_in_the_c_loop(Qwen3ForCausalLM(Qwen3Config(**QWEN3)).eval(), tmp_path, monkeypatch)
+    assert all(layer.q_norm is not None for layer in model.layers)
 
 
 def test_bad_slots_and_layouts_are_refused(fusing_model):
@@ -174,18 +182,5 @@ def test_a_qkv_bias_decodes_in_c_as_in_python(tmp_path, monkeypatch):
 
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN3.items() if k != "head_dim"})).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.split(".")[-2] in PROJECTIONS:
-                p.copy_(_q8_0_exact(p))
-    hf.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = DecoderModel.load(tmp_path, config, torch.float32, 256, backend=cpu, block_weights=True)
-    assert all(layer.qkv_bias is not None for layer in model.layers) and cpu.fusable(model)
-    _fused_equals_plain(model, _counting(monkeypatch))
-    model.backend.fuse_decode = True
+    model = _folder_in_the_c_loop(hf, tmp_path, monkeypatch)
+    assert all(layer.qkv_bias is not None for layer in model.layers)

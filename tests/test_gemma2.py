@@ -25,6 +25,7 @@ from trillm.kernels import cpu_matmul
 
 from tests.families import (
     GGUFFromFolder,
+    c_loop_equals_python_loop,
     config_of,
     engine_serves_transformers_tokens,
     every_backend,
@@ -32,7 +33,6 @@ from tests.families import (
     steps_match_transformers,
     two_ranks_give_transformers_tokens,
 )
-from tests.test_cpu_forward import _counting, _fused_equals_plain
 from tests.test_gguf_quality import _all_logits
 
 GEMMA2 = dict(
@@ -107,11 +107,7 @@ def test_every_step_matches_transformers_on_every_backend(gemma2_dir, hf_gemma2)
 @pytest.mark.skipif(not cpu_matmul.available(), reason="needs a C compiler")
 def test_the_c_layer_loop_runs_gemma2_bit_for_bit(gemma2_dir, monkeypatch):
     """The capped scores in the C loop: the Python loop's logits and KV, exactly."""
-    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = DecoderModel.load(gemma2_dir, config_of(gemma2_dir), torch.float32, 256, backend=cpu, block_weights=True)
-    assert cpu.fusable(model)
-    _fused_equals_plain(model, _counting(monkeypatch))
-    model.backend.fuse_decode = True
+    c_loop_equals_python_loop(gemma2_dir, monkeypatch)
 
 
 async def test_engine_loads_and_serves_the_folder(gemma2_dir, hf_gemma2):

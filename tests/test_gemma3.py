@@ -20,6 +20,7 @@ from trillm.engine.execution.shape import ModelShape
 from trillm.kernels import cpu_matmul
 
 from tests.families import (
+    c_loop_equals_python_loop,
     config_of,
     engine_serves_transformers_tokens,
     every_backend,
@@ -27,7 +28,6 @@ from tests.families import (
     steps_match_transformers,
     two_ranks_give_transformers_tokens,
 )
-from tests.test_cpu_forward import _counting, _fused_equals_plain
 from tests.test_gguf_quality import _all_logits
 
 GEMMA3 = dict(
@@ -105,11 +105,7 @@ def test_every_step_matches_transformers_on_every_backend(gemma3_dir, hf_gemma3)
 @pytest.mark.skipif(not cpu_matmul.available(), reason="needs a C compiler")
 def test_the_c_layer_loop_runs_gemma_bit_for_bit(gemma3_dir, monkeypatch):
     """Windows, local rope, output norms and GeGLU in the C loop: the Python loop's logits and KV, exactly."""
-    cpu = create_backend("cpu", torch.device("cpu"), torch.float32)
-    model = DecoderModel.load(gemma3_dir, config_of(gemma3_dir), torch.float32, 256, backend=cpu, block_weights=True)
-    assert cpu.fusable(model)
-    _fused_equals_plain(model, _counting(monkeypatch))
-    model.backend.fuse_decode = True
+    c_loop_equals_python_loop(gemma3_dir, monkeypatch)
 
 
 async def test_engine_loads_and_serves_the_folder(gemma3_dir, hf_gemma3):
