@@ -281,7 +281,7 @@ def gpt_oss_file(
     ``experts`` (``blk.N.ffn_*_exps.weight`` -> MXFP4 bytes [experts, rows, row bytes])."""
     planned: list[Planned] = []
     for n, a in dense.items():
-        if n.endswith(q8_0) if q8_0 else False:
+        if n.endswith(q8_0):  # (no suffix given: none ends with one)
             raw = encode(a, "Q8_0")
             planned.append((n, raw.shape, "Q8_0", functools.partial(np.asarray, raw)))
         else:

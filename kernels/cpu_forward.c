@@ -125,26 +125,38 @@ static void head_norm(const Model *m, float *row, const float *w, int64_t n, flo
     memcpy(row, tmp, sizeof(float) * (size_t)(n * m->head_dim));
 }
 
-/* h += norm(out) row by row, out [M, hidden] (in place of the Python path's h + norm(out)); tmp [M, hidden]. */
-static void add_normed(const Model *m, float *h, const float *out, const float *w, float *tmp, int64_t M,
-                       int num_threads)
+/* h += a block's output out [M, hidden], normed first where the family norms it (Gemma: the Python
+ * path's h + norm(out), through tmp [M, hidden]), else as it is. */
+static void add_block(const Model *m, float *h, const float *out, const float *norm, float *tmp, int64_t M,
+                      int num_threads)
 {
-    m->rms_norm(out, m->hidden, w, tmp, M, m->hidden, m->eps, num_threads);
+    const float *add = out;
+    if (norm) {
+        m->rms_norm(out, m->hidden, norm, tmp, M, m->hidden, m->eps, num_threads);
+        add = tmp;
+    }
     for (int64_t i = 0; i < M * m->hidden; i++)
-        h[i] += tmp[i];
+        h[i] += add[i];
 }
 
-/* Project x into h: accumulated (h += x @ W^T), or with an output norm (Gemma) h += norm(x @ W^T)
- * through out and tmp ([M, hidden] each). */
-static int project_residual(const Model *m, const Projection *P, const float *norm, const float *x, int64_t ldx,
-                            float *h, float *out, float *tmp, int64_t M, int num_threads)
+/* Project x into h: accumulated (h += x @ W^T); or, with an output bias (gpt-oss's O) or norm
+ * (Gemma), through out and tmp ([M, hidden] each): h += norm(x @ W^T + bias), as the Python path
+ * orders them. */
+static int project_residual(const Model *m, const Projection *P, const float *bias, const float *norm,
+                            const float *x, int64_t ldx, float *h, float *out, float *tmp, int64_t M, int num_threads)
 {
-    if (!norm)
-        return project(P, x, ldx, h, m->hidden, M, ACCUMULATE, num_threads);
-    const int rc = project(P, x, ldx, out, m->hidden, M, 0, num_threads);
-    if (!rc)
-        add_normed(m, h, out, norm, tmp, M, num_threads);
-    return rc;
+    const int64_t E = m->hidden;
+    if (!norm && !bias)
+        return project(P, x, ldx, h, E, M, ACCUMULATE, num_threads);
+    const int rc = project(P, x, ldx, out, E, M, 0, num_threads);
+    if (rc)
+        return rc;
+    if (bias)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = 0; k < E; k++)
+                out[r * E + k] += bias[k];
+    add_block(m, h, out, norm, tmp, M, num_threads);
+    return 0;
 }
 
 /* One row's mixture, as experts.moe_mlp computes one token's: the router's softmax over every
@@ -306,18 +318,7 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
                             m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, L->sinks, m->softcap)))
             break;
         /* x is free once QKV is projected, and again once gate_up is: the blocks' outputs go there. */
-        if (L->o_bias) { /* gpt-oss: h + (o + bias), as the Python loop adds them */
-            if ((rc = project(L->o, attn, q_size, x, E, M, 0, num_threads)))
-                break;
-            for (int64_t r = 0; r < M; r++)
-                for (int64_t k = 0; k < E; k++)
-                    x[r * E + k] += L->o_bias[k];
-            if (L->attn_out_norm)
-                add_normed(m, h, x, L->attn_out_norm, tmp, M, num_threads);
-            else
-                for (int64_t i = 0; i < M * E; i++)
-                    h[i] += x[i];
-        } else if ((rc = project_residual(m, L->o, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
+        if ((rc = project_residual(m, L->o, L->o_bias, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
             break;
         m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
         if (L->moe) { /* each row its own experts; h += the outputs (normed first where the family norms them) */
@@ -325,17 +326,13 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
                 rc = mixture(m, L->moe, x + r * E, moe_buf + r * E, moe_buf + M * E, num_threads);
             if (rc)
                 break;
-            if (L->mlp_out_norm)
-                add_normed(m, h, moe_buf, L->mlp_out_norm, tmp, M, num_threads);
-            else
-                for (int64_t i = 0; i < M * E; i++)
-                    h[i] += moe_buf[i];
+            add_block(m, h, moe_buf, L->mlp_out_norm, tmp, M, num_threads);
             continue;
         }
         if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, 0, num_threads)))
             break;
         gated(m, gu, 2 * I, act, M, I, num_threads);
-        rc = project_residual(m, L->down, L->mlp_out_norm, act, I, h, x, tmp, M, num_threads);
+        rc = project_residual(m, L->down, NULL, L->mlp_out_norm, act, I, h, x, tmp, M, num_threads);
     }
     free(moe_buf);
     return rc;

@@ -52,6 +52,11 @@ def _address(function: Any) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
+def _float32_of(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether ``t`` is what the C loop reads by address: contiguous float32 on the CPU, of ``shape``."""
+    return t.dtype is _F32 and t.is_cpu and t.is_contiguous() and t.shape == shape
+
+
 def fusable(weight: object) -> bool:
     """Whether the loop runs ``weight``: blocks of either kind, alone or side by side."""
     parts = weight.parts if isinstance(weight, Stacked) else (weight,)
@@ -105,11 +110,7 @@ class DecodeLayers:
             if shapes != expected or any(n.shape != (hidden,) for n in norms):
                 raise ValueError(f"layer shapes {shapes} do not match {expected}")
             for head_norm in (la.q_norm, la.k_norm):
-                if head_norm is not None and (
-                    head_norm.dtype is not _F32
-                    or head_norm.shape != (head_dim,)
-                    or not (head_norm.is_cpu and head_norm.is_contiguous())
-                ):
+                if head_norm is not None and not _float32_of(head_norm, (head_dim,)):
                     raise ValueError(f"Q/K norms must be contiguous float32 CPU [{head_dim}]")
             if la.window < 0:
                 raise ValueError(f"a window of {la.window} tokens")
@@ -119,7 +120,7 @@ class DecodeLayers:
                 "o_bias": (la.o_bias, (hidden,)),
             }
             for what, (t, shape) in vectors.items():
-                if t is not None and (t.dtype is not _F32 or t.shape != shape or not (t.is_cpu and t.is_contiguous())):
+                if t is not None and not _float32_of(t, shape):
                     raise ValueError(f"{what} must be contiguous float32 CPU {list(shape)}")
         for k, v in kv_cache:
             if any(t.shape != k0.shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
@@ -195,7 +196,7 @@ class DecodeLayers:
             (moe.down_bias, (experts, hidden)),
         )
         for t, shape in biases:
-            if t is not None and (t.dtype is not _F32 or not (t.is_cpu and t.is_contiguous()) or t.shape != shape):
+            if t is not None and not _float32_of(t, shape):
                 raise ValueError(f"a mixture's router and biases must be contiguous float32 {list(shape)}")
         shared = (moe.shared_gate_up, moe.shared_down, moe.shared_gate)
         if any(s is not None for s in shared):
@@ -205,7 +206,7 @@ class DecodeLayers:
             s_inter = down.shape[1]
             if gu.shape != (2 * s_inter, hidden) or down.shape != (hidden, s_inter):
                 raise ValueError(f"shared expert shapes {gu.shape}, {down.shape} do not match {hidden}")
-            if gate.dtype is not _F32 or gate.shape != (hidden, 1) or not (gate.is_cpu and gate.is_contiguous()):
+            if not _float32_of(gate, (hidden, 1)):
                 raise ValueError(f"the shared expert's gate must be contiguous float32 [{hidden}, 1]")
         if not (
             cpu_gguf.groupable([*moe.gate, *moe.up], 1)
@@ -232,7 +233,7 @@ class DecodeLayers:
             first.data.stride(0),
             down.kind.id,
             down.data.stride(0),
-            cpu_gguf.layout(first).flags,
+            cpu_gguf.activation_flags(first),
             *(ctypes.addressof(a) for a in arrays),
             *(t.data_ptr() if t is not None else None for t in (moe.router_bias, moe.gate_up_bias, moe.down_bias)),
             self._projection(moe.shared_gate_up),

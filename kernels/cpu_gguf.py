@@ -58,7 +58,7 @@ def layout(weight: GGUFWeight) -> GGUFLayout:
     """``weight`` for the fused loop (which must keep ``weight`` alive: this holds its address)."""
     _check(weight)
     N, K = weight.shape
-    return GGUFLayout(weight.kind.id, weight.data.data_ptr(), weight.data.stride(0), N, K, _width_flag(weight))
+    return GGUFLayout(weight.kind.id, weight.data.data_ptr(), weight.data.stride(0), N, K, activation_flags(weight))
 
 
 def layout_matmul_address() -> int:
@@ -76,7 +76,8 @@ def max_fused_rows(weight: GGUFWeight) -> int:
     return _gemm_rows(weight) - 1
 
 
-def _width_flag(weight: GGUFWeight) -> int:
+def activation_flags(weight: GGUFWeight) -> int:
+    """The C kernels' flag for ``weight``'s activation width (``INT8``, or 0 for int16)."""
     return _INT8 if weight.activation_bits == 8 else 0
 
 
@@ -200,7 +201,7 @@ def matmul(
         out.data_ptr(),
         out.stride(0),
         M,
-        (_ACCUMULATE if accumulate else 0) | (_EXACT if exact else 0) | _width_flag(weight),
+        (_ACCUMULATE if accumulate else 0) | (_EXACT if exact else 0) | activation_flags(weight),
         _threads(num_threads),
     )
     if rc == 1:
@@ -260,7 +261,7 @@ def matmul_grouped(
         out.stride(0),
         N,
         M,
-        _width_flag(first),
+        activation_flags(first),
         _threads(num_threads),
     )
     if rc == 1:

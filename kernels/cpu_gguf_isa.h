@@ -276,16 +276,6 @@ INLINE __m256 run_product(__m256i u, const XRows *X, int64_t row, int64_t k, con
     return run_dot(even, odd, X->xq + row * X->K + k);
 }
 
-/* run_product of signed int8 weights q (MXFP4's): their sign moved onto x for the byte products */
-INLINE __m256 run_product_signed(__m256i q, const XRows *X, int64_t row, int64_t k, const int int8)
-{
-    if (int8) {
-        const __m256i x = load32(X->x8 + row * X->K + k);
-        return _mm256_cvtepi32_ps(DOT_U8S8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)));
-    }
-    return run_dot(even_bytes(q), _mm256_srai_epi16(q, 8), X->xq + row * X->K + k);
-}
-
 /* A scale per 16 values of a run: lanes 0-3 lo, 4-7 hi */
 INLINE __m256 halves(float lo, float hi)
 {
@@ -629,10 +619,10 @@ static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *ac
 
 /* MXFP4, 8 blocks at a time: the nibbles looked up as signed doubled E2M1 values (one byte
  * shuffle per half), split into even and odd int16 lanes for the x layout; no minimums. */
-INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_t k0, Acc *acc, const int int8)
+INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_t k0, Acc *acc)
 {
     const __m128i m4 = _mm_set1_epi8(15), table = _mm_load_si128((const __m128i *)FP4_DOUBLED);
-    __m256i even[GROUP], odd[GROUP]; /* int8: the signed values in even */
+    __m256i even[GROUP], odd[GROUP];
     float d[GROUP];
     for (int64_t j = 0; j < count; j++) {
         const uint8_t *blk = b + j * 17;
@@ -640,7 +630,7 @@ INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_
         const __m128i v = _mm_loadu_si128((const __m128i *)(blk + 1));
         const __m256i q = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
                                            _mm_shuffle_epi8(table, _mm_and_si128(v, m4)));
-        even[j] = int8 ? q : even_bytes(q);
+        even[j] = even_bytes(q);
         odd[j] = _mm256_srai_epi16(q, 8);
     }
     for (int64_t i = 0; i < X->M; i++) {
@@ -648,7 +638,7 @@ INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_
         const int16_t *x = X->xq + i * X->K + k0;
         __m256 a0 = acc[i].a0, a1 = acc[i].a1;
         for (int64_t j = 0; j < count; j++) {
-            const __m256 p = int8 ? run_product_signed(even[j], X, i, k0 + 32 * j, 1) : run_dot(even[j], odd[j], x + 32 * j);
+            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
             const __m256 scale = _mm256_set1_ps(d[j] * X->dx[run + j]);
             if (j & 1)
                 a1 = _mm256_fmadd_ps(p, scale, a1);
@@ -729,7 +719,7 @@ static void mxfp4_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *a
         if (X->x8)
             mxfp4_direct8(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc);
         else
-            mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc, 0);
+            mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc);
 }
 
 /* A row of a type's blocks against every row of x (the block loop inside: one call per row). */

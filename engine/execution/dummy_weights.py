@@ -27,6 +27,16 @@ def dummy_weights(
     def ones(n: int) -> torch.Tensor:  # unit norms, in the checkpoint's convention
         return torch.full((n,), 0.0 if shape.norm_plus_one else 1.0, device=device, dtype=dtype)
 
+    def mlp(
+        prefix: str, size: int
+    ) -> dict[str, torch.Tensor]:  # a gated MLP: an expert's, a shared one's, a dense one's
+        gate, up = rand(size, h), rand(size, h)
+        return {
+            prefix + "gate_proj.weight": gate,
+            prefix + "up_proj.weight": up,
+            prefix + "down_proj.weight": rand(h, size),
+        }
+
     w = {"model.embed_tokens.weight": rand(shape.vocab_size, h), "model.norm.weight": ones(h)}
     if not shape.tie_word_embeddings:
         w["lm_head.weight"] = rand(shape.vocab_size, h)
@@ -49,28 +59,15 @@ def dummy_weights(
                 w[p + "mlp.gate.bias"] = rand(shape.num_experts)
             for e in range(shape.num_experts):
                 x = f"{p}mlp.experts.{e}."
-                w.update(
-                    {
-                        x + "gate_proj.weight": rand(e_inter, h),
-                        x + "up_proj.weight": rand(e_inter, h),
-                        x + "down_proj.weight": rand(h, e_inter),
-                    }
-                )
+                w.update(mlp(x, e_inter))
                 if shape.expert_bias:
                     w.update({x + "gate_proj.bias": rand(e_inter), x + "up_proj.bias": rand(e_inter)})
                     w[x + "down_proj.bias"] = rand(h)
             if shape.shared_expert_intermediate_size:
-                s_inter, x = shape.shared_expert_intermediate_size, p + "mlp.shared_expert."
-                w.update({x + "gate_proj.weight": rand(s_inter, h), x + "up_proj.weight": rand(s_inter, h)})
-                w.update({x + "down_proj.weight": rand(h, s_inter), p + "mlp.shared_expert_gate.weight": rand(1, h)})
+                w.update(mlp(p + "mlp.shared_expert.", shape.shared_expert_intermediate_size))
+                w[p + "mlp.shared_expert_gate.weight"] = rand(1, h)
         else:
-            w.update(
-                {
-                    p + "mlp.gate_proj.weight": rand(inter, h),
-                    p + "mlp.up_proj.weight": rand(inter, h),
-                    p + "mlp.down_proj.weight": rand(h, inter),
-                }
-            )
+            w.update(mlp(p + "mlp.", inter))
         if shape.qk_norm:
             w.update({a + "q_norm.weight": ones(d), a + "k_norm.weight": ones(d)})
         if shape.sandwich_norms:

@@ -34,17 +34,24 @@ MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting value: what the proces
 
 
 @functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    """The C library, if it is glibc (it has ``malloc_trim``); else None."""
+def c_library() -> ctypes.CDLL | None:
+    """The C library, its errno kept for ``ctypes.get_errno`` (which call the kernel refused); None
+    where it cannot be loaded."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return None
-    if not hasattr(libc, "malloc_trim") or not hasattr(libc, "mallopt"):
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library, if it is glibc (it has ``malloc_trim``); else None."""
+    lib = c_library()
+    if lib is None or not hasattr(lib, "malloc_trim") or not hasattr(lib, "mallopt"):
         return None
-    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    return libc
+    lib.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.malloc_trim.argtypes = [ctypes.c_size_t]
+    return lib
 
 
 def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:

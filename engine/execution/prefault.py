@@ -17,13 +17,14 @@ pushed out for it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import functools
 import logging
 import threading
 import time
 from typing import Any
+
+from trillm.engine.execution.native_memory import c_library
 
 log = logging.getLogger("trillm.engine")
 
@@ -33,12 +34,9 @@ CHUNK_BYTES = 64 << 20
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library with its errno kept (which advice the kernel refused), or None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    if not hasattr(libc, "madvise"):
+    """The C library with ``madvise`` declared, or None."""
+    libc = c_library()
+    if libc is None or not hasattr(libc, "madvise"):
         return None
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
