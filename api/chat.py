@@ -48,6 +48,11 @@ def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequ
     elif req.common.grammar is None and req.messages and has_tool_turns(req.messages):
         if not renders_tools(getattr(engine.tokenizer, "chat_template", None)):
             req = attrs.evolve(req, tool_format=IMITATION)  # unwrap a reply that imitates the generic JSON
+    if req.prediction is not None:  # OpenAI's Predicted Outputs: speculation proposes from these tokens
+        check_text(engine, [req.prediction], "prediction")
+        predicted = tuple(engine.tokenizer(req.prediction, add_special_tokens=False)["input_ids"])
+        params = attrs.evolve(req.common.params, prediction=predicted)
+        req = attrs.evolve(req, common=attrs.evolve(req.common, params=params))
     style = request_style(ctx.reasoning_parser, req.chat_template_kwargs)
     if style == "gpt_oss":  # the harmony markers are special tokens: the parser reads them
         params = attrs.evolve(req.common.params, skip_special_tokens=False)
@@ -102,6 +107,13 @@ def _message(req: ChatRequest, parts: dict[str, Any], finish_reason: str | None)
     return message, finish_reason
 
 
+def _prediction(params: SamplingParams, accepted: list[int]) -> tuple[int, int] | None:
+    """(prediction tokens, accepted) for ``usage`` over the choices, where the request predicted."""
+    if not params.prediction:
+        return None
+    return len(params.prediction) * len(accepted), sum(accepted)
+
+
 def _logprobs(engine: EngineHandle, params: SamplingParams, items: Any) -> dict[str, Any] | None:
     if params.logprobs is None:
         return None
@@ -140,7 +152,12 @@ async def complete(
             for i in range(n)
             for message, finish_reason in [_message(req, split.message(done.texts[i]), done.last[i].finish_reason)]
         ],
-        "usage": usage(len(prompts[0]), sum(o.num_output_tokens for o in done.last), done.last[0].num_cached_tokens),
+        "usage": usage(
+            len(prompts[0]),
+            sum(o.num_output_tokens for o in done.last),
+            done.last[0].num_cached_tokens,
+            _prediction(params, [o.accepted_prediction_tokens for o in done.last]),
+        ),
     }
 
 

@@ -35,6 +35,33 @@ class EngineCollector:
                         by_name[name] = kind(f"trillm:{name}", doc, labels=labels)
                     by_name[name].add_metric(label_values, value)  # type: ignore[attr-defined]
             yield from by_name.values()
+        yield from _speculation(series, labels)
+
+
+def _speculation(series: list[tuple[list[str], EngineStats]], labels: list[str]) -> Iterator[Metric]:
+    """Speculative decoding's counters per way of proposing (label ``method``: ``ngram``, ``prediction``),
+    named as vLLM's ``spec_decode_*``, and the acceptance rate (accepted / proposed tokens)."""
+    families = {
+        "spec_decode_num_drafts": (CounterMetricFamily, "Verifications of proposed tokens.", "drafts"),
+        "spec_decode_num_draft_tokens": (CounterMetricFamily, "Tokens proposed.", "draft_tokens"),
+        "spec_decode_num_accepted_tokens": (CounterMetricFamily, "Proposed tokens the model kept.", "accepted_tokens"),
+        "spec_decode_num_emitted_tokens": (
+            CounterMetricFamily,
+            "Tokens verifications produced (kept ones plus the model's own after them).",
+            "emitted_tokens",
+        ),
+    }
+    made = {name: kind(f"trillm:{name}", doc, labels=[*labels, "method"]) for name, (kind, doc, _) in families.items()}
+    rate = GaugeMetricFamily(
+        "trillm:spec_decode_draft_acceptance_rate", "Proposed tokens kept / proposed.", labels=[*labels, "method"]
+    )
+    for label_values, s in series:
+        for counts in s.speculation:
+            for name, (_, _, field) in families.items():
+                made[name].add_metric([*label_values, counts.method], getattr(counts, field))
+            rate.add_metric([*label_values, counts.method], counts.accepted_tokens / max(1, counts.draft_tokens))
+    yield from made.values()
+    yield rate
 
 
 def _gauges(s: EngineStats, weight_bytes: int) -> dict[str, tuple[str, float]]:

@@ -12,14 +12,25 @@ from trillm.api.json_text import dumps
 log = logging.getLogger("trillm.api")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object; ``cached_tokens`` are prompt tokens served from the prefix cache."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, prediction: tuple[int, int] | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` are prompt tokens served from the prefix cache.
+    ``prediction`` (a request with Predicted Outputs): its tokens, and how many of them speculation
+    verified into the output; the others are ``rejected_prediction_tokens``, as OpenAI counts them."""
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if prediction is not None:
+        predicted, accepted = prediction
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": max(0, predicted - accepted),
+        }
+    return body
 
 
 def new_completion_id(prefix: str = "cmpl") -> str:

@@ -144,7 +144,7 @@ def stream_choices(
     submit time (the queue filled since the up-front check, shutdown) is an
     error event; a bug is an error event too, never a cut connection.
     """
-    writer = ChunkWriter(renderer, model, prompts, n, include_usage, continuous_usage)
+    writer = ChunkWriter(renderer, model, prompts, n, include_usage, continuous_usage, predicted=len(params.prediction))
     return relay(engine, prompts, params, n, deadline, writer, ping)
 
 
@@ -161,6 +161,8 @@ class ChunkWriter:
     # what each choice has generated (and found cached) so far, for ``continuous_usage``
     generated: dict[int, int] = attrs.field(factory=dict)
     cached: dict[int, int] = attrs.field(factory=dict)
+    predicted: int = 0  # tokens of the request's predicted output (Predicted Outputs), 0: none
+    accepted: dict[int, int] = attrs.field(factory=dict)  # of them, verified into each choice so far
     completion_id: str = attrs.field(
         default=attrs.Factory(lambda self: new_completion_id(self.renderer.id_prefix), takes_self=True)
     )
@@ -180,7 +182,8 @@ class ChunkWriter:
 
     def _so_far(self, index: int) -> dict[str, Any]:
         generated = self.generated.get(index, 0) if self.renderer.generates else 0
-        return usage(len(self.prompts[index // self.n]), generated, self.cached.get(index, 0))
+        prediction = (self.predicted, self.accepted.get(index, 0)) if self.predicted else None
+        return usage(len(self.prompts[index // self.n]), generated, self.cached.get(index, 0), prediction)
 
     def opening(self) -> Iterable[bytes]:
         return [self._event(choice) for choice in self.renderer.opening()]
@@ -188,6 +191,7 @@ class ChunkWriter:
     def pieces(self, out: RequestOutput) -> Iterable[bytes]:
         self.generated[out.index] = out.num_output_tokens
         self.cached[out.index] = out.num_cached_tokens
+        self.accepted[out.index] = out.accepted_prediction_tokens
         return [self._event(choice) for choice in self.renderer.pieces(out)]
 
     def cut(self, unfinished: list[int]) -> Iterable[bytes]:
@@ -197,7 +201,9 @@ class ChunkWriter:
         totals = None
         if self.include_usage:
             generated = sum(progress.generated) if self.renderer.generates else 0
-            totals = usage(sum(len(p) for p in self.prompts), generated, sum(progress.cached[:: self.n]))
+            choices = len(self.prompts) * self.n
+            prediction = (self.predicted * choices, sum(self.accepted.values())) if self.predicted else None
+            totals = usage(sum(len(p) for p in self.prompts), generated, sum(progress.cached[:: self.n]), prediction)
         return stream_end(self.renderer.object, self.completion_id, self.created, self.model, totals)
 
     def refused(self, error: ApiError) -> Iterable[bytes]:

@@ -21,6 +21,7 @@ from trillm.engine.execution import native_memory
 from trillm.engine.execution.launch import Ranks
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.execution.parallel.topology import WorkerDied
+from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.endings import Endings
 from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
@@ -214,12 +215,21 @@ class Actors:
             for chunk in self.loop.fail().chunks:
                 self.endings.end(chunk.seq.request_id, End.ERROR)
             return
-        batch, updated = self.loop.resolve(result.tokens)
+        batch, updated = self.loop.resolve(result.tokens, result.accepted)
+        if isinstance(result, StepResult):
+            self._observe(batch, result.seconds)
         for prompt in result.prompt_logprobs if isinstance(result, StepResult) else ():
             # kept before routing: the first token goes out with its prompt's logprobs
             self.router.add_prompt_logprobs(batch.chunks[prompt.chunk].seq, prompt.start, prompt.entries)
-        logprobs = {id(chunk.seq): lp for chunk, lp in zip((c for c in batch.chunks if c.samples), result.logprobs)}
+        # each emitted token's logprobs, by (sequence, index in its outputs): a verification emits several
+        logprobs: dict[tuple[int, int], TokenLogprobs | None] = {}
+        for sample, chunk in enumerate(c for c in batch.chunks if c.samples):
+            first = chunk.end - len(chunk.draft) - len(chunk.seq.prompt_ids)  # its first token's index
+            for offset, entry in enumerate(result.emitted_logprobs(sample)):
+                logprobs[(id(chunk.seq), first + offset)] = entry
         for seq, index in updated:
+            if seq.request_id not in self.router.live:
+                continue  # a stop string in an earlier token of the same run ended it
             matcher = seq.matcher
             if matcher is not None and matcher.failed_at is not None and index >= matcher.failed_at:
                 # Its grammar allowed no token here: the row's sample is not sent, the choice ends.
@@ -230,9 +240,15 @@ class Actors:
                     f"no token ({matcher.reason}, after {matcher.failed_at} tokens)",
                 )
                 continue
-            ended = self.router.route(seq, index, logprobs.get(id(seq)))
+            ended = self.router.route(seq, index, logprobs.get((id(seq), index)))
             if ended is not None:
                 self.endings.end(seq.request_id, ended)
+
+    def _observe(self, batch: Batch, seconds: float) -> None:
+        """A decode step's time, for speculation's cost model (prefill steps say nothing of it)."""
+        speculation = self.scheduler.speculation
+        if speculation is not None and all(c.decode_rows for c in batch.chunks):
+            speculation.observe([c.length for c in batch.chunks], seconds)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -21,6 +21,7 @@ KERNELS = ("auto", "cpu", "triton", "reference")
 LOAD_FORMATS = ("auto", "dummy")
 WEIGHT_FORMATS = ("auto", "dense", "blocks")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_MODES = ("auto", "ngram", "off")
 MB = 1024 * 1024
 
 
@@ -131,6 +132,15 @@ class EngineConfig:
         "schedule step N+1 while step N runs; off: one step at a time (debugging)",
         flag="--disable-overlap-schedule",
     )
+    speculative: str = setting(
+        "auto",
+        "speculative decoding: decodes carry tokens proposed from what the request has seen, scored in the same "
+        "step, the ones the model agrees with kept (greedy output unchanged, sampling's distribution too); "
+        "`ngram`: prompt lookup over the request's prompt, output and predicted output (`prediction`); `auto`: "
+        "the same, used only where the measured step times say it pays; `off`",
+        choices=SPECULATIVE_MODES,
+    )
+    num_speculative_tokens: int = setting(4, "most tokens proposed per decode step", validator=attrs.validators.ge(1))
     malloc_tuning: bool = setting(
         True,
         "fix glibc's mmap threshold (else one long prompt moves every per-step tensor into heap arenas "
@@ -216,6 +226,7 @@ class EngineConfig:
             ("load_format", LOAD_FORMATS),
             ("weight_format", WEIGHT_FORMATS),
             ("scheduling_policy", SCHEDULING_POLICIES),
+            ("speculative", SPECULATIVE_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")

@@ -35,7 +35,7 @@ from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
 from trillm.engine.kv_budget import plan_kv_pool
 from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import EngineStats, RequestOutput
+from trillm.engine.outputs import EngineStats, RequestOutput, SpeculationCounts
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.endings import Endings
 from trillm.engine.scheduling.kv_pages import PageAllocator
@@ -44,6 +44,7 @@ from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.speculation import SpeculationControl
 from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.telemetry import EngineObserver
 from trillm.engine.step import StepInputs
@@ -103,6 +104,7 @@ class Engine:
             cache,
             policy,
             window=model.shape.attention_span,
+            speculation=SpeculationControl(config.speculative, config.num_speculative_tokens),
         )
         self.max_model_len = min(context, num_pages * config.page_size)
         log.info(
@@ -187,6 +189,16 @@ class Engine:
             grammar_compiler_busy=self.grammars.stats.busy,
             grammar_masked_steps=self.runner.mask_stats.steps,
             grammar_mask_seconds=self.runner.mask_stats.seconds,
+            speculation=self._speculation_stats(),
+        )
+
+    def _speculation_stats(self) -> tuple[SpeculationCounts, ...]:
+        control = self.scheduler.speculation
+        if control is None:
+            return ()
+        return tuple(
+            SpeculationCounts(method, s.drafts, s.draft_tokens, s.accepted_tokens, s.emitted_tokens)
+            for method, s in sorted(control.stats.items())
         )
 
     def flush_cache(self) -> int:

@@ -31,6 +31,7 @@ class RequestOutput:
     # each with its log-probability given the tokens before it (the first token has none).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     error: str | None = None  # with finish_reason "error": what ended it, when the request is at fault
+    accepted_prediction_tokens: int = 0  # of ``SamplingParams.prediction``, tokens verified into the output so far
 
 
 @attrs.define
@@ -59,6 +60,27 @@ class ChoiceTotals:
 
 
 @attrs.frozen
+class SpeculationCounts:
+    """Speculative decoding's counters for one way of proposing (``/metrics``)."""
+
+    method: str  # "ngram": the request's own tokens; "prediction": its predicted output
+    drafts: int  # verifications run
+    draft_tokens: int  # tokens proposed
+    accepted_tokens: int  # of which the model kept
+    emitted_tokens: int  # tokens the verifications produced (kept + the model's own after them)
+
+    @staticmethod
+    def added(counts: list[SpeculationCounts]) -> tuple[SpeculationCounts, ...]:
+        """Counts of several engines (``--dp`` replicas) summed per method."""
+        totals: dict[str, list[int]] = {}
+        for c in counts:
+            total = totals.setdefault(c.method, [0, 0, 0, 0])
+            for i, value in enumerate((c.drafts, c.draft_tokens, c.accepted_tokens, c.emitted_tokens)):
+                total[i] += value
+        return tuple(SpeculationCounts(method, *values) for method, values in sorted(totals.items()))
+
+
+@attrs.frozen
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -81,3 +103,4 @@ class EngineStats:
     grammar_compiler_busy: int = 0  # requests that found no free compile worker in time (a 503 each)
     grammar_masked_steps: int = 0  # steps with at least one constrained row
     grammar_mask_seconds: float = 0.0  # filling, applying and advancing their masks
+    speculation: tuple[SpeculationCounts, ...] = ()

@@ -54,6 +54,10 @@ class SamplingParams:
     # The text keeps the tokenizer's special tokens (vLLM's ``skip_special_tokens=false``): gpt-oss's
     # harmony markers are special tokens, and its parser reads them (``api/harmony.py``).
     skip_special_tokens: bool = True
+    # Speculation (``--speculative``) may propose tokens for this request; False opts it out.
+    speculative: bool = True
+    # OpenAI's Predicted Outputs: the tokens the client expects (a file being edited), proposed first.
+    prediction: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)

@@ -84,6 +84,9 @@ Inputs = TypeVar("Inputs")
 class ScheduledChunk(Generic[S]):
     """``length`` tokens of ``seq`` starting at position ``start``.
 
+    A verification chunk (``draft`` not empty) is the sequence's last token followed by the
+    proposed tokens; every position samples, and the sampler keeps the proposals it agrees with.
+
     ``samples`` is fixed when scheduled: the chunk reaches the end of the known
     tokens, so the step samples a new one after it. ``generation`` is the
     sequence's preemption count then: a chunk of an older generation wrote
@@ -95,6 +98,12 @@ class ScheduledChunk(Generic[S]):
     length: int
     samples: bool
     generation: int = 0
+    draft: tuple[int, ...] = ()  # tokens proposed after the sequence's last one: its last positions
+
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens: the sequence's, then the proposed ones."""
+        known = self.end - len(self.draft)
+        return self.seq.token_ids(self.start, known) + list(self.draft)
 
     @staticmethod
     def next_for(seq: T, length: int) -> ScheduledChunk[T]:
@@ -106,6 +115,15 @@ class ScheduledChunk(Generic[S]):
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    @property
+    def decode_rows(self) -> int:
+        """How many one-token decode rows the chunk runs as: each position of a verification
+        (their K/V all stored before any row attends, each row sees the proposals before it: the
+        same arithmetic as decoding them one by one), 1 for a decode, 0 for a prefill chunk."""
+        if self.draft:
+            return self.length
+        return 1 if self.length == 1 else 0
 
 
 @attrs.frozen
@@ -168,6 +186,9 @@ class StepInputs:
     pending_history: tuple[tuple[int, int], ...] = ()
     # rows of ``logits_rows`` after the sampling rows whose log-softmax a request asked for
     prompt_spans: tuple[PromptSpan, ...] = ()
+    # per sampling chunk, its proposed tokens (a verification: ``len + 1`` consecutive sampling
+    # rows), () for one row; all () -- the common case -- as an empty tuple
+    drafts: tuple[tuple[int, ...], ...] = ()
 
 
 @attrs.frozen
@@ -183,8 +204,23 @@ class Step(Generic[Inputs]):
 
 @attrs.frozen
 class Sampled:
+    """Per sampling chunk: the token sampled after it (after the accepted proposals, for a
+    verification), its logprobs (None where not asked for), and the proposals accepted before it
+    with theirs."""
+
     tokens: list[int]
-    logprobs: list[TokenLogprobs | None]  # per row; None where not asked for
+    logprobs: list[TokenLogprobs | None]
+    accepted: list[tuple[int, ...]] = attrs.field(factory=list)  # empty: no chunk verified
+    accepted_logprobs: list[tuple[TokenLogprobs | None, ...]] = attrs.field(factory=list)
+
+    def emitted(self, sample: int) -> tuple[int, ...]:
+        """Every token sampling chunk ``sample`` produced, in order."""
+        accepted = self.accepted[sample] if self.accepted else ()
+        return (*accepted, self.tokens[sample])
+
+    def emitted_logprobs(self, sample: int) -> tuple[TokenLogprobs | None, ...]:
+        accepted = self.accepted_logprobs[sample] if self.accepted_logprobs else ()
+        return (*accepted, self.logprobs[sample])
 
 
 @attrs.frozen
@@ -203,6 +239,7 @@ class StepResult(Sampled):
     """A step's samples, plus the prompt log-probabilities its requests asked for."""
 
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    seconds: float = 0.0  # what the forward and the sampling took (speculation's cost model reads it)
 
 
 # -- what goes between tensor-parallel ranks -------------------------------------------------

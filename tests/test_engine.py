@@ -27,7 +27,7 @@ async def test_many_concurrent_requests_complete_and_free_every_page(engine, tok
         for i in range(24):
             nursery.start_soon(one, i)
     for i, outputs in results.items():
-        assert len(outputs) == 5 + i % 7
+        assert sum(len(o.token_ids) for o in outputs) == 5 + i % 7  # a verification may bring several at once
         assert outputs[-1].finish_reason == "length"
         assert all(o.finish_reason is None for o in outputs[:-1])
     assert len(results) == 24

@@ -89,7 +89,7 @@ def test_llama3_rope_scaling_matches_transformers():
 
 
 def test_penalties_bias_and_bans_follow_their_formulas():
-    from trillm.engine.execution.sampler import _adjust
+    from trillm.engine.execution.sampler import adjust
     from trillm.engine.step import SampleRow
 
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
@@ -97,7 +97,7 @@ def test_penalties_bias_and_bans_follow_their_formulas():
         temperature=0, presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((4, 10.0),)
     )
     row = SampleRow(params, None, prompt_ids=(0,), output_ids=(1, 1, 2), banned_ids=(3,))
-    out = _adjust(logits, [row])[0].tolist()
+    out = adjust(logits, [row])[0].tolist()
     # token 0: prompt only -> repetition 2.0 / 2; token 1: -1 * 2 then -(0.25 * 2 + 0.5); token 2: 0.5 / 2 - 0.75
     assert out[0] == 1.0
     assert out[1] == -2.0 - 1.0

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 from pydantic import Field, model_validator
 
 from trillm.api.errors import ApiError
-from trillm.api.schemas.base import invalid
+from trillm.api.schemas.base import RequestModel, invalid
 from trillm.api.schemas.describe import parse
 from trillm.api.schemas.generation import CommonFields, GenerationBody
-from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, AnyMessage
+from trillm.api.schemas.messages import MESSAGES_DESCRIPTION, AnyMessage, Content, text_of
 from trillm.api.schemas.tools import ToolFields
 from trillm.api.tools.formats import ToolFormat
 from trillm.api.tools.spec import ToolSet
@@ -52,6 +52,12 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     tools: ToolSet | None = None
     tool_format: ToolFormat | None = None  # decided by ``chat.bind`` from the template and the settings
+    prediction: str | None = None  # Predicted Outputs' text, tokenized by ``chat.bind``
+
+
+class PredictedOutput(RequestModel):
+    type: Literal["content"] = Field(description='only `"content"`, as OpenAI')
+    content: Content = Field(description="the expected text: a string, or text parts")
 
 
 class ChatCompletionBody(GenerationBody, ToolFields):
@@ -69,6 +75,14 @@ class ChatCompletionBody(GenerationBody, ToolFields):
     )
     top_logprobs: int = Field(
         0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token; only with `logprobs: true`"
+    )
+    prediction: PredictedOutput | None = Field(
+        None,
+        description="OpenAI's Predicted Outputs: text the reply is expected to repeat largely (a file being edited). "
+        "Speculative decoding proposes its tokens, and the model keeps those it agrees with, so the reply is what it "
+        "would be without it, sooner; `usage.completion_tokens_details` then counts `accepted_prediction_tokens` "
+        "(verified into the reply) and `rejected_prediction_tokens` (the rest). No effect with "
+        "`--speculative off` or `speculative: false`",
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
@@ -97,7 +111,10 @@ class ChatCompletionBody(GenerationBody, ToolFields):
         tools = self.tool_set()
         if tools is not None and self.prompt is not None:
             raise ApiError("'tools' need 'messages' (a raw 'prompt' has no template)", param="tools")
-        return ChatRequest(common, messages, self.prompt, self.chat_template_kwargs, tools)
+        prediction = None if self.prediction is None else text_of(self.prediction.content)
+        return ChatRequest(
+            common, messages, self.prompt, self.chat_template_kwargs, tools, prediction=prediction or None
+        )
 
 
 def parse_chat_request(body: Any) -> ChatRequest:

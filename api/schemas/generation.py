@@ -133,6 +133,11 @@ class GenerationBody(StructuredFields):
         "running request, which resumes later losing no tokens; aging (`--priority-aging-seconds`) bounds how "
         "long a low priority can wait. Under `fcfs` (the default) it is accepted and ignored",
     )
+    speculative: bool = Field(
+        True,
+        description="let speculative decoding (`--speculative`) propose tokens for this request; `false` opts out "
+        "(the output is the same either way: greedy token for token, sampling in distribution)",
+    )
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(
         None,

@@ -26,6 +26,7 @@ from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.parallel.channel import StepChannel
 from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.execution.sampler import sample_with_logprobs
+from trillm.engine.execution.verify import chunk_rows, verify
 from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.step import (
     HEARTBEAT,
@@ -80,6 +81,32 @@ def _fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[Sampl
         history = tuple(take(sample) if t == PENDING else t for t in rows[i].output_ids)
         rows[i] = attrs.evolve(rows[i], output_ids=history)
     return tuple(rows)
+
+
+def _with_verifications(
+    plain: Sampled, logits: torch.Tensor, rows: tuple[SampleRow, ...], drafts: tuple[tuple[int, ...], ...]
+) -> Sampled:
+    """Every sampling chunk's result in batch order: ``plain``'s for the one-row chunks (in
+    order), ``verify``'s for the verification chunks."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    accepted: list[tuple[int, ...]] = []
+    accepted_logprobs: list[tuple[TokenLogprobs | None, ...]] = []
+    plain_tokens, plain_logprobs = iter(plain.tokens), iter(plain.logprobs)
+    for start, draft in zip(chunk_rows(drafts), drafts):
+        if not draft:
+            tokens.append(next(plain_tokens))
+            logprobs.append(next(plain_logprobs))
+            accepted.append(())
+            accepted_logprobs.append(())
+            continue
+        end = start + len(draft) + 1
+        kept, token, kept_logprobs, token_logprobs = verify(logits[start:end], list(rows[start:end]), draft)
+        tokens.append(token)
+        logprobs.append(token_logprobs)
+        accepted.append(kept)
+        accepted_logprobs.append(kept_logprobs)
+    return Sampled(tokens, logprobs, accepted, accepted_logprobs)
 
 
 @attrs.define
@@ -187,6 +214,7 @@ class ModelRunner:
         one are the samples of the one before."""
         if torch.get_num_threads() != self.num_threads:  # OpenMP settings are per calling thread
             torch.set_num_threads(self.num_threads)
+        began = time.perf_counter()
         previous, self._last_sampled = self._last_sampled, None
         rows = _fill_pending(inputs, previous)
         try:
@@ -195,19 +223,32 @@ class ModelRunner:
             if self.model.tp.size > 1:  # a collective failed, or a rank's forward: the group is out of step
                 raise WorkerDied(f"a tensor-parallel step failed: {exc}") from exc
             raise
+        n = len(rows)
+        starts = chunk_rows(inputs.drafts) if inputs.drafts else range(n)
+        plain = [c for c, draft in enumerate(inputs.drafts) if not draft] if inputs.drafts else range(n)
+        plain_rows = [rows[starts[c]] for c in plain]
+        plain_logits = logits[:n] if len(plain_rows) == n else logits[[starts[c] for c in plain]]
         # On a GPU the forward is still running: the grammar masks are filled meanwhile.
-        matchers = [row.matcher for row in rows]
+        matchers = [row.matcher for row in plain_rows]  # a verification's sequence has no grammar
         started = time.perf_counter()
         masks = GrammarMasks.fill(matchers, logits.shape[-1], self.num_threads)
         mask_seconds = time.perf_counter() - started
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
-            n = len(rows)
-            sampled = sample_with_logprobs(logits[:n], list(rows), kernel, masks) if rows else Sampled([], [])
+            sampled = sample_with_logprobs(plain_logits, plain_rows, kernel, masks) if plain_rows else Sampled([], [])
+            if inputs.drafts:
+                sampled = _with_verifications(sampled, logits, rows, inputs.drafts)
             prompt = prompt_logprobs(logits[n:], inputs.prompt_spans) if inputs.prompt_spans else ()
         if masks is not None:
             started = time.perf_counter()
-            advance(matchers, sampled.tokens)
+            advance(matchers, [sampled.tokens[c] for c in plain])
             self.mask_stats.add(mask_seconds + masks.apply_seconds + time.perf_counter() - started)
         self._last_sampled = sampled.tokens
-        return StepResult(sampled.tokens, sampled.logprobs, prompt)
+        return StepResult(
+            sampled.tokens,
+            sampled.logprobs,
+            sampled.accepted,
+            sampled.accepted_logprobs,
+            prompt,
+            time.perf_counter() - began,
+        )

@@ -44,25 +44,28 @@ def sample_with_logprobs(
     ``masks`` (the grammars' allowed tokens) apply after the penalties, in place.
     """
     rows = [r if isinstance(r, SampleRow) else SampleRow(r) for r in rows]
-    logits = _adjust(logits, rows)
+    logits = adjust(logits, rows)
     if masks is not None:
         masks.apply(logits)
     tokens = _choose(logits, rows, kernel)
-    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
-        if k is None:
-            continue
-        temperature = row.params.temperature if not row.params.greedy and row.params.temperature > 0 else 1.0
-        logp = torch.log_softmax(logits[i] / temperature, dim=-1)
-        top = torch.topk(logp, k) if k else None
-        logprobs[i] = TokenLogprobs(
-            tokens[i],
-            float(logp[tokens[i]]),
-            # A token a grammar forbids has logprob -inf, which JSON cannot carry: OpenAI's floor.
-            tuple(zip(top.indices.tolist(), top.values.clamp(min=LOGPROB_FLOOR).tolist())) if top is not None else (),
-        )
+    logprobs = [token_logprobs(logits[i], row.params, tokens[i]) for i, row in enumerate(rows)]
     return Sampled(tokens, logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token: int) -> TokenLogprobs | None:
+    """``token``'s logprob in one row of adjusted ``logits`` and the row's top ones, if asked for."""
+    k = params.logprobs
+    if k is None:
+        return None
+    temperature = params.temperature if not params.greedy and params.temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    top = torch.topk(logp, k) if k else None
+    return TokenLogprobs(
+        token,
+        float(logp[token]),
+        # A token a grammar forbids has logprob -inf, which JSON cannot carry: OpenAI's floor.
+        tuple(zip(top.indices.tolist(), top.values.clamp(min=LOGPROB_FLOOR).tolist())) if top is not None else (),
+    )
 
 
 def _choose(logits: torch.Tensor, rows: list[SampleRow], kernel: SamplingKernel | None) -> list[int]:
@@ -83,7 +86,7 @@ def _choose(logits: torch.Tensor, rows: list[SampleRow], kernel: SamplingKernel 
             column([p.top_k for p in params], torch.int32),
             column([p.top_p for p in params], torch.float32),
             column([p.min_p for p in params], torch.float32),
-            torch.cat([_uniform(rows[i].generator) for i in random_rows]).float().to(logits.device),
+            torch.cat([uniform(rows[i].generator) for i in random_rows]).float().to(logits.device),
         )
     elif random_rows:
         index = torch.tensor(random_rows)
@@ -96,14 +99,14 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     params = [r.params for r in rows]
     scaled = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
-        scaled = _mask_top_k_top_p_min_p(scaled, params)
+        scaled = truncate(scaled, params)
     # exp(x - max) in place, unnormalised: the draw needs no probabilities, and a fresh
     # [32, 49k] softmax output cost page faults too (sampling 6.2 -> 1.5 ms per 32 rows).
     weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
-    return _draw(weights, torch.cat([_uniform(r.generator) for r in rows]))
+    return draw(weights, torch.cat([uniform(r.generator) for r in rows]))
 
 
-def _adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     if not any(r.params.logit_bias or r.banned_ids or r.params.needs_history for r in rows):
         return logits
     logits = logits.clone()
@@ -129,11 +132,11 @@ def _adjust(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits
 
 
-def _uniform(generator: torch.Generator | None) -> torch.Tensor:
+def uniform(generator: torch.Generator | None) -> torch.Tensor:
     return torch.rand(1, dtype=torch.float64, generator=generator)
 
 
-def _mask_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab).unsqueeze(0)
@@ -149,7 +152,7 @@ def _mask_top_k_top_p_min_p(logits: torch.Tensor, params: list[SamplingParams]) 
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
 
 
-def _draw(weights: torch.Tensor, uniforms: torch.Tensor, block: int = 1024) -> torch.Tensor:
+def draw(weights: torch.Tensor, uniforms: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """One draw per row by inverting the CDF of unnormalised ``weights`` [R, V]: one
     uniform per row instead of ``torch.multinomial``'s one exponential per vocabulary
     entry (10x cheaper here), and the uniform can come from the request's own generator.

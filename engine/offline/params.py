@@ -62,6 +62,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     priority: int = 0
     skip_special_tokens: bool = True  # False: the text keeps the tokenizer's special tokens
+    speculative: bool = True  # False: this request opts out of speculative decoding
+    prediction: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # token ids the output is expected to be
     response_format: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
     grammar: GrammarSpec | None = None
 

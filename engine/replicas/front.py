@@ -31,7 +31,7 @@ from trillm.engine import admission
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.loading import load_tokenizer
 from trillm.engine.mailbox import OutputMailbox
-from trillm.engine.outputs import EngineStats, RequestOutput
+from trillm.engine.outputs import EngineStats, RequestOutput, SpeculationCounts
 from trillm.engine.processes import children_allowed, join_or_kill
 from trillm.engine.replicas.protocol import (
     Abort,
@@ -139,9 +139,10 @@ class ReplicaSet:
     def stats(self) -> EngineStats:
         """The replicas' numbers added up; ``num_open_requests`` counts what this front end holds."""
         live = [s for s in self.replica_stats() if s is not None]
-        fields = [f.name for f in attrs.fields(EngineStats)]
-        total = {name: sum(getattr(s, name) for s in live) for name in fields}
+        fields = [f.name for f in attrs.fields(EngineStats) if f.name != "speculation"]
+        total: dict[str, Any] = {name: sum(getattr(s, name) for s in live) for name in fields}
         total["num_open_requests"] = len(self._open)
+        total["speculation"] = SpeculationCounts.added([c for s in live for c in s.speculation])
         return EngineStats(**total)
 
     def flush_cache(self) -> int:

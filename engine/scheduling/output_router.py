@@ -85,25 +85,29 @@ class OutputRouter:
         live = self.live[seq.request_id]
         self.generation_tokens_total += 1
         token = seq.output_ids[index]
+        # a verification settles several tokens before they are routed: only the last one ends it
+        last = seq.is_finished and index == len(seq.output_ids) - 1
         text = live.detokenizer.push(token)
-        if seq.is_finished:
+        if last:
             text += live.detokenizer.flush()
         text = live.stops.push(text)
         if live.stops.stopped:  # a stop string ends it, whatever else happened this step
             seq.finish_reason = "stop"
-        elif seq.is_finished:
+            last = True
+        elif last:
             text += live.stops.flush()
         output = RequestOutput(
             seq.request_id,
             live.index,
             text,
             (token,),
-            seq.finish_reason,
+            seq.finish_reason if last else None,
             len(seq.prompt_ids),
             index + 1,
             (logprobs,) if logprobs is not None else (),
             seq.num_cached_tokens,
             self._take_prompt_logprobs(live),
+            accepted_prediction_tokens=seq.spec.prediction_accepted if seq.spec is not None else 0,
         )
         now = time.monotonic()
         merged = live.mailbox.num_merged
@@ -111,7 +115,7 @@ class OutputRouter:
             return End.GONE
         self.outputs_merged += live.mailbox.num_merged - merged
         live.timer.on_token(self.observer, now)
-        if seq.is_finished:
+        if last:
             return End.STOPPED if live.stops.stopped else End.FINISHED
         if self.stall_timeout is not None and live.mailbox.waiting_for(now) > self.stall_timeout:
             return End.STALLED

@@ -3,6 +3,11 @@
 Pure and synchronous (no Trio, no tensors) so every rule is unit-tested by
 calling methods. The scheduler actor in ``engine.actors`` only moves messages
 and calls into this class.
+
+Longer than our ~400-line guide, as one idea: admission, growth, preemption and the settling
+of returned steps (verifications included) all move the same pages and counters, and the
+invariants between them (no page leaked or shared wrongly, ``num_settled <= num_computed``) are
+checked in one place. Which tokens to propose lives in ``speculation.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from trillm.engine.scheduling.kv_pages import DROPPED_PAGE, PageAllocator, pages
 from trillm.engine.scheduling.policy import SchedulingPolicy
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.speculation import SpeculationControl
 from trillm.engine.step import PENDING, Batch, ScheduledChunk
 
 
@@ -69,11 +75,14 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         policy: SchedulingPolicy | None = None,
         window: int = 0,
+        speculation: SpeculationControl | None = None,
     ) -> None:
         """``window`` > 0: every layer attends only its last ``window`` tokens (``ModelShape.
         attention_span``), so a sequence's pages wholly before its next query's window go back
-        to the pool as it advances (``_drop_passed_pages``)."""
+        to the pool as it advances (``_drop_passed_pages``). ``speculation``: decodes may carry
+        proposed tokens (``speculation.py``) when ``schedule`` is asked to speculate."""
         self.allocator = allocator
+        self.speculation = speculation if speculation is not None and speculation.enabled else None
         self.window = window
         self.policy = policy or SchedulingPolicy()
         self.prefix_cache = prefix_cache
@@ -128,10 +137,13 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------
 
-    def schedule(self) -> Batch[Sequence]:
+    def schedule(self, speculate: bool = False) -> Batch[Sequence]:
+        """The next step. ``speculate`` (no step in flight, so every token is known): decodes
+        may carry proposed tokens, where ``speculation`` finds some and judges them worth it."""
         draft = _Draft(self.max_batch_tokens)
         rank = self.policy.rank
         by_priority = self.policy.by_priority
+        proposals = self.speculation.proposals(self.running) if speculate and self.speculation is not None else {}
         # Decodes first (one token each), then running prefills: oldest first (fcfs) or by rank.
         order = sorted(self.running, key=lambda s: (s.num_pending != 1, rank(s) if by_priority else 0.0))
         for seq in order:
@@ -139,17 +151,22 @@ class Scheduler:
                 break
             if seq not in self.running:
                 continue  # preempted while making room for another
-            if seq.awaits_last_token:
-                continue  # it ends when the step in flight returns
+            if seq.awaits_last_token or seq.verifying:
+                continue  # it ends, or learns its next tokens, when the step in flight returns
             self._drop_passed_pages(seq)
-            length = min(seq.num_pending, draft.budget)
+            proposed = proposals.get(id(seq), ())[: max(0, draft.budget - 1)]
+            length = min(seq.num_pending, draft.budget) + len(proposed)
             if not self._grow(seq, seq.num_computed + length, draft):
                 continue  # it preempted itself
-            draft.add(ScheduledChunk.next_for(seq, length))
+            if proposed:
+                chunk = ScheduledChunk(seq, seq.num_computed, length, True, seq.num_preemptions, proposed)
+            else:
+                chunk = ScheduledChunk.next_for(seq, length)
+            draft.add(chunk)
         while draft.budget > 0 and self.waiting:
             seq = self.waiting[0]
-            if seq.awaits_last_token:
-                break  # preempted while its last token is in flight: it ends when that returns
+            if seq.awaits_last_token or seq.verifying:
+                break  # preempted while its last tokens are in flight: it goes on when they return
             if draft.floor is not None and rank(seq) >= draft.floor:
                 break  # preempted this step (or behind one that was): admitting it would undo that
             full = len(self.running) >= self.max_num_seqs
@@ -299,26 +316,41 @@ class Scheduler:
                 sample += 1
             if seq.is_finished or chunk.generation != seq.num_preemptions:
                 continue  # aborted (or preempted) since it was scheduled
+            if chunk.draft:  # what it computes beyond its last token is known when the step returns
+                seq.num_computed = chunk.start + 1
+                seq.verifying = True
+                continue
             seq.num_computed = chunk.end
             if chunk.samples:
                 seq.output_ids.append(PENDING)
                 seq.pending_sample = sample - 1
 
-    def resolve(self, batch: Batch[Sequence], sampled: list[int]) -> list[tuple[Sequence, int]]:
+    def resolve(
+        self, batch: Batch[Sequence], sampled: list[int], accepted: list[tuple[int, ...]] | None = None
+    ) -> list[tuple[Sequence, int]]:
         """Apply a launched step that returned: settle its KV, put each sampled token
         in place of its ``PENDING`` and retire sequences that finished.
 
-        ``sampled`` holds one token per chunk that samples, in batch order.
+        ``sampled`` holds one token per chunk that samples, in batch order; ``accepted``, per
+        such chunk, the proposals the sampler kept before that token (a verification's).
         Sequences aborted or finished while the step ran are skipped (their pages
         were freed once, then). A sequence preempted while the step ran keeps its
         token, for it is right, but not the step's KV. Returns each sequence that
-        got a token with that token's index in its ``output_ids``.
+        got a token with that token's index in its ``output_ids``, in order.
         """
         tokens = iter(sampled)
+        kept_runs = iter(accepted or ())
         updated: list[tuple[Sequence, int]] = []
         for chunk in batch.chunks:
             seq = chunk.seq
             token = next(tokens) if chunk.samples else None
+            kept = next(kept_runs, ()) if chunk.samples else ()
+            if chunk.draft:
+                seq.verifying = False
+                if not seq.is_finished:
+                    assert token is not None
+                    self._settle_verification(seq, chunk, kept, token, updated)
+                continue
             if seq.is_finished:
                 continue
             if chunk.generation == seq.num_preemptions:
@@ -337,6 +369,42 @@ class Scheduler:
                 queue.remove(seq)
                 self._release(seq)
         return updated
+
+    def wants_to_speculate(self) -> bool:
+        """Whether the next step should wait for the one in flight (no overlap) so that its
+        decodes can carry proposals (``SpeculationControl.wants``)."""
+        return self.speculation is not None and self.speculation.wants(self.running)
+
+    def _settle_verification(
+        self,
+        seq: Sequence,
+        chunk: ScheduledChunk[Sequence],
+        kept: tuple[int, ...],
+        token: int,
+        updated: list[tuple[Sequence, int]],
+    ) -> None:
+        """A verification returned: the kept proposals' K/V is valid (the rest is overwritten
+        later, and pages wholly past the tokens go back now), and each kept token and the one
+        after them is settled in order, until one ends the sequence."""
+        if self.speculation is not None and seq.spec is not None:
+            self.speculation.record(seq.spec, len(chunk.draft), len(kept), seq.spec.from_prediction)
+        current = chunk.generation == seq.num_preemptions
+        if current:
+            seq.num_computed = seq.num_settled = chunk.start + 1 + len(kept)
+        for t in (*kept, token):
+            seq.output_ids.append(t)
+            index = len(seq.output_ids) - 1
+            seq.settle_token(index, t)
+            updated.append((seq, index))
+            if seq.is_finished:
+                queue = self.running if seq in self.running else self.waiting
+                queue.remove(seq)
+                self._release(seq)
+                return
+        if current:
+            keep = max(pages_needed(seq.num_tokens, self.page_size), seq.dropped_pages)
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def complete(self, batch: Batch[Sequence], sampled: list[int]) -> list[Sequence]:
         """Launch and resolve a step at once; returns the sequences that got a token."""

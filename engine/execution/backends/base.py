@@ -106,16 +106,23 @@ class StepRows:
     pending_inputs: list[tuple[int, int]] = attrs.field(factory=list)
     pending_history: list[tuple[int, int]] = attrs.field(factory=list)
     prompt: PromptRows = attrs.field(factory=PromptRows)
+    drafts: list[tuple[int, ...]] = attrs.field(factory=list)  # per sampling chunk
 
     def add(self, index: int, chunk: ScheduledChunk[ScheduledSequence]) -> int:
-        """Chunk ``index`` of the batch, appended; returns the input row it starts at."""
+        """Chunk ``index`` of the batch, appended; returns the input row it starts at. A
+        verification chunk samples at each of its positions, each row with the proposals
+        before it in its history."""
         row, seq = len(self.ids), chunk.seq
         self.prompt.add(index, chunk, row)
         note_pending(seq, chunk, row, len(self.rows), self.pending_inputs, self.pending_history)
-        self.ids += seq.token_ids(chunk.start, chunk.end)
+        self.ids += chunk.token_ids()
         if chunk.samples:
-            self.logits_rows.append(len(self.ids) - 1)
-            self.rows.append(sample_row(seq))
+            draft = chunk.draft
+            first = len(self.ids) - len(draft) - 1
+            for j in range(len(draft) + 1):
+                self.logits_rows.append(first + j)
+                self.rows.append(sample_row(seq, draft[:j]))
+            self.drafts.append(draft)
         return row
 
     def inputs(self, positions: torch.Tensor, meta: StepMetadata) -> StepInputs:
@@ -128,6 +135,7 @@ class StepRows:
             pending_inputs=tuple(self.pending_inputs),
             pending_history=tuple(self.pending_history),
             prompt_spans=tuple(self.prompt.spans),
+            drafts=tuple(self.drafts) if any(self.drafts) else (),
         )
 
 
@@ -214,14 +222,16 @@ def note_pending(
         history.append((sample_row, seq.pending_sample))
 
 
-def sample_row(seq: ScheduledSequence) -> SampleRow:
-    """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step."""
+def sample_row(seq: ScheduledSequence, proposed: tuple[int, ...] = ()) -> SampleRow:
+    """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step.
+    ``proposed``: the proposals before this row's position, part of its history (the scheduler
+    proposes only past ``min_tokens`` and without a grammar, so bans and matcher are unchanged)."""
     p = seq.params
     return SampleRow(
         p,
         seq.generator,
         seq.prompt_ids if p.repetition_penalty != 1.0 else (),
-        tuple(seq.output_ids) if p.needs_history else (),
+        (*seq.output_ids, *proposed) if p.needs_history else (),
         seq.banned_ids,
         seq.matcher,
     )

@@ -149,10 +149,11 @@ class CpuBackend(Backend):
             positions.append(pos)
             table = chunk.seq.pages[: -(-end // ps)]
             slot_mapping.append(torch.tensor(table)[pos // ps] * ps + pos % ps)
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(end)
+            if chunk.decode_rows:
+                for j in range(n):
+                    decode_rows.append(row + j)
+                    decode_tables.append(table)
+                    decode_lens.append(start + j + 1)
             else:
                 mask = None
                 if start > 0:  # causal within the chunk, everything cached before it

@@ -80,15 +80,17 @@ class KernelBackend(Backend):
             step.add(index, chunk)
             positions += range(start, end)
             slots += (table[p // ps] * ps + p % ps for p in range(start, end))
-            tables.append(table)
-            starts.append(starts[-1] + chunk.length)
-            lens.append(end)
+            # a verification chunk: one query of one token per position, each its own context
+            for query_end in range(start + 1, end + 1) if chunk.draft else (end,):
+                tables.append(table)
+                starts.append(starts[-1] + query_end - (query_end - 1 if chunk.draft else start))
+                lens.append(query_end)
         meta = KernelMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=padded_tables(tables, torch.int32),
             query_starts=torch.tensor(starts, dtype=torch.int32),
             context_lens=torch.tensor(lens, dtype=torch.int32),
-            decode_only=all(chunk.length == 1 for chunk in batch.chunks),
+            decode_only=all(chunk.decode_rows for chunk in batch.chunks),
         )
         return step.inputs(torch.tensor(positions, dtype=torch.long), meta)
 

@@ -1,0 +1,265 @@
+"""Draft-free speculation: proposing the next tokens of a sequence from what it has already seen.
+
+A decode step reads every weight once whatever its rows; on a CPU (and a GPU at small batches)
+several rows cost about what one does. So a sequence may carry k proposed tokens into a step, the
+model scores all of them at once, and the sampler keeps the longest prefix it agrees with plus one
+token of its own (``execution/verify.py``): greedy output is the output without speculation, and
+sampled output keeps its distribution.
+
+The proposers here need no draft model. ``NgramProposer`` is prompt lookup: the last n tokens
+matched against the request's own prompt and output (and a client's predicted output, first),
+the tokens after the latest match proposed. Its state is the request's own, built from its tokens
+as they come, so it is never stale across requests.
+
+``SpeculationControl`` decides per step and per sequence: a sequence whose proposals keep failing
+backs off (exponentially, up to ``MAX_COOLDOWN`` steps), and a step speculates only while the
+measured step times say the extra rows cost less than the tokens they are expected to bring.
+Pure and synchronous, as the scheduler is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from trillm.engine.scheduling.sequence import Sequence
+
+MODES = ("off", "ngram", "auto")
+MAX_NGRAM = 4  # the longest suffix looked up
+MIN_NGRAM = 2  # the shortest (one token matches too often to be worth a row)
+MAX_COOLDOWN = 32  # steps a sequence whose proposals were all rejected waits, at most
+EMA = 0.2  # weight of the newest measurement in the running averages
+MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plain step
+
+
+class NgramProposer:
+    """Prompt lookup over one sequence's tokens, and over a predicted output (OpenAI's
+    ``prediction``) before them.
+
+    ``index`` maps each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM``) to where its latest occurrence
+    is followed by a known token: tokens are added as they become known, never removed."""
+
+    def __init__(self, prediction: tuple[int, ...] = (), prompt_len: int = 0) -> None:
+        self.prompt_len = prompt_len  # before any output, the prediction's start is proposed
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+        self.prediction = prediction
+        self.prediction_index: dict[tuple[int, ...], int] = {}
+        for end in range(1, len(prediction)):
+            self._note(prediction, end, self.prediction_index)
+
+    @staticmethod
+    def _note(tokens: tuple[int, ...] | list[int], end: int, index: dict[tuple[int, ...], int]) -> None:
+        """The n-grams ending just before ``end`` are followed by ``tokens[end]``."""
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            if end >= n:
+                index[tuple(tokens[end - n : end])] = end
+
+    def extend(self, tokens: list[int]) -> None:
+        """Known tokens of the sequence, appended (the prompt, then each settled output)."""
+        for token in tokens:
+            self.tokens.append(token)
+            self._note(self.tokens, len(self.tokens) - 1, self.index)
+
+    def propose(self, k: int) -> tuple[tuple[int, ...], bool]:
+        """Up to ``k`` tokens likely to follow, and whether they come from the prediction."""
+        tokens = self.tokens
+        if self.prediction and len(tokens) == self.prompt_len:
+            return self.prediction[:k], True
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            if len(tokens) < n:
+                continue
+            key = tuple(tokens[-n:])
+            at = self.prediction_index.get(key)
+            if at is not None:
+                return tuple(self.prediction[at : at + k]), True
+            at = self.index.get(key)
+            if at is not None:
+                return tuple(tokens[at : min(at + k, len(tokens))]), False
+        return (), False
+
+    def has_match(self) -> bool:
+        """Whether ``propose`` would find anything now (cheap: dictionary lookups)."""
+        tokens = self.tokens
+        if self.prediction and len(tokens) == self.prompt_len:
+            return True
+        return any(
+            tuple(tokens[-n:]) in self.prediction_index or tuple(tokens[-n:]) in self.index
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, len(tokens)) + 1)
+        )
+
+
+@attrs.define
+class SequenceSpeculation:
+    """One sequence's proposer and how its proposals have fared."""
+
+    proposer: NgramProposer
+    known: int = 0  # of the sequence's tokens, how many the proposer has seen
+    cooldown: int = 0  # steps left before it proposes again
+    misses: int = 0  # verifications in a row that accepted nothing
+    acceptance: float = 0.5  # running average of accepted / proposed
+    from_prediction: bool = False  # whether the proposal in flight came from the prediction
+    proposed: int = 0
+    accepted: int = 0
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
+
+
+@attrs.define
+class SpeculationStats:
+    """Counters for ``/metrics`` (vLLM's ``spec_decode_*``)."""
+
+    drafts: int = 0  # verifications run
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # proposed tokens the model agreed with
+    emitted_tokens: int = 0  # tokens verifications produced (accepted + the model's own)
+
+
+class SpeculationControl:
+    """Which sequences propose, and how many tokens, in the step being built."""
+
+    def __init__(self, mode: str, num_tokens: int) -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {mode!r}")
+        if num_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        self.mode = mode
+        self.num_tokens = num_tokens
+        # by method: "ngram" (prompt lookup over the request's tokens), "prediction" (its predicted output)
+        self.stats: dict[str, SpeculationStats] = {}
+        # decode step seconds by rows scored (running averages): what speculation's rows cost
+        self.step_seconds: dict[int, float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def adaptive(self) -> bool:
+        """``auto``: a step speculates only where the cost model says it pays (``worth``)."""
+        return self.mode == "auto"
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of ``rows`` rows took ``seconds``."""
+        old = self.step_seconds.get(rows)
+        self.step_seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
+
+    def _cost(self, rows: int) -> float | None:
+        """Estimated seconds of a decode step of ``rows`` rows: measured, else interpolated
+        linearly between the nearest measured sizes (None below any measurement: unknown)."""
+        if rows in self.step_seconds:
+            return self.step_seconds[rows]
+        below = max((r for r in self.step_seconds if r < rows), default=None)
+        above = min((r for r in self.step_seconds if r > rows), default=None)
+        if below is None:
+            return None
+        if above is None:
+            return None  # beyond what was measured: explored optimistically
+        lo, hi = self.step_seconds[below], self.step_seconds[above]
+        return lo + (hi - lo) * (rows - below) / (above - below)
+
+    def observe(self, chunk_lengths: list[int], seconds: float) -> None:
+        """A step returned after ``seconds``: a decode step (every chunk a decode or a
+        verification, ``chunk_lengths`` its rows per sequence) feeds the cost model."""
+        if chunk_lengths:
+            self.observe_step(sum(chunk_lengths), seconds)
+
+    def worth(self, rows: int, extra: int, expected: float) -> bool:
+        """Whether a step of ``rows`` decodes plus ``extra`` proposed rows, expected to bring
+        ``expected`` more tokens, beats the plain step in tokens per second."""
+        plain, spec = self._cost(rows), self._cost(rows + extra)
+        if plain is None or spec is None:
+            return True  # not measured yet: try it, and measure
+        return (rows + expected) / spec > MARGIN * rows / plain
+
+    def state(self, prediction: tuple[int, ...], prompt_len: int) -> SequenceSpeculation:
+        return SequenceSpeculation(NgramProposer(prediction, prompt_len))
+
+    # -- over the scheduler's running sequences ------------------------------------------------
+
+    @staticmethod
+    def may_speculate(seq: Sequence) -> bool:
+        """Whether ``seq`` may carry proposals at all: it opted in, it decodes, it has no grammar
+        (its matcher would have to follow every proposal) and is past ``min_tokens``."""
+        p = seq.params
+        return (
+            p.speculative
+            and seq.matcher is None
+            and seq.admitted
+            and len(seq.output_ids) >= p.min_tokens
+            and seq.num_tokens - seq.num_computed <= 1
+        )
+
+    def known(self, seq: Sequence) -> SequenceSpeculation:
+        """Its proposer, told every token known now."""
+        if seq.spec is None:
+            seq.spec = self.state(seq.params.prediction, len(seq.prompt_ids))
+        spec: SequenceSpeculation = seq.spec
+        known = len(seq.prompt_ids) + seq.num_known_outputs
+        if known > spec.known:
+            spec.proposer.extend(seq.token_ids(spec.known, known))
+            spec.known = known
+        return spec
+
+    def proposals(self, running: list[Sequence]) -> dict[int, tuple[int, ...]]:
+        """Proposed tokens per running decode (by ``id``), if the step they make is worth it.
+        Call with every token known (no step in flight)."""
+        decodes = [seq for seq in running if seq.num_pending == 1 and not seq.verifying]
+        proposals: dict[int, tuple[int, ...]] = {}
+        expected = 0.0
+        for seq in decodes:
+            if not self.may_speculate(seq):
+                continue
+            spec = self.known(seq)
+            if spec.cooldown:
+                spec.cooldown -= 1
+                continue
+            room = min(self.num_tokens, seq.max_len - seq.num_tokens - 1)
+            if room <= 0:
+                continue
+            proposed, spec.from_prediction = spec.proposer.propose(room)
+            if proposed:
+                proposals[id(seq)] = proposed
+                expected += spec.acceptance * len(proposed)
+        extra = sum(map(len, proposals.values()))
+        if proposals and self.adaptive and not self.worth(len(decodes), extra, expected):
+            return {}
+        return proposals
+
+    def wants(self, running: list[Sequence]) -> bool:
+        """Whether the next step should wait for the one in flight (giving up overlap for a step)
+        so that its decodes can carry proposals: some sequence is verifying, or has a match to
+        propose from now and (``auto``) the rows it would add are expected to pay."""
+        candidates, expected = 0, 0.0
+        for seq in running:
+            if seq.verifying:
+                return True
+            if self.may_speculate(seq) and seq.output_ids:
+                spec = self.known(seq)
+                if not spec.cooldown and spec.proposer.has_match():
+                    candidates += 1
+                    expected += spec.acceptance * self.num_tokens
+        if not candidates:
+            return False
+        return not self.adaptive or self.worth(len(running), candidates * self.num_tokens, expected)
+
+    def record(self, spec: SequenceSpeculation, proposed: int, accepted: int, from_prediction: bool) -> None:
+        """A verification of ``proposed`` tokens accepted ``accepted`` of them."""
+        spec.proposed += proposed
+        spec.accepted += accepted
+        if from_prediction:
+            spec.prediction_accepted += accepted
+            spec.prediction_rejected += proposed - accepted
+        spec.acceptance += EMA * (accepted / proposed - spec.acceptance)
+        if accepted:
+            spec.misses = 0
+        else:
+            spec.misses += 1
+            spec.cooldown = min(MAX_COOLDOWN, 1 << (spec.misses - 1))
+        s = self.stats.setdefault("prediction" if from_prediction else "ngram", SpeculationStats())
+        s.drafts += 1
+        s.draft_tokens += proposed
+        s.accepted_tokens += accepted
+        s.emitted_tokens += accepted + 1

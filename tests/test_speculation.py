@@ -1,0 +1,269 @@
+"""Speculative decoding's parts, without a model: the n-gram proposer, the verification's rule
+(greedy: the longest agreeing prefix; sampling: the output distribution unchanged), and the
+scheduler driving verifications with exact page accounting against a stand-in model whose right
+answer is known at every position."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+from trillm.engine.execution.backends.base import StepRows
+from trillm.engine.execution.model_runner import _fill_pending
+from trillm.engine.execution.verify import verify
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.prefix_cache import PrefixCache
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.engine.scheduling.speculation import MAX_COOLDOWN, NgramProposer, SpeculationControl
+from trillm.engine.scheduling.step_loop import StepLoop
+from trillm.engine.step import Batch, Sampled, SampleRow, Step, StepInputs
+
+# -- the proposer ---------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    p = NgramProposer()
+    p.extend([5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6])
+    assert p.has_match()
+    assert p.propose(3) == ((7, 2, 3), False)  # "5 6" last seen before "7 2 3"
+    p.extend([7])
+    assert p.propose(4) == ((2, 3, 5, 6), False)  # the longest suffix, "5 6 7", wins over "6 7"
+    assert p.propose(9)[0] == (2, 3, 5, 6, 7)  # never past the tokens known
+
+
+def test_ngram_without_a_match_proposes_nothing() -> None:
+    p = NgramProposer()
+    p.extend([1, 2, 3, 4])
+    assert not p.has_match()
+    assert p.propose(4) == ((), False)
+
+
+def test_prediction_comes_first_and_opens_the_output() -> None:
+    p = NgramProposer(prediction=(10, 11, 12, 13, 14), prompt_len=3)
+    p.extend([1, 2, 3])
+    assert p.propose(2) == ((10, 11), True)  # no output yet: the prediction's start
+    p.extend([10, 99, 12])  # the model changed one token
+    assert p.propose(4) == ((), False)
+    p.extend([13])
+    assert p.propose(4) == ((14,), True)  # back in step with the prediction after "12 13"
+
+
+def test_rejected_proposals_back_off_and_recover() -> None:
+    control = SpeculationControl("ngram", 4)
+    spec = control.state((), 0)
+    for misses in range(1, 9):
+        control.record(spec, 4, 0, False)
+        assert spec.cooldown == min(MAX_COOLDOWN, 2 ** (misses - 1))
+    control.record(spec, 4, 3, False)
+    assert spec.misses == 0
+    stats = control.stats["ngram"]
+    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens, stats.emitted_tokens) == (9, 36, 3, 12)
+
+
+def test_the_cost_model_speculates_only_where_the_rows_pay() -> None:
+    control = SpeculationControl("auto", 4)
+    assert control.worth(4, 8, 2.0)  # nothing measured: try it
+    for rows, seconds in ((1, 0.010), (4, 0.011), (8, 0.012), (16, 0.040), (40, 0.100)):
+        control.observe_step(rows, seconds)
+    assert control.worth(1, 3, 1.5)  # 4 rows cost 10 % more than 1, and bring 2.5 tokens instead of 1
+    assert not control.worth(1, 3, 0.0)  # nothing expected back: the extra rows are pure cost
+    assert not control.worth(8, 32, 4.0)  # compute-bound: 40 rows cost 8x what 8 do
+
+
+# -- verification ---------------------------------------------------------------------------
+
+
+def _rows(params: SamplingParams, k: int, seed: int | None = None) -> list[SampleRow]:
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return [SampleRow(params, generator) for _ in range(k + 1)]
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_then_the_models_token() -> None:
+    logits = torch.full((4, 8), -5.0)
+    for row, best in enumerate([3, 1, 6, 2]):
+        logits[row, best] = 5.0
+    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    kept, token, kept_lp, token_lp = verify(logits, _rows(greedy, 3), (3, 1, 4))
+    assert (kept, token) == ((3, 1), 6)  # d3 = 4 disagrees with row 2's argmax 6
+    assert [lp.token_id for lp in kept_lp if lp] == [3, 1] and token_lp is not None and token_lp.token_id == 6
+    kept, token, _, _ = verify(logits, _rows(greedy, 3), (3, 1, 6))
+    assert (kept, token) == ((3, 1, 6), 2)  # all kept: the last row's own token follows
+    kept, token, _, _ = verify(logits, _rows(greedy, 3), (0, 1, 6))
+    assert (kept, token) == ((), 3)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4, top_p=0.9)],
+    ids=["plain", "truncated"],
+)
+def test_sampled_verification_keeps_the_distribution(params: SamplingParams) -> None:
+    """The first emitted token is distributed as row 0's distribution whatever was proposed, and
+    the second, given the first was the proposal, as row 1's: rejection sampling with a point mass."""
+    torch.manual_seed(0)
+    vocab = 6
+    logits = torch.randn(3, vocab) * 1.5
+    draft = (int(logits[0].argmax()), 2)  # a likely proposal, then any
+    generator = torch.Generator().manual_seed(1)
+    rows = [SampleRow(params, generator) for _ in range(3)]
+    trials = 20_000
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    for _ in range(trials):
+        kept, token, _, _ = verify(logits, rows, draft)
+        emitted = (*kept, token)
+        first[emitted[0]] += 1
+        if emitted[0] == draft[0]:
+            second[emitted[1]] += 1
+
+    def target(row: int) -> torch.Tensor:
+        scaled = logits[row] / params.temperature
+        if params.top_k > 0 or params.top_p < 1:
+            from trillm.engine.execution.sampler import truncate
+
+            scaled = truncate(scaled.unsqueeze(0), [params])[0]
+        return torch.softmax(scaled.double(), -1).float()
+
+    for counts, row in ((first, 0), (second, 1)):
+        n = counts.sum()
+        p = target(row)
+        sigma = (p * (1 - p) / n).sqrt()
+        assert ((counts / n - p).abs() <= 5 * sigma + 1e-3).all(), (counts / n, p)
+        assert counts[p == 0].sum() == 0  # a truncated-away token is never emitted
+
+
+# -- the scheduler driving verifications ------------------------------------------------------
+
+VOCAB, EOS = 5, 0
+
+
+def model_token(seq: Sequence, end: int) -> int:
+    """The stand-in model: periodic for even request ids (proposals come true), hashed otherwise."""
+    if int(seq.request_id[1:]) % 2 == 0:
+        return 1 + (end % 3)
+    return zlib.crc32(f"{seq.request_id}:{end}".encode()) % VOCAB
+
+
+def true_token(seq: Sequence, position: int) -> int:
+    return seq.prompt_ids[position] if position < len(seq.prompt_ids) else model_token(seq, position)
+
+
+class Driver:
+    """The engine's StepLoop over a speculating Scheduler; the worker verifies each proposal
+    against the stand-in model and checks every K/V read is of the true prefix."""
+
+    def __init__(self, rng: random.Random, depth: int, longest: int) -> None:
+        self.page_size = rng.choice([1, 2, 4])
+        self.allocator = PageAllocator(-(-longest // self.page_size) + rng.randint(0, 12))
+        self.cache = PrefixCache(self.allocator, self.page_size) if rng.random() < 0.6 else None
+        control = SpeculationControl("ngram", rng.randint(1, 5))
+        self.scheduler = Scheduler(
+            self.allocator, self.page_size, rng.randint(1, 5), rng.randint(8, 30), self.cache, speculation=control
+        )
+        self.loop: StepLoop[tuple[StepInputs, list[list[int]]]] = StepLoop(self.scheduler, self._prepare, depth)
+        self.written: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.verified = 0
+        self.last_sampled: list[int] | None = None
+
+    def _prepare(self, batch: Batch) -> tuple[StepInputs, list[list[int]]]:
+        step = StepRows()
+        for index, chunk in enumerate(batch.chunks):
+            step.add(index, chunk)
+        return step.inputs(torch.empty(0), None), [list(c.seq.pages) for c in batch.chunks]  # type: ignore[arg-type]
+
+    def execute(self, step: Step[tuple[StepInputs, list[list[int]]]]) -> Sampled:
+        inputs, tables = step.inputs
+        _fill_pending(inputs, self.last_sampled)  # overlap: the inputs the step before samples
+        ids = inputs.input_ids.tolist()
+        ps, row = self.page_size, 0
+        tokens, accepted = [], []
+        for chunk, table in zip(step.batch.chunks, tables):
+            seq = chunk.seq
+            # positions up to the last known token hold the truth; the proposals are guesses
+            known = chunk.end - len(chunk.draft)
+            truth = [true_token(seq, p) for p in range(known)]
+            assert ids[row : row + chunk.length - len(chunk.draft)] == truth[chunk.start :]
+            assert ids[row + chunk.length - len(chunk.draft) : row + chunk.length] == list(chunk.draft)
+            row += chunk.length
+            for p in range(chunk.start):
+                assert self.written[(table[p // ps], p % ps)] == tuple(truth[: p + 1]), "stale KV read"
+            inputs_here = truth + list(chunk.draft)
+            for p in range(chunk.start, chunk.end):
+                self.written[(table[p // ps], p % ps)] = tuple(inputs_here[: p + 1])
+            if not chunk.samples:
+                continue
+            kept: list[int] = []
+            for d in chunk.draft:  # greedy verification against the stand-in
+                if d != model_token(seq, known + len(kept)):
+                    break
+                kept.append(d)
+            self.verified += len(kept)
+            tokens.append(model_token(seq, known + len(kept)))
+            accepted.append(tuple(kept))
+        self.last_sampled = tokens
+        return Sampled(tokens, [None] * len(tokens), accepted, [()] * len(tokens))
+
+    def check_accounting(self) -> None:
+        s = self.scheduler
+        held = [p for q in [*s.running, *s.waiting] for p in q.pages]
+        cached = set(self.cache._nodes) if self.cache is not None else set()
+        assert self.allocator.free_pages + len(set(held) | cached) == self.allocator.num_pages
+        for q in s.running:  # no page beyond what its tokens need (the proposals' are given back)
+            if not q.verifying and q.num_computed:
+                assert len(q.pages) <= -(-(q.num_tokens + 1) // self.page_size) + 1
+
+
+def expected(seq: Sequence) -> tuple[list[int], str]:
+    outputs: list[int] = []
+    while True:
+        token = model_token(seq, len(seq.prompt_ids) + len(outputs))
+        outputs.append(token)
+        if token == EOS and not seq.params.ignore_eos:
+            return outputs, "stop"
+        if len(outputs) >= (seq.params.max_tokens or 10**9) or len(seq.prompt_ids) + len(outputs) >= seq.max_len:
+            return outputs, "length"
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("seed", range(12))
+def test_verifications_give_the_plain_output_and_free_every_page(seed: int, depth: int) -> None:
+    rng = random.Random(seed)
+    seqs = []
+    for i in range(rng.randint(1, 8)):
+        prompt = [1 + (j % 3) for j in range(rng.randint(1, 9))] + [rng.randint(1, VOCAB - 1) for _ in range(2)]
+        params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.5)
+        max_len = min(rng.choice([10_000, len(prompt) + 12]), len(prompt) + (params.max_tokens or 0))  # as the engine
+        seqs.append(Sequence(f"r{i}", prompt, params, max_len, frozenset({EOS}), arrival_time=i))
+    d = Driver(rng, depth, max(s.max_len for s in seqs))
+    pending = list(seqs)
+    aborted = {rng.choice(seqs).request_id} if rng.random() < 0.5 else set()
+    abort_at = rng.randint(0, 40)
+    steps = 0
+    while pending or d.loop.has_work:
+        if pending and rng.random() < 0.5:
+            d.scheduler.add(pending.pop(0))
+        if steps == abort_at:
+            for request_id in aborted:  # lands while a verification may be in flight
+                d.scheduler.abort(request_id)
+        d.loop.run_once(d.execute)
+        d.check_accounting()
+        steps += 1
+        assert steps < 3_000, "the pipeline stalled"
+    for seq in seqs:
+        assert not seq.verifying and not seq.pages
+        if seq.finish_reason == "abort":
+            assert seq.request_id in aborted
+            right, _ = expected(seq)
+            assert seq.output_ids == right[: len(seq.output_ids)]
+            continue
+        assert (seq.output_ids, seq.finish_reason) == expected(seq), seq.request_id
+    if d.cache is not None:
+        d.cache.flush()
+    assert d.allocator.free_pages == d.allocator.num_pages
+    if any(int(s.request_id[1:]) % 2 == 0 and len(s.output_ids) >= 12 for s in seqs):
+        assert d.verified > 0  # a periodic output is proposed right, and kept

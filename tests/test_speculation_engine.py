@@ -1,0 +1,175 @@
+"""Speculative decoding on the real default model: what an engine emits with proposals verified
+is what it emits without them (greedy, float32: token for token, logprobs too), through stops,
+length cuts, penalties and biases; seeded sampling repeats; a request can opt out; Predicted
+Outputs fill OpenAI's usage fields; and every page comes back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from trillm.engine import Engine, SamplingParams
+
+from tests.helpers import make_engine, wait_idle
+from tests.server import MODEL, client, in_thread, running_server
+
+LIST = [{"role": "user", "content": "Repeat this list exactly three times: apple, banana, cherry, date, fig."}]
+CODE = [{"role": "user", "content": "Write a Python function add(a, b), then the same function again named add2."}]
+RAW = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on"
+
+
+def _prompts(tokenizer: Any) -> list[list[int]]:
+    chats = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in (LIST, CODE)]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in chats] + [tokenizer(RAW)["input_ids"]]
+
+
+async def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[Any]]:
+    """Every request at once; each one's outputs."""
+    results: list[list[Any]] = [[] for _ in requests]
+
+    async def one(i: int, ids: list[int], params: SamplingParams) -> None:
+        async with engine.generate(ids, params) as outputs:
+            results[i] = [o async for o in outputs]
+
+    async with trio.open_nursery() as nursery:
+        for i, (ids, params) in enumerate(requests):
+            nursery.start_soon(one, i, ids, params)
+    return results
+
+
+async def _served(model_parts: Any, mode: str, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list, Any]:
+    """The requests through a fresh engine speculating ``mode``; its outputs and final stats (idle)."""
+    engine = make_engine(model_parts, speculative=mode)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        results = []
+        for request in requests:  # one at a time: a lone stream is where speculation runs
+            results += await _run(engine, [request])
+        await wait_idle(engine)
+        stats = engine.stats()
+        nursery.cancel_scope.cancel()
+    return results, stats
+
+
+def _tokens(outputs: list[Any]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def _logprobs(outputs: list[Any]) -> list[Any]:
+    return [lp for o in outputs for lp in o.logprobs]
+
+
+GREEDY = SamplingParams(max_tokens=60, temperature=0.0, logprobs=2)
+
+
+async def test_greedy_output_and_logprobs_are_the_plain_ones(model_parts, tokenizer) -> None:
+    requests = [(ids, GREEDY) for ids in _prompts(tokenizer)]
+    plain, _ = await _served(model_parts, "off", requests)
+    spec, stats = await _served(model_parts, "ngram", requests)
+    for a, b in zip(plain, spec):
+        assert _tokens(a) == _tokens(b)
+        assert "".join(o.text for o in a) == "".join(o.text for o in b)
+        assert a[-1].finish_reason == b[-1].finish_reason
+        for x, y in zip(_logprobs(a), _logprobs(b)):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    (counts,) = stats.speculation
+    assert counts.method == "ngram" and counts.drafts > 0 and counts.accepted_tokens > 0
+    assert counts.emitted_tokens == counts.accepted_tokens + counts.drafts
+
+
+async def test_stops_cuts_penalties_and_biases_inside_accepted_runs(model_parts, tokenizer) -> None:
+    ids = _prompts(tokenizer)[0]
+    (reference,), _ = await _served(model_parts, "off", [(ids, GREEDY)])
+    tokens = _tokens(reference)
+    text = "".join(o.text for o in reference)
+    variants = (
+        [
+            SamplingParams(max_tokens=n, temperature=0.0)
+            for n in (5, 13, 22)  # cut wherever a run ends
+        ]
+        + [
+            SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=(tokens[len(tokens) * 2 // 3],)),
+            SamplingParams(max_tokens=60, temperature=0.0, stop=(text[len(text) // 2 : len(text) // 2 + 6],)),
+            SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=0.3, presence_penalty=0.2),
+            SamplingParams(max_tokens=40, temperature=0.0, repetition_penalty=1.2, logit_bias=((tokens[3], 3.0),)),
+            SamplingParams(max_tokens=40, temperature=0.0, min_tokens=10, ignore_eos=True),
+        ]
+    )
+    plain, _ = await _served(model_parts, "off", [(ids, p) for p in variants])
+    spec, stats = await _served(model_parts, "ngram", [(ids, p) for p in variants])
+    for params, a, b in zip(variants, plain, spec):
+        assert _tokens(a) == _tokens(b), params
+        assert "".join(o.text for o in a) == "".join(o.text for o in b), params
+        assert a[-1].finish_reason == b[-1].finish_reason
+        assert [o.num_output_tokens for o in a][-1] == [o.num_output_tokens for o in b][-1]
+    assert stats.speculation[0].accepted_tokens > 0
+
+
+async def test_seeded_sampling_repeats_and_a_request_may_opt_out(model_parts, tokenizer) -> None:
+    ids = _prompts(tokenizer)[2]
+    seeded = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.95, seed=11, ignore_eos=True)
+    (first, second), stats = await _served(model_parts, "ngram", [(ids, seeded), (ids, seeded)])
+    assert _tokens(first) == _tokens(second) and len(_tokens(first)) == 40
+    assert stats.speculation[0].drafts > 0
+    (plain,), _ = await _served(model_parts, "off", [(ids, GREEDY)])
+    (opted,), opted_stats = await _served(model_parts, "ngram", [(ids, attrs.evolve(GREEDY, speculative=False))])
+    assert opted_stats.speculation == ()  # it proposed nothing
+    assert _tokens(opted) == _tokens(plain)
+
+
+async def test_preemption_and_many_streams_with_speculation(model_parts, tokenizer) -> None:
+    """A pool too small for every stream at once: verifications are preempted and recomputed,
+    and the outputs are still the plain ones; every page comes back."""
+    prompts = _prompts(tokenizer)
+    requests = [(prompts[i % 3], attrs.evolve(GREEDY, max_tokens=48, logprobs=None)) for i in range(6)]
+
+    async def all_at_once(mode: str) -> tuple[list[list[Any]], Any]:
+        engine = make_engine(model_parts, speculative=mode, num_pages=24, page_size=8)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            results = await _run(engine, requests)
+            await wait_idle(engine)
+            stats = engine.stats()
+            nursery.cancel_scope.cancel()
+        return results, stats
+
+    plain, _ = await all_at_once("off")
+    spec, stats = await all_at_once("ngram")
+    assert [_tokens(r) for r in plain] == [_tokens(r) for r in spec]
+    assert stats.num_preemptions > 0 and stats.speculation[0].drafts > 0
+    assert stats.free_pages + stats.evictable_pages == stats.total_pages
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_predicted_outputs_count_accepted_and_rejected_tokens(model_parts, stream: bool) -> None:
+    async with running_server(model_parts, speculative="ngram") as srv:
+        c = client(srv)
+        plain = await in_thread(c.chat.completions.create, model=MODEL, messages=CODE, max_tokens=60, temperature=0)
+        answer = plain.choices[0].message.content
+        edited = answer.replace("add2", "plus")  # the prediction is close to, not equal to, the reply
+        kwargs = dict(
+            model=MODEL, messages=CODE, max_tokens=60, temperature=0, prediction={"type": "content", "content": edited}
+        )
+        if stream:
+            chunks = await in_thread(
+                lambda: list(c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+            )
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            usage = chunks[-1].usage
+        else:
+            reply = await in_thread(c.chat.completions.create, **kwargs)
+            text, usage = reply.choices[0].message.content, reply.usage
+        assert text == answer  # the prediction changes the speed, never the reply
+        details = usage.completion_tokens_details
+        predicted = len(srv.engine.tokenizer(edited, add_special_tokens=False)["input_ids"])
+        assert 0 < details.accepted_prediction_tokens <= predicted
+        assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == predicted
+        assert plain.usage.completion_tokens_details is None  # no prediction, no details
+        metrics = (await in_thread(httpx.get, srv.url + "/metrics")).text
+        accepted = [line for line in metrics.splitlines() if line.startswith("trillm:spec_decode_num_accepted_tokens")]
+        assert any('method="prediction"' in line and float(line.split()[-1]) > 0 for line in accepted), accepted
