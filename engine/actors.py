@@ -174,6 +174,8 @@ class Actors:
         scheduling; without it, one step at a time."""
         loop = self.loop
         started: deque[trio.Event] = deque()  # one per step in flight: set when the worker takes it
+        speculation = self.scheduler.speculation
+        host = 0.0  # seconds of our own work since the last step returned (speculation's cost model)
         async with batch_tx, result_rx:
             while True:
                 if not loop.has_work:
@@ -182,7 +184,9 @@ class Actors:
                         await trio.to_thread.run_sync(self._trim, limiter=self.limiter)
                     self._handle(await self.inbox.receive())
                 self._drain_inbox()
+                began = time.perf_counter()
                 step = loop.schedule()
+                host += time.perf_counter() - began
                 if step is not None:
                     started.append(trio.Event())
                     await batch_tx.send((step, started[-1]))
@@ -191,8 +195,13 @@ class Actors:
                     started.popleft()
                     if started:  # the worker goes first: routing waits, not the model
                         await started[0].wait()
+                    began = time.perf_counter()
                     self._resolve(result)
                     self._drain_inbox()  # aborts that arrived during the step: freed now
+                    host += time.perf_counter() - began
+                    if speculation is not None:
+                        speculation.observe_host(host)
+                    host = 0.0
                 elif step is None and self.scheduler.has_work:  # nothing fits yet; wait for news
                     self._handle(await self.inbox.receive())
                 step = None  # an idle engine holds no finished step (nor its sequences' grammar state)

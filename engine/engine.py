@@ -104,7 +104,9 @@ class Engine:
             cache,
             policy,
             window=model.shape.attention_span,
-            speculation=SpeculationControl(config.speculative, config.num_speculative_tokens),
+            speculation=SpeculationControl(
+                config.speculative, config.num_speculative_tokens, overlap=config.overlap_schedule
+            ),
         )
         self.max_model_len = min(context, num_pages * config.page_size)
         log.info(

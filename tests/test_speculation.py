@@ -58,7 +58,7 @@ def test_rejected_proposals_back_off_and_recover() -> None:
     spec = control.state((), 0)
     for misses in range(1, 9):
         control.record(spec, 4, 0, False)
-        assert spec.cooldown == min(MAX_COOLDOWN, 2 ** (misses - 1))
+        assert spec.resume_at == spec.known + 1 + min(MAX_COOLDOWN, 2 ** (misses - 1))
     control.record(spec, 4, 3, False)
     assert spec.misses == 0
     stats = control.stats["ngram"]

@@ -12,7 +12,7 @@ the tokens after the latest match proposed. Its state is the request's own, buil
 as they come, so it is never stale across requests.
 
 ``SpeculationControl`` decides per step and per sequence: a sequence whose proposals keep failing
-backs off (exponentially, up to ``MAX_COOLDOWN`` steps), and a step speculates only while the
+backs off (exponentially, up to ``MAX_COOLDOWN`` tokens), and a step speculates only while the
 measured step times say the extra rows cost less than the tokens they are expected to bring.
 Pure and synchronous, as the scheduler is.
 """
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 MODES = ("off", "ngram", "auto")
 MAX_NGRAM = 4  # the longest suffix looked up
 MIN_NGRAM = 2  # the shortest (one token matches too often to be worth a row)
-MAX_COOLDOWN = 32  # steps a sequence whose proposals were all rejected waits, at most
+MAX_COOLDOWN = 32  # tokens a sequence whose proposals were all rejected decodes plainly, at most
 EMA = 0.2  # weight of the newest measurement in the running averages
 MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plain step
 
@@ -97,7 +97,7 @@ class SequenceSpeculation:
 
     proposer: NgramProposer
     known: int = 0  # of the sequence's tokens, how many the proposer has seen
-    cooldown: int = 0  # steps left before it proposes again
+    resume_at: int = 0  # it proposes again once it has this many known tokens (backing off)
     misses: int = 0  # verifications in a row that accepted nothing
     acceptance: float = 0.5  # running average of accepted / proposed
     from_prediction: bool = False  # whether the proposal in flight came from the prediction
@@ -120,7 +120,7 @@ class SpeculationStats:
 class SpeculationControl:
     """Which sequences propose, and how many tokens, in the step being built."""
 
-    def __init__(self, mode: str, num_tokens: int) -> None:
+    def __init__(self, mode: str, num_tokens: int, overlap: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {mode!r}")
         if num_tokens < 1:
@@ -131,6 +131,8 @@ class SpeculationControl:
         self.stats: dict[str, SpeculationStats] = {}
         # decode step seconds by rows scored (running averages): what speculation's rows cost
         self.step_seconds: dict[int, float] = {}
+        self.host_seconds = 0.0  # the scheduler's own work per step (running average)
+        self.overlap = overlap  # plain steps overlap the scheduler's work with the forward
 
     @property
     def enabled(self) -> bool:
@@ -146,19 +148,32 @@ class SpeculationControl:
         old = self.step_seconds.get(rows)
         self.step_seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
 
+    def observe_host(self, seconds: float) -> None:
+        """The scheduler's own work for one step (schedule, prepare, settle, route) took
+        ``seconds``: overlap hides it behind the forward, a speculating step (which waits for the
+        one before) pays it."""
+        self.host_seconds += EMA * (seconds - self.host_seconds)
+
     def _cost(self, rows: int) -> float | None:
-        """Estimated seconds of a decode step of ``rows`` rows: measured, else interpolated
-        linearly between the nearest measured sizes (None below any measurement: unknown)."""
-        if rows in self.step_seconds:
-            return self.step_seconds[rows]
-        below = max((r for r in self.step_seconds if r < rows), default=None)
-        above = min((r for r in self.step_seconds if r > rows), default=None)
-        if below is None:
+        """Estimated forward seconds of a decode step of ``rows`` rows: measured, else linear
+        between the nearest measured sizes, else from the nearest one along the least-squares
+        slope of them all (adjacent sizes' times are too noisy for a slope). None below every
+        measured size, or with fewer than two: unknown."""
+        table = self.step_seconds
+        if rows in table:
+            return table[rows]
+        sizes = sorted(table)
+        below = [r for r in sizes if r < rows]
+        above = [r for r in sizes if r > rows]
+        if not below or len(sizes) < 2:
             return None
-        if above is None:
-            return None  # beyond what was measured: explored optimistically
-        lo, hi = self.step_seconds[below], self.step_seconds[above]
-        return lo + (hi - lo) * (rows - below) / (above - below)
+        if above:
+            lo, hi = below[-1], above[0]
+            return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
+        mean_r = sum(sizes) / len(sizes)
+        mean_s = sum(table.values()) / len(sizes)
+        slope = sum((r - mean_r) * (table[r] - mean_s) for r in sizes) / sum((r - mean_r) ** 2 for r in sizes)
+        return table[below[-1]] + max(0.0, slope) * (rows - below[-1])
 
     def observe(self, chunk_lengths: list[int], seconds: float) -> None:
         """A step returned after ``seconds``: a decode step (every chunk a decode or a
@@ -168,11 +183,14 @@ class SpeculationControl:
 
     def worth(self, rows: int, extra: int, expected: float) -> bool:
         """Whether a step of ``rows`` decodes plus ``extra`` proposed rows, expected to bring
-        ``expected`` more tokens, beats the plain step in tokens per second."""
+        ``expected`` more tokens, beats the plain step in tokens per second: the plain one
+        overlapped with the scheduler's work (``overlap``), the speculating one after it."""
         plain, spec = self._cost(rows), self._cost(rows + extra)
         if plain is None or spec is None:
             return True  # not measured yet: try it, and measure
-        return (rows + expected) / spec > MARGIN * rows / plain
+        host = self.host_seconds
+        plain_step = max(plain, host) if self.overlap else plain + host
+        return (rows + expected) / (spec + host) > MARGIN * rows / plain_step
 
     def state(self, prediction: tuple[int, ...], prompt_len: int) -> SequenceSpeculation:
         return SequenceSpeculation(NgramProposer(prediction, prompt_len))
@@ -213,8 +231,7 @@ class SpeculationControl:
             if not self.may_speculate(seq):
                 continue
             spec = self.known(seq)
-            if spec.cooldown:
-                spec.cooldown -= 1
+            if spec.known < spec.resume_at:
                 continue
             room = min(self.num_tokens, seq.max_len - seq.num_tokens - 1)
             if room <= 0:
@@ -238,7 +255,7 @@ class SpeculationControl:
                 return True
             if self.may_speculate(seq) and seq.output_ids:
                 spec = self.known(seq)
-                if not spec.cooldown and spec.proposer.has_match():
+                if spec.known >= spec.resume_at and spec.proposer.has_match():
                     candidates += 1
                     expected += spec.acceptance * self.num_tokens
         if not candidates:
@@ -257,7 +274,8 @@ class SpeculationControl:
             spec.misses = 0
         else:
             spec.misses += 1
-            spec.cooldown = min(MAX_COOLDOWN, 1 << (spec.misses - 1))
+            # the verification's own token is known once it settles: back off from there
+            spec.resume_at = spec.known + 1 + min(MAX_COOLDOWN, 1 << (spec.misses - 1))
         s = self.stats.setdefault("prediction" if from_prediction else "ngram", SpeculationStats())
         s.drafts += 1
         s.draft_tokens += proposed
