@@ -5,6 +5,7 @@ Outputs fill OpenAI's usage fields; and every page comes back."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -173,3 +174,41 @@ async def test_predicted_outputs_count_accepted_and_rejected_tokens(model_parts,
         metrics = (await in_thread(httpx.get, srv.url + "/metrics")).text
         accepted = [line for line in metrics.splitlines() if line.startswith("trillm:spec_decode_num_accepted_tokens")]
         assert any('method="prediction"' in line and float(line.split()[-1]) > 0 for line in accepted), accepted
+
+
+SCHEMA = {
+    "type": "array",
+    "minItems": 4,
+    "maxItems": 4,
+    "items": {
+        "type": "object",
+        "properties": {"fruit": {"type": "string"}, "colour": {"type": "string"}},
+        "required": ["fruit", "colour"],
+    },
+}
+
+
+async def test_a_grammar_masks_each_proposal_and_the_output_is_the_plain_one(model_parts, tokenizer) -> None:
+    """JSON with repeated keys: proposals come true, each verification row is masked after the
+    proposals before it, and the output is what plain constrained decoding gives."""
+    from trillm.engine.structured import GrammarSpec
+
+    chat = [{"role": "user", "content": "List four fruits and their colours as JSON."}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    results = {}
+    for mode in ("off", "ngram"):
+        engine = make_engine(model_parts, speculative=mode)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            grammar = await engine.compile_grammar(GrammarSpec.json_schema(SCHEMA))
+            params = SamplingParams(max_tokens=120, temperature=0.0, grammar=grammar)
+            (outputs,) = await _run(engine, [(ids, params)])
+            await wait_idle(engine)
+            results[mode] = (outputs, engine.stats())
+            nursery.cancel_scope.cancel()
+    (plain, _), (spec, stats) = results["off"], results["ngram"]
+    assert _tokens(plain) == _tokens(spec)
+    assert plain[-1].finish_reason == spec[-1].finish_reason == "stop"
+    assert len(json.loads("".join(o.text for o in spec))) == 4
+    assert stats.speculation[0].accepted_tokens > 0

@@ -229,7 +229,7 @@ class ModelRunner:
         plain_rows = [rows[starts[c]] for c in plain]
         plain_logits = logits[:n] if len(plain_rows) == n else logits[[starts[c] for c in plain]]
         # On a GPU the forward is still running: the grammar masks are filled meanwhile.
-        matchers = [row.matcher for row in plain_rows]  # a verification's sequence has no grammar
+        matchers = [row.matcher for row in plain_rows]  # a verification's masks are its own (``verify``)
         started = time.perf_counter()
         masks = GrammarMasks.fill(matchers, logits.shape[-1], self.num_threads)
         mask_seconds = time.perf_counter() - started

@@ -25,8 +25,29 @@ def verify(
     logits: torch.Tensor, rows: list[SampleRow], draft: tuple[int, ...]
 ) -> tuple[tuple[int, ...], int, tuple[TokenLogprobs | None, ...], TokenLogprobs | None]:
     """For a chunk's ``len(draft) + 1`` rows of float32 ``logits`` (and their ``rows``): the
-    proposals kept, the token after them, and the logprobs of each (where asked for)."""
-    adjusted = adjust(logits, rows)
+    proposals kept, the token after them, and the logprobs of each (where asked for). A row
+    with a grammar: each row is masked as the grammar stands after the proposals before it,
+    proposals it refuses are not verified, and it takes the emitted tokens."""
+    matcher = rows[0].matcher
+    if matcher is not None and matcher.active:
+        masks, taken = matcher.draft_masks(draft, logits.shape[-1])
+        draft, logits, rows = draft[:taken], logits[: taken + 1], rows[: taken + 1]
+        adjusted = adjust(logits, rows)
+        if adjusted is logits:
+            adjusted = logits.clone()
+        masks.apply(adjusted)
+    else:
+        matcher = None
+        adjusted = adjust(logits, rows)
+    kept, token, kept_logprobs, token_logprobs = _decide(adjusted, rows, draft)
+    if matcher is not None:
+        matcher.take((*kept, token))
+    return kept, token, kept_logprobs, token_logprobs
+
+
+def _decide(
+    adjusted: torch.Tensor, rows: list[SampleRow], draft: tuple[int, ...]
+) -> tuple[tuple[int, ...], int, tuple[TokenLogprobs | None, ...], TokenLogprobs | None]:
     params = rows[0].params
     k = len(draft)
     if params.greedy:

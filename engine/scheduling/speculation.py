@@ -199,12 +199,12 @@ class SpeculationControl:
 
     @staticmethod
     def may_speculate(seq: Sequence) -> bool:
-        """Whether ``seq`` may carry proposals at all: it opted in, it decodes, it has no grammar
-        (its matcher would have to follow every proposal) and is past ``min_tokens``."""
+        """Whether ``seq`` may carry proposals at all: it opted in, it decodes, and it is past
+        ``min_tokens`` (a grammar is no obstacle: the verification masks each row after the
+        proposals before it)."""
         p = seq.params
         return (
             p.speculative
-            and seq.matcher is None
             and seq.admitted
             and len(seq.output_ids) >= p.min_tokens
             and seq.num_tokens - seq.num_computed <= 1

@@ -2,7 +2,8 @@
 
 A ``Matcher`` belongs to one sequence and is touched only by the model-runner
 thread, in step order: each step fills its row of the mask from the matcher's
-state, samples, then advances the matcher by the sampled token. With the overlap
+state, samples, then advances the matcher by the sampled token (a verification: by each token it
+emits, its rows masked after each proposal in turn, ``draft_masks``). With the overlap
 scheduler the next step is prepared before this one's token is known, but it
 executes after it, so the matcher is always exactly one token behind the row it
 masks. Preemption keeps a sequence's output tokens, so it keeps its matcher too.
@@ -69,6 +70,30 @@ class Matcher:
         self.num_accepted += 1
         if token in self.grammar.stop_ids:
             self.terminated = True
+
+    def draft_masks(self, draft: tuple[int, ...], vocab_size: int) -> tuple[GrammarMasks, int]:
+        """The masks of a verification's rows (row j: after the first j proposals) and how many
+        proposals the grammar takes: the rows after one it refuses are not verified. Leaves the
+        matcher where it was (xgrammar rolls back any number of tokens)."""
+        bitmask = torch.full((len(draft) + 1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        taken = 0
+        for j in range(len(draft) + 1):
+            self._matcher.fill_next_token_bitmask(bitmask, j)
+            if j == len(draft) or not self._matcher.accept_token(draft[j]):
+                break
+            taken += 1
+        if taken:
+            self._matcher.rollback(taken)
+        if (bitmask[0] == 0).all():
+            self.fail("no token is allowed")
+        return GrammarMasks(bitmask, list(range(taken + 1))), taken
+
+    def take(self, tokens: Sequence[int]) -> None:
+        """A verification's emitted tokens, in order (until one is refused)."""
+        for token in tokens:
+            if not self.active:
+                return
+            self.accepted(token, self._matcher.accept_token(token))
 
 
 @attrs.define

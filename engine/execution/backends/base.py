@@ -225,7 +225,8 @@ def note_pending(
 def sample_row(seq: ScheduledSequence, proposed: tuple[int, ...] = ()) -> SampleRow:
     """What the sampler needs of ``seq``, copied now: the scheduler may change it mid-step.
     ``proposed``: the proposals before this row's position, part of its history (the scheduler
-    proposes only past ``min_tokens`` and without a grammar, so bans and matcher are unchanged)."""
+    proposes only past ``min_tokens``, so the bans are unchanged; a grammar's rows are masked in
+    turn by the verification)."""
     p = seq.params
     return SampleRow(
         p,
