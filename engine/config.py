@@ -21,7 +21,7 @@ KERNELS = ("auto", "cpu", "triton", "reference")
 LOAD_FORMATS = ("auto", "dummy")
 WEIGHT_FORMATS = ("auto", "dense", "blocks")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_MODES = ("auto", "ngram", "off")
+SPECULATIVE_MODES = ("auto", "ngram", "suffix", "off")
 MB = 1024 * 1024
 
 
@@ -136,8 +136,9 @@ class EngineConfig:
         "auto",
         "speculative decoding: decodes carry tokens proposed from what the request has seen, scored in the same "
         "step, the ones the model agrees with kept (greedy output unchanged, sampling's distribution too); "
-        "`ngram`: prompt lookup over the request's prompt, output and predicted output (`prediction`); `auto`: "
-        "the same, used only where the measured step times say it pays; `off`",
+        "`ngram`: prompt lookup over the request's prompt, output and predicted output (`prediction`); `suffix`: "
+        "that, then what recent requests generated after the same context (a bounded memory of their outputs, "
+        "emptied by `/flush_cache`); `auto`: `suffix`, used only where the measured step times say it pays; `off`",
         choices=SPECULATIVE_MODES,
     )
     num_speculative_tokens: int = setting(4, "most tokens proposed per decode step", validator=attrs.validators.ge(1))

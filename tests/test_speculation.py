@@ -21,6 +21,7 @@ from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.speculation import MAX_COOLDOWN, NgramProposer, SpeculationControl
 from trillm.engine.scheduling.step_loop import StepLoop
+from trillm.engine.scheduling.suffix_cache import SuffixCache
 from trillm.engine.step import Batch, Sampled, SampleRow, Step, StepInputs
 
 # -- the proposer ---------------------------------------------------------------------------
@@ -57,12 +58,33 @@ def test_rejected_proposals_back_off_and_recover() -> None:
     control = SpeculationControl("ngram", 4)
     spec = control.state((), 0)
     for misses in range(1, 9):
-        control.record(spec, 4, 0, False)
+        control.record(spec, 4, 0, "ngram")
         assert spec.resume_at == spec.known + 1 + min(MAX_COOLDOWN, 2 ** (misses - 1))
-    control.record(spec, 4, 3, False)
+    control.record(spec, 4, 3, "ngram")
     assert spec.misses == 0
     stats = control.stats["ngram"]
     assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens, stats.emitted_tokens) == (9, 36, 3, 12)
+
+
+def test_suffix_cache_proposes_the_well_trodden_continuation_and_forgets_exactly() -> None:
+    cache = SuffixCache(max_tokens=40, min_confidence=0.5)
+    cache.learn([9, 1, 2], [3, 4, 5, 6])
+    cache.learn([9, 1, 2], [3, 4, 5, 6])
+    cache.learn([8, 1, 2], [3, 4, 7, 7])
+    assert cache.propose([1, 2], 8) == (3, 4, 5, 6)  # after "3 4": 5 twice, 7 once (2/3 > 0.5)
+    assert cache.propose([7, 1, 2, 3], 2) == (4, 5)
+    assert cache.propose([5, 5], 4) == ()  # never seen
+    assert cache.has_match([1, 2]) and not cache.has_match([6, 6])
+    for i in range(6):  # 7 tokens each: the first three requests go, their counts with them
+        cache.learn([20 + i, 21 + i], [30 + i, 31 + i, 32 + i, 33 + i, 34 + i])
+    assert cache.size <= 40 and cache.propose([1, 2], 4) == ()
+    cache.clear()
+    assert not cache.counts and not cache.learned and cache.size == 0
+    cache.learn([1], [2, 3, 4])
+    while cache.learned:  # forgetting undoes learning exactly: nothing is left behind
+        tokens, first = cache.learned.popleft()
+        cache._count(tokens, first, -1)
+    assert cache.counts == {}
 
 
 def test_the_cost_model_speculates_only_where_the_rows_pay() -> None:
@@ -161,7 +183,7 @@ class Driver:
         self.page_size = rng.choice([1, 2, 4])
         self.allocator = PageAllocator(-(-longest // self.page_size) + rng.randint(0, 12))
         self.cache = PrefixCache(self.allocator, self.page_size) if rng.random() < 0.6 else None
-        control = SpeculationControl("ngram", rng.randint(1, 5))
+        control = SpeculationControl(rng.choice(["ngram", "suffix"]), rng.randint(1, 5))
         self.scheduler = Scheduler(
             self.allocator, self.page_size, rng.randint(1, 5), rng.randint(8, 30), self.cache, speculation=control
         )

@@ -212,3 +212,26 @@ async def test_a_grammar_masks_each_proposal_and_the_output_is_the_plain_one(mod
     assert plain[-1].finish_reason == spec[-1].finish_reason == "stop"
     assert len(json.loads("".join(o.text for o in spec))) == 4
     assert stats.speculation[0].accepted_tokens > 0
+
+
+async def test_suffix_proposes_what_earlier_requests_wrote_until_the_cache_is_flushed(model_parts, tokenizer) -> None:
+    chat = [{"role": "user", "content": "Describe the water cycle for a ten-year-old."}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    engine = make_engine(model_parts, speculative="suffix")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        (first,) = await _run(engine, [(ids, params)])
+        before = {c.method: c for c in engine.stats().speculation}
+        (second,) = await _run(engine, [(ids, params)])
+        after = {c.method: c for c in engine.stats().speculation}
+        await wait_idle(engine)
+        control = engine.scheduler.speculation
+        assert control is not None and control.suffix is not None and control.suffix.size > 0
+        engine.flush_cache()
+        assert control.suffix.size == 0 and not control.suffix.counts
+        nursery.cancel_scope.cancel()
+    assert _tokens(first) == _tokens(second)
+    gained = after["suffix"].accepted_tokens - (before["suffix"].accepted_tokens if "suffix" in before else 0)
+    assert gained >= len(_tokens(second)) // 2  # most of the repeat came from the first one's output

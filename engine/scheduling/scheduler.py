@@ -233,6 +233,10 @@ class Scheduler:
         return self.allocator.can_allocate(need)
 
     def flush_cache(self) -> int:
+        """Free every cached page no request holds (returns how many), and forget what earlier
+        requests generated (speculation's ``suffix`` memory)."""
+        if self.speculation is not None:
+            self.speculation.clear()
         return self.prefix_cache.flush() if self.prefix_cache is not None else 0
 
     @property
@@ -387,7 +391,7 @@ class Scheduler:
         later, and pages wholly past the tokens go back now), and each kept token and the one
         after them is settled in order, until one ends the sequence."""
         if self.speculation is not None and seq.spec is not None:
-            self.speculation.record(seq.spec, len(chunk.draft), len(kept), seq.spec.from_prediction)
+            self.speculation.record(seq.spec, len(chunk.draft), len(kept), seq.spec.method)
         current = chunk.generation == seq.num_preemptions
         if current:
             seq.num_computed = seq.num_settled = chunk.start + 1 + len(kept)
@@ -416,5 +420,7 @@ class Scheduler:
         (unless the window has taken its first ones: a cached prefix starts at the first page)."""
         if self.prefix_cache is not None and seq.pages and not seq.dropped_pages:
             self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
+        if seq.is_finished and self.speculation is not None:
+            self.speculation.learn(seq)
         self.allocator.free(seq.pages[seq.dropped_pages :])
         seq.pages, seq.dropped_pages = [], 0

@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from trillm.engine.scheduling.suffix_cache import SuffixCache
+
 if TYPE_CHECKING:
     from trillm.engine.scheduling.sequence import Sequence
 
-MODES = ("off", "ngram", "auto")
+MODES = ("off", "ngram", "suffix", "auto")
 MAX_NGRAM = 4  # the longest suffix looked up
 MIN_NGRAM = 2  # the shortest (one token matches too often to be worth a row)
 MAX_COOLDOWN = 32  # tokens a sequence whose proposals were all rejected decodes plainly, at most
@@ -100,7 +102,7 @@ class SequenceSpeculation:
     resume_at: int = 0  # it proposes again once it has this many known tokens (backing off)
     misses: int = 0  # verifications in a row that accepted nothing
     acceptance: float = 0.5  # running average of accepted / proposed
-    from_prediction: bool = False  # whether the proposal in flight came from the prediction
+    method: str = "ngram"  # where the proposal in flight came from: "ngram", "prediction" or "suffix"
     proposed: int = 0
     accepted: int = 0
     prediction_accepted: int = 0
@@ -127,8 +129,10 @@ class SpeculationControl:
             raise ValueError("num_speculative_tokens must be >= 1")
         self.mode = mode
         self.num_tokens = num_tokens
-        # by method: "ngram" (prompt lookup over the request's tokens), "prediction" (its predicted output)
+        # by method: "ngram" (prompt lookup over the request's tokens), "prediction" (its predicted
+        # output), "suffix" (what earlier requests generated)
         self.stats: dict[str, SpeculationStats] = {}
+        self.suffix = SuffixCache() if mode in ("suffix", "auto") else None
         # decode step seconds by rows scored (running averages): what speculation's rows cost
         self.step_seconds: dict[int, float] = {}
         self.host_seconds = 0.0  # the scheduler's own work per step (running average)
@@ -236,7 +240,11 @@ class SpeculationControl:
             room = min(self.num_tokens, seq.max_len - seq.num_tokens - 1)
             if room <= 0:
                 continue
-            proposed, spec.from_prediction = spec.proposer.propose(room)
+            proposed, from_prediction = spec.proposer.propose(room)
+            spec.method = "prediction" if from_prediction else "ngram"
+            if not proposed and self._may_use_suffix(seq):
+                assert self.suffix is not None
+                proposed, spec.method = self.suffix.propose(spec.proposer.tokens, room), "suffix"
             if proposed:
                 proposals[id(seq)] = proposed
                 expected += spec.acceptance * len(proposed)
@@ -255,18 +263,39 @@ class SpeculationControl:
                 return True
             if self.may_speculate(seq) and seq.output_ids:
                 spec = self.known(seq)
-                if spec.known >= spec.resume_at and spec.proposer.has_match():
+                if spec.known >= spec.resume_at and self._has_match(seq, spec):
                     candidates += 1
                     expected += spec.acceptance * self.num_tokens
         if not candidates:
             return False
         return not self.adaptive or self.worth(len(running), candidates * self.num_tokens, expected)
 
-    def record(self, spec: SequenceSpeculation, proposed: int, accepted: int, from_prediction: bool) -> None:
+    def _may_use_suffix(self, seq: Sequence) -> bool:
+        """Whether other requests' outputs may be proposed to ``seq``: not to a seeded sampled
+        request, whose draws must repeat with its seed (they follow what is proposed)."""
+        p = seq.params
+        return self.suffix is not None and (p.greedy or p.seed is None)
+
+    def _has_match(self, seq: Sequence, spec: SequenceSpeculation) -> bool:
+        if spec.proposer.has_match():
+            return True
+        return self._may_use_suffix(seq) and self.suffix is not None and self.suffix.has_match(spec.proposer.tokens)
+
+    def learn(self, seq: Sequence) -> None:
+        """A sequence ended: its output joins what later requests may be proposed (``suffix``)."""
+        if self.suffix is not None:
+            self.suffix.learn(seq.prompt_ids, seq.output_ids[: seq.num_known_outputs])
+
+    def clear(self) -> None:
+        """``/flush_cache``: forget what earlier requests generated."""
+        if self.suffix is not None:
+            self.suffix.clear()
+
+    def record(self, spec: SequenceSpeculation, proposed: int, accepted: int, method: str) -> None:
         """A verification of ``proposed`` tokens accepted ``accepted`` of them."""
         spec.proposed += proposed
         spec.accepted += accepted
-        if from_prediction:
+        if method == "prediction":
             spec.prediction_accepted += accepted
             spec.prediction_rejected += proposed - accepted
         spec.acceptance += EMA * (accepted / proposed - spec.acceptance)
@@ -276,7 +305,7 @@ class SpeculationControl:
             spec.misses += 1
             # the verification's own token is known once it settles: back off from there
             spec.resume_at = spec.known + 1 + min(MAX_COOLDOWN, 1 << (spec.misses - 1))
-        s = self.stats.setdefault("prediction" if from_prediction else "ngram", SpeculationStats())
+        s = self.stats.setdefault(method, SpeculationStats())
         s.drafts += 1
         s.draft_tokens += proposed
         s.accepted_tokens += accepted
