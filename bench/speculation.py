@@ -1,22 +1,30 @@
 """Speculative decoding's speed: each ``--speculative`` mode beside ``off``, on work it helps and work it cannot.
 
     python -m trillm.bench.speculation [--model M] [--modes off,auto,ngram] [--concurrency 1,8] [--rounds 5]
+    python -m trillm.bench.speculation --server trillm-off=URL --server trillm-auto=URL --server llama-ngram=URL ...
 
 Three workloads, greedy (so every mode emits the same tokens, and tokens/s compare):
 ``chat`` (open questions: little to propose), ``repeat`` (lists and text asked back: prompt lookup
 finds the answer in the prompt) and ``edit`` (a code file to change, with the file itself as
-OpenAI's predicted output). One engine per mode, all in this process; the modes take turns
-request by request, ``--rounds`` times, and the median of each is printed with its ratio to
-``off`` (this VM's timings move by 15-30 % from minute to minute: taking turns keeps that out of
-the ratios). Offline, no HTTP: the scheduler, the runner and the verification are what differ.
+OpenAI's predicted output). Offline (the default): one engine per mode in this process. With
+``--server``: OpenAI-compatible servers driven over HTTP, streaming chat completions (any server:
+trillm, or a peer such as ``llama-server --spec-type ngram-mod``), which adds the time to first
+token and the inter-token latency. The modes (or servers) take turns request batch by request
+batch, ``--rounds`` times, and the median of each is printed with its ratio to the first one
+(this VM's timings move by 15-30 % from minute to minute: taking turns keeps that out of the
+ratios).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any
+
+import attrs
+import trio
 
 CODE = """def total_price(items, tax_rate):
     subtotal = 0
@@ -35,11 +43,28 @@ def cheapest(items):
 """
 
 WORKLOADS: dict[str, list[tuple[str, str | None]]] = {
+    # a question never asked before in the run: what earlier requests wrote is no help (suffix)
     "chat": [
-        ("Tell me a short story about a dragon who learns to cook.", None),
-        ("Explain how photosynthesis works in simple terms.", None),
-        ("What are three good habits for learning a new language?", None),
-        ("Describe the water cycle for a ten-year-old.", None),
+        (f"{ask} {topic}.", None)
+        for ask in ("Explain in simple terms", "Write a short paragraph about", "Give three facts about")
+        for topic in (
+            "how photosynthesis works",
+            "the water cycle",
+            "why the sky is blue",
+            "how bees make honey",
+            "the history of the bicycle",
+            "how volcanoes form",
+            "what a black hole is",
+            "how vaccines train the immune system",
+            "the life of a river otter",
+            "how a compass works",
+            "why leaves change colour in autumn",
+            "how bread rises",
+            "the first airplane flight",
+            "how tides happen",
+            "what makes a good night's sleep",
+            "how glass is made",
+        )
     ],
     "repeat": [
         ("Repeat this list exactly three times: apple, banana, cherry, date, elderberry, fig, grape.", None),
@@ -58,70 +83,177 @@ WORKLOADS: dict[str, list[tuple[str, str | None]]] = {
 }
 
 
-def _requests(llm: Any, workload: str) -> list[tuple[list[int], Any]]:
-    from trillm import SamplingParams
-
-    tok = llm.get_tokenizer()
-    out = []
-    for text, prediction in WORKLOADS[workload]:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        ids = tok(chat, add_special_tokens=False)["input_ids"]
-        predicted = tuple(tok(prediction, add_special_tokens=False)["input_ids"]) if prediction else ()
-        out.append((ids, SamplingParams(max_tokens=160, temperature=0, prediction=predicted)))
-    return out
+MAX_TOKENS = 160
 
 
-def _timed(llm: Any, batch: list[tuple[list[int], Any]]) -> tuple[float, int]:
-    start = time.perf_counter()
-    results = llm.generate([ids for ids, _ in batch], [p for _, p in batch], use_tqdm=False)
-    return time.perf_counter() - start, sum(len(r.outputs[0].token_ids) for r in results)
+def _items(workload: str, concurrency: int, turn: int) -> list[tuple[str, str | None]]:
+    """The requests of one turn: ``chat`` never repeats a question (its 48 go round), the others
+    do (a repeated request is what they are about)."""
+    items = WORKLOADS[workload]
+    first = turn * concurrency if workload == "chat" else 0
+    return [items[(first + i) % len(items)] for i in range(concurrency)]
+
+
+@attrs.frozen
+class Turn:
+    """One batch of requests through one target: its wall time, tokens, and (over HTTP) each
+    request's time to first token and gaps between streamed chunks."""
+
+    seconds: float
+    tokens: int
+    ttfts: tuple[float, ...] = ()
+    gaps: tuple[float, ...] = ()
+
+
+class OfflineTarget:
+    """An engine in this process speculating ``mode``."""
+
+    def __init__(self, model: str, mode: str, num_tokens: int) -> None:
+        from trillm import LLM
+
+        self.name = mode
+        self.llm = LLM(model=model, speculative=mode, num_speculative_tokens=num_tokens)
+
+    def run(self, workload: str, concurrency: int, turn: int) -> Turn:
+        from trillm import SamplingParams
+
+        tok = self.llm.get_tokenizer()
+        requests = []
+        for text, prediction in _items(workload, concurrency, turn):
+            chat = [{"role": "user", "content": text}]
+            ids = tok(
+                tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+            )
+            predicted = tuple(tok(prediction, add_special_tokens=False)["input_ids"]) if prediction else ()
+            requests.append(
+                (ids["input_ids"], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, prediction=predicted))
+            )
+        start = time.perf_counter()
+        results = self.llm.generate([ids for ids, _ in requests], [p for _, p in requests], use_tqdm=False)
+        return Turn(time.perf_counter() - start, sum(len(r.outputs[0].token_ids) for r in results))
+
+    def kept(self) -> tuple[int, int] | None:
+        """(proposed, kept) tokens so far, over every method."""
+        counts = self.llm.stats().speculation
+        return sum(c.draft_tokens for c in counts), sum(c.accepted_tokens for c in counts)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+class ServerTarget:
+    """An OpenAI-compatible server, driven with streaming chat completions."""
+
+    def __init__(self, name: str, url: str) -> None:
+        from trillm.bench.peers import served_model
+
+        self.name, self.url = name, url.rstrip("/")
+        self.model = served_model(self.url, "default")
+
+    def run(self, workload: str, concurrency: int, turn: int) -> Turn:
+        return trio.run(self._run, workload, concurrency, turn)
+
+    async def _run(self, workload: str, concurrency: int, turn: int) -> Turn:
+        import httpx
+
+        items = _items(workload, concurrency, turn)
+        results: list[tuple[float, list[float], int]] = []
+        async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
+
+            async def one(text: str, prediction: str | None) -> None:
+                body: dict[str, Any] = {
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                if prediction:
+                    body["prediction"] = {"type": "content", "content": prediction}
+                began, last, gaps, ttft, tokens = time.perf_counter(), 0.0, [], float("nan"), 0
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if event.get("usage"):
+                            tokens = event["usage"]["completion_tokens"]
+                        if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+                            now = time.perf_counter()
+                            if last:
+                                gaps.append(now - last)
+                            else:
+                                ttft = now - began
+                            last = now
+                results.append((ttft, gaps, tokens))
+
+            start = time.perf_counter()
+            async with trio.open_nursery() as nursery:
+                for text, prediction in items:
+                    nursery.start_soon(one, text, prediction)
+            seconds = time.perf_counter() - start
+        return Turn(
+            seconds, sum(r[2] for r in results), tuple(r[0] for r in results), tuple(g for r in results for g in r[1])
+        )
+
+    def kept(self) -> tuple[int, int] | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 def main() -> None:
-    from trillm import LLM
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--modes", default="off,auto,ngram")
+    parser.add_argument("--modes", default="off,auto,ngram", help="offline: the engines' --speculative values")
+    parser.add_argument("--server", action="append", default=[], help="NAME=URL of a server (instead of --modes)")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--workloads", default="chat,repeat,edit")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    engines = {
-        m: LLM(model=args.model, speculative=m, num_speculative_tokens=args.num_speculative_tokens) for m in modes
-    }
-    print(f"model {args.model}; tokens/s, median of {args.rounds} turns (ratio to off)")
-    print(f"| workload | streams | {' | '.join(modes)} | proposed tokens kept |")
-    print(f"|---|---:|{'---:|' * len(modes)}---:|")
+    targets: list[Any] = [ServerTarget(*spec.split("=", 1)) for spec in args.server] or [
+        OfflineTarget(args.model, m, args.num_speculative_tokens) for m in args.modes.split(",")
+    ]
+    names = [t.name for t in targets]
+    http = bool(args.server)
+    print(
+        f"tokens/s, median of {args.rounds} turns (ratio to {names[0]})" + ("; ITL p50 ms; TTFT p50 s" if http else "")
+    )
+    print(f"| workload | streams | {' | '.join(names)} |" + ("" if http else " proposed tokens kept |"))
+    print(f"|---|---:|{'---:|' * len(names)}" + ("" if http else "---:|"))
     for workload in args.workloads.split(","):
         for concurrency in map(int, args.concurrency.split(",")):
-            speeds: dict[str, list[float]] = {m: [] for m in modes}
-            before = {m: _kept(engines[m]) for m in modes}
-            for _ in range(args.rounds):
-                for mode, llm in engines.items():
-                    requests = _requests(llm, workload)
-                    batch = [requests[i % len(requests)] for i in range(concurrency)]
-                    seconds, tokens = _timed(llm, batch)
-                    speeds[mode].append(tokens / seconds)
-            base = statistics.median(speeds[modes[0]])
-            cells = [f"{statistics.median(speeds[m]):.1f} ({statistics.median(speeds[m]) / base:.2f}x)" for m in modes]
-            kept = [_kept(engines[m]) for m in modes]
-            rates = [
-                f"{m}: {(k[1] - b[1]) / max(1, k[0] - b[0]):.0%}"
-                for m, k, b in zip(modes, kept, before.values())
-                if k[0] > b[0]
-            ]
-            print(f"| {workload} | {concurrency} | {' | '.join(cells)} | {', '.join(rates) or '-'} |")
-    for llm in engines.values():
-        llm.close()
-
-
-def _kept(llm: Any) -> tuple[int, int]:
-    """(proposed, kept) tokens so far, over every method."""
-    counts = llm.stats().speculation
-    return sum(c.draft_tokens for c in counts), sum(c.accepted_tokens for c in counts)
+            turns: dict[str, list[Turn]] = {n: [] for n in names}
+            before = {t.name: t.kept() for t in targets}
+            for turn in range(args.rounds):
+                for target in targets:  # every target gets the same requests in a turn
+                    turns[target.name].append(target.run(workload, concurrency, turn))
+            speeds = {n: statistics.median(t.tokens / t.seconds for t in turns[n]) for n in names}
+            cells = []
+            for n in names:
+                cell = f"{speeds[n]:.1f} ({speeds[n] / speeds[names[0]]:.2f}x)"
+                if http:
+                    gaps = [g for t in turns[n] for g in t.gaps]
+                    ttfts = [x for t in turns[n] for x in t.ttfts]
+                    cell += (
+                        f"; {1000 * statistics.median(gaps or [0.0]):.1f} ms; {statistics.median(ttfts or [0.0]):.2f} s"
+                    )
+                cells.append(cell)
+            line = f"| {workload} | {concurrency} | {' | '.join(cells)} |"
+            if not http:
+                rates = []
+                for target in targets:
+                    k, b = target.kept(), before[target.name]
+                    if k and b and k[0] > b[0]:
+                        rates.append(f"{target.name}: {(k[1] - b[1]) / (k[0] - b[0]):.0%}")
+                line += f" {', '.join(rates) or '-'} |"
+            print(line, flush=True)
+    for target in targets:
+        target.close()
 
 
 if __name__ == "__main__":
