@@ -26,6 +26,7 @@ from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.endings import Endings
 from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
 from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.step import Batch, Sampled, Step, StepInputs, StepResult
 
@@ -50,6 +51,17 @@ class Cancel:
 
 
 Message = Arrival | Cancel
+
+
+def _runs(updated: list[tuple[Sequence, int]]) -> list[tuple[Sequence, list[int]]]:
+    """A step's settled tokens, each sequence's together (a verification settles several)."""
+    runs: list[tuple[Sequence, list[int]]] = []
+    for seq, index in updated:
+        if runs and runs[-1][0] is seq:
+            runs[-1][1].append(index)
+        else:
+            runs.append((seq, [index]))
+    return runs
 
 
 class Actors:
@@ -236,12 +248,13 @@ class Actors:
             first = chunk.end - len(chunk.draft) - len(chunk.seq.prompt_ids)  # its first token's index
             for offset, entry in enumerate(result.emitted_logprobs(sample)):
                 logprobs[(id(chunk.seq), first + offset)] = entry
-        for seq, index in updated:
-            if seq.request_id not in self.router.live:
-                continue  # a stop string in an earlier token of the same run ended it
+        for seq, indices in _runs(updated):
             matcher = seq.matcher
-            if matcher is not None and matcher.failed_at is not None and index >= matcher.failed_at:
-                # Its grammar allowed no token here: the row's sample is not sent, the choice ends.
+            if matcher is not None and matcher.failed_at is not None and indices[-1] >= matcher.failed_at:
+                # Its grammar allowed no token there: what came before goes out, then the choice ends.
+                before = [i for i in indices if i < matcher.failed_at]
+                if before and self._route(seq, before, logprobs):
+                    continue
                 self.endings.end(
                     seq.request_id,
                     End.ERROR,
@@ -249,9 +262,14 @@ class Actors:
                     f"no token ({matcher.reason}, after {matcher.failed_at} tokens)",
                 )
                 continue
-            ended = self.router.route(seq, index, logprobs.get((id(seq), index)))
-            if ended is not None:
-                self.endings.end(seq.request_id, ended)
+            self._route(seq, indices, logprobs)
+
+    def _route(self, seq: Sequence, indices: list[int], logprobs: dict[tuple[int, int], TokenLogprobs | None]) -> bool:
+        """One step's tokens of ``seq`` to its consumer, as one output; True if that ended it."""
+        ended = self.router.route(seq, indices, [logprobs.get((id(seq), i)) for i in indices])
+        if ended is not None:
+            self.endings.end(seq.request_id, ended)
+        return ended is not None
 
     def _observe(self, batch: Batch, seconds: float) -> None:
         """A decode step's time, for speculation's cost model (prefill steps say nothing of it)."""

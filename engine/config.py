@@ -21,7 +21,7 @@ KERNELS = ("auto", "cpu", "triton", "reference")
 LOAD_FORMATS = ("auto", "dummy")
 WEIGHT_FORMATS = ("auto", "dense", "blocks")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_MODES = ("auto", "ngram", "suffix", "off")
+SPECULATIVE_MODES = ("auto", "ngram", "suffix", "draft", "off")
 MB = 1024 * 1024
 
 
@@ -138,10 +138,17 @@ class EngineConfig:
         "step, the ones the model agrees with kept (greedy output unchanged, sampling's distribution too); "
         "`ngram`: prompt lookup over the request's prompt, output and predicted output (`prediction`); `suffix`: "
         "that, then what recent requests generated after the same context (a bounded memory of their outputs, "
-        "emptied by `/flush_cache`); `auto`: `suffix`, used only where the measured step times say it pays; `off`",
+        "emptied by `/flush_cache`); `draft`: a second model's greedy guesses (`--draft-model`); `auto`: `draft` "
+        "with a draft model, else `suffix`, used only where the measured step times say it pays; `off`",
         choices=SPECULATIVE_MODES,
     )
     num_speculative_tokens: int = setting(4, "most tokens proposed per decode step", validator=attrs.validators.ge(1))
+    draft_model: str | None = setting(
+        None,
+        "a smaller model of the same vocabulary (alias, folder or `.gguf`, as `--model`) that proposes the "
+        "tokens speculation verifies, greedily, in the same process on K/V of its own over the same pages",
+        doc_default="none",
+    )
     malloc_tuning: bool = setting(
         True,
         "fix glibc's mmap threshold (else one long prompt moves every per-step tensor into heap arenas "
@@ -239,6 +246,8 @@ class EngineConfig:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1}")
         if self.activation_bits not in (8, 16):
             raise ValueError(f"activation_bits must be 8 or 16, not {self.activation_bits!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
 

@@ -28,6 +28,7 @@ from trillm.engine.actors import Actors, Arrival, Cancel, Message
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
 from trillm.engine.execution import native_memory
+from trillm.engine.execution.draft import DraftModel, check_same_vocabulary, load_draft_model
 from trillm.engine.execution.gguf_support import available_memory
 from trillm.engine.execution.launch import Ranks, launch
 from trillm.engine.execution.loading import load_model
@@ -76,9 +77,10 @@ class Engine:
         eos_ids: frozenset[int],
         ranks: Ranks | None = None,
         kv_sharers: int = 1,
+        draft_model: DecoderModel | None = None,
     ) -> None:
         """``ranks``: the tensor-parallel ranks ``launch`` started for ``model``, which the
-        engine watches and stops with it."""
+        engine watches and stops with it. ``draft_model``: ``--draft-model``, loaded (``load``)."""
         self.config = config
         self.model = model
         self.ranks = ranks
@@ -105,7 +107,10 @@ class Engine:
             policy,
             window=model.shape.attention_span,
             speculation=SpeculationControl(
-                config.speculative, config.num_speculative_tokens, overlap=config.overlap_schedule
+                config.speculative,
+                config.num_speculative_tokens,
+                overlap=config.overlap_schedule,
+                draft_model=draft_model is not None,
             ),
         )
         self.max_model_len = min(context, num_pages * config.page_size)
@@ -118,6 +123,11 @@ class Engine:
             self.max_model_len,
             model.shape.max_position_embeddings,
         )
+        if draft_model is not None and draft_model.shape.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"--draft-model reaches {draft_model.shape.max_position_embeddings} positions, fewer than the "
+                f"context of {self.max_model_len}: lower --max-model-len to it, or draft with a longer model"
+            )
         graphs = model.device.type == "cuda" and model.backend.supports_cuda_graphs and not config.enforce_eager
         # A mixture's routing has shapes that depend on the tokens (its pairs per expert): not capturable.
         graphs = graphs and not any(layer.moe is not None for layer in model.layers)
@@ -128,6 +138,7 @@ class Engine:
             config.forward_threads,
             graph_batch=config.max_num_seqs if graphs else 0,
             max_model_len=self.max_model_len,
+            draft=DraftModel(draft_model, num_pages, config.page_size) if draft_model is not None else None,
         )
         self.router = OutputRouter(tokenizer, config.stall_timeout)
         self.grammars = GrammarCompiler(
@@ -150,8 +161,19 @@ class Engine:
     @classmethod
     def load(cls, config: EngineConfig, kv_sharers: int = 1) -> Engine:
         """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
+        draft = load_draft_model(config) if config.draft_model else None
         launched = launch(config)
-        return cls(config, launched.model, launched.tokenizer, launched.eos_ids, launched.ranks, kv_sharers)
+        if draft is not None:
+            check_same_vocabulary(launched.tokenizer, draft[1], config.draft_model or "")
+        return cls(
+            config,
+            launched.model,
+            launched.tokenizer,
+            launched.eos_ids,
+            launched.ranks,
+            kv_sharers,
+            draft[0] if draft is not None else None,
+        )
 
     # -- the interface handlers use ------------------------------------------------
 

@@ -189,6 +189,9 @@ class StepInputs:
     # per sampling chunk, its proposed tokens (a verification: ``len + 1`` consecutive sampling
     # rows), () for one row; all () -- the common case -- as an empty tuple
     drafts: tuple[tuple[int, ...], ...] = ()
+    # with a draft model: its passes (``execution.draft.DraftInputs``), which propose the
+    # verifications' tokens (``PENDING`` in ``drafts`` and the inputs until then)
+    draft: Any = None
 
 
 @attrs.frozen

@@ -28,12 +28,13 @@ async def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
     raise AssertionError(f"engine did not return to idle: {s}")
 
 
-def make_engine(model_parts, **overrides: Any) -> Engine:
+def make_engine(model_parts, draft: Any = None, **overrides: Any) -> Engine:
+    """An engine over the loaded ``model_parts``; ``draft``: a loaded model to draft with."""
     settings: dict[str, Any] = dict(dtype="float32", num_pages=256, page_size=16, max_num_seqs=32, max_batch_tokens=256)
     if os.environ.get("TRILLM_NUM_THREADS"):  # this worker's share of the cores (tests/cores.py)
         settings["num_threads"] = int(os.environ["TRILLM_NUM_THREADS"])
     settings.update(overrides)
-    return Engine(EngineConfig(**settings), *model_parts)
+    return Engine(EngineConfig(**settings), *model_parts, draft_model=draft)
 
 
 def all_tasks() -> set[trio.lowlevel.Task]:

@@ -68,7 +68,7 @@ class Rig:
         batch = self.scheduler.schedule()
         self.scheduler.launch(batch)
         ((seq, index),) = self.scheduler.resolve(batch, [token for c in batch.chunks if c.samples])
-        return self.router.route(seq, index, None)
+        return self.router.route(seq, [index], [None])
 
 
 def _paris(tokenizer) -> int:

@@ -82,7 +82,8 @@ async def test_a_cancelled_receive_loses_nothing_and_a_closed_mailbox_refuses_pu
 
 
 async def test_a_consumer_that_lags_gets_the_same_tokens_and_text_in_fewer_outputs(model_parts, tokenizer, nursery):
-    engine = make_engine(model_parts, **ONE_THREAD)
+    # one token a step (no speculation), so that every output merged is one step's
+    engine = make_engine(model_parts, speculative="off", **ONE_THREAD)
     await nursery.start(engine.run)
     ids = tokenizer("Write a long story about a lighthouse keeper.")["input_ids"]
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)

@@ -235,3 +235,28 @@ async def test_suffix_proposes_what_earlier_requests_wrote_until_the_cache_is_fl
     assert _tokens(first) == _tokens(second)
     gained = after["suffix"].accepted_tokens - (before["suffix"].accepted_tokens if "suffix" in before else 0)
     assert gained >= len(_tokens(second)) // 2  # most of the repeat came from the first one's output
+
+
+async def test_a_draft_model_proposes_and_the_output_is_the_plain_one(model_parts, tokenizer) -> None:
+    """The default model drafting for itself: every greedy guess is right (the draft computes what
+    the target does), so nearly every proposal is kept, and the output is the plain one; its K/V
+    over the same pages survives preemption and the prefix cache."""
+    prompts = _prompts(tokenizer)
+    requests = [(prompts[i % 3], attrs.evolve(GREEDY, max_tokens=40)) for i in range(4)]
+    plain, _ = await _served(model_parts, "off", requests)
+    engine = make_engine(model_parts, draft=model_parts[0], speculative="draft", draft_model=MODEL)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        drafted = []
+        for request in requests:
+            drafted += await _run(engine, [request])
+        together = await _run(engine, requests)  # at once, in a pool where they share prompt pages
+        await wait_idle(engine)
+        stats = engine.stats()
+        nursery.cancel_scope.cancel()
+    for a, b, c in zip(plain, drafted, together):
+        assert _tokens(a) == _tokens(b) == _tokens(c)
+        for x, y in zip(_logprobs(a), _logprobs(b)):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+    (counts,) = stats.speculation
+    assert counts.method == "draft" and counts.accepted_tokens >= 0.9 * counts.draft_tokens > 0

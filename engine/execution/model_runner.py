@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
+from trillm.engine.execution.draft import DraftModel
 from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.parallel.channel import StepChannel
 from trillm.engine.execution.parallel.topology import WorkerDied
@@ -132,11 +133,13 @@ class ModelRunner:
         num_threads: int | None = None,
         graph_batch: int = 0,
         max_model_len: int = 0,
+        draft: DraftModel | None = None,
     ) -> None:
         """``graph_batch`` > 0 replays decode steps of up to that many rows from
         captured graphs (backends that support them; CUDA graphs on a GPU, eager replay
         of the same static buffers elsewhere, for tests)."""
         self.model = model
+        self.draft = draft  # ``--draft-model``: proposes the verifications' tokens
         self.backend = model.backend
         self.num_threads = num_threads or torch.get_num_threads()
         self.page_size = page_size
@@ -184,13 +187,16 @@ class ModelRunner:
         return graphs
 
     def prepare(self, batch: Batch[ScheduledSequence]) -> StepInputs:
-        """The step's tensors, in the backend's own metadata."""
-        return self.backend.prepare(batch, self.page_size)
+        """The step's tensors, in the backend's own metadata (and the draft model's passes)."""
+        inputs = self.backend.prepare(batch, self.page_size)
+        if self.draft is not None:
+            inputs = attrs.evolve(inputs, draft=self.draft.prepare(batch))
+        return inputs
 
     def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass alone: float32 logits of the sampling rows, on the model's device."""
         if self.steps is not None:  # what the other ranks need to run the same forward, no more
-            self.steps.send(attrs.evolve(inputs, rows=(), pending_inputs=(), pending_history=()))
+            self.steps.send(attrs.evolve(inputs, rows=(), pending_inputs=(), pending_history=(), draft=None))
         device = self.model.device
         replay = not inputs.prompt_spans  # a graph computes the rows of the batch in order, no more
         if replay and self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.logits_rows):
@@ -217,6 +223,11 @@ class ModelRunner:
         began = time.perf_counter()
         previous, self._last_sampled = self._last_sampled, None
         rows = _fill_pending(inputs, previous)
+        if inputs.draft is not None and self.draft is not None:  # the draft model proposes, then the target scores
+            inputs = self.draft.fill(
+                attrs.evolve(inputs, rows=rows), inputs.draft, self.draft.propose(inputs.draft, previous)
+            )
+            rows = inputs.rows
         try:
             logits = self.execute_logits(inputs)
         except Exception as exc:

@@ -36,6 +36,7 @@ class LiveRequest:
     timer: RequestTimer
     # prompt tokens 1.. with their logprobs, by position (``SamplingParams.prompt_logprobs``), until sent
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    sent: int = 0  # output tokens sent so far
 
 
 class OutputRouter:
@@ -75,36 +76,44 @@ class OutputRouter:
         if live is not None and live.prompt_logprobs is not None:
             live.prompt_logprobs[start : start + len(entries)] = entries
 
-    def route(self, seq: Sequence, index: int, logprobs: TokenLogprobs | None) -> End | None:
-        """Send ``seq.output_ids[index]`` (and its text) to its consumer; None while the request
+    def route(self, seq: Sequence, indices: list[int], logprobs: list[TokenLogprobs | None]) -> End | None:
+        """Send ``seq.output_ids[i]`` for ``i`` in ``indices`` (one step's: several after a
+        verification), with their text, to its consumer as one output; None while the request
         goes on, else how it ended, for ``Endings.end``: ``GONE`` (the consumer has left; nothing
         was sent), ``FINISHED``/``STOPPED`` (this was its last output; a stop string found in the
-        text finishes the sequence here, "stop"), ``STALLED`` (its oldest output has waited
-        longer than ``stall_timeout``).
+        text finishes the sequence here, "stop", and the tokens after it are not sent),
+        ``STALLED`` (its oldest output has waited longer than ``stall_timeout``).
         """
         live = self.live[seq.request_id]
-        self.generation_tokens_total += 1
-        token = seq.output_ids[index]
-        # a verification settles several tokens before they are routed: only the last one ends it
-        last = seq.is_finished and index == len(seq.output_ids) - 1
-        text = live.detokenizer.push(token)
-        if last:
-            text += live.detokenizer.flush()
-        text = live.stops.push(text)
-        if live.stops.stopped:  # a stop string ends it, whatever else happened this step
-            seq.finish_reason = "stop"
-            last = True
-        elif last:
-            text += live.stops.flush()
+        text, tokens, entries, last = "", [], [], False
+        for index, entry in zip(indices, logprobs):
+            token = seq.output_ids[index]
+            self.generation_tokens_total += 1
+            tokens.append(token)
+            if entry is not None:
+                entries.append(entry)
+            live.sent = index + 1
+            last = seq.is_finished and index == len(seq.output_ids) - 1
+            piece = live.detokenizer.push(token)
+            if last:
+                piece += live.detokenizer.flush()
+            text += live.stops.push(piece)
+            if live.stops.stopped:  # a stop string ends it, whatever else happened this step
+                seq.finish_reason = "stop"
+                last = True
+                break
+            if last:
+                text += live.stops.flush()
+                break
         output = RequestOutput(
             seq.request_id,
             live.index,
             text,
-            (token,),
+            tuple(tokens),
             seq.finish_reason if last else None,
             len(seq.prompt_ids),
-            index + 1,
-            (logprobs,) if logprobs is not None else (),
+            live.sent,
+            tuple(entries),
             seq.num_cached_tokens,
             self._take_prompt_logprobs(live),
             accepted_prediction_tokens=seq.spec.prediction_accepted if seq.spec is not None else 0,
@@ -148,7 +157,7 @@ class OutputRouter:
                 (),
                 reason,
                 len(seq.prompt_ids),
-                seq.num_known_outputs,
+                live.sent,
                 (),
                 seq.num_cached_tokens,
                 error=error,

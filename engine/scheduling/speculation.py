@@ -24,11 +24,12 @@ from typing import TYPE_CHECKING
 import attrs
 
 from trillm.engine.scheduling.suffix_cache import SuffixCache
+from trillm.engine.step import PENDING
 
 if TYPE_CHECKING:
     from trillm.engine.scheduling.sequence import Sequence
 
-MODES = ("off", "ngram", "suffix", "auto")
+MODES = ("off", "ngram", "suffix", "draft", "auto")
 MAX_NGRAM = 4  # the longest suffix looked up
 MIN_NGRAM = 2  # the shortest (one token matches too often to be worth a row)
 MAX_COOLDOWN = 32  # tokens a sequence whose proposals were all rejected decodes plainly, at most
@@ -122,7 +123,9 @@ class SpeculationStats:
 class SpeculationControl:
     """Which sequences propose, and how many tokens, in the step being built."""
 
-    def __init__(self, mode: str, num_tokens: int, overlap: bool = True) -> None:
+    def __init__(self, mode: str, num_tokens: int, overlap: bool = True, draft_model: bool = False) -> None:
+        """``draft_model``: a draft model proposes (mode ``draft``, or ``auto`` with one); the
+        proposals here are then placeholders the runner fills in (``execution/draft.py``)."""
         if mode not in MODES:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, not {mode!r}")
         if num_tokens < 1:
@@ -132,7 +135,8 @@ class SpeculationControl:
         # by method: "ngram" (prompt lookup over the request's tokens), "prediction" (its predicted
         # output), "suffix" (what earlier requests generated)
         self.stats: dict[str, SpeculationStats] = {}
-        self.suffix = SuffixCache() if mode in ("suffix", "auto") else None
+        self.drafted = draft_model and mode in ("draft", "auto")
+        self.suffix = SuffixCache() if mode in ("suffix", "auto") and not self.drafted else None
         # decode step seconds by rows scored (running averages): what speculation's rows cost
         self.step_seconds: dict[int, float] = {}
         self.host_seconds = 0.0  # the scheduler's own work per step (running average)
@@ -240,6 +244,11 @@ class SpeculationControl:
             room = min(self.num_tokens, seq.max_len - seq.num_tokens - 1)
             if room <= 0:
                 continue
+            if self.drafted:  # the draft model's guesses, made by the runner just before the step
+                proposals[id(seq)] = (PENDING,) * room
+                spec.method = "draft"
+                expected += spec.acceptance * room
+                continue
             proposed, from_prediction = spec.proposer.propose(room)
             spec.method = "prediction" if from_prediction else "ngram"
             if not proposed and self._may_use_suffix(seq):
@@ -277,7 +286,7 @@ class SpeculationControl:
         return self.suffix is not None and (p.greedy or p.seed is None)
 
     def _has_match(self, seq: Sequence, spec: SequenceSpeculation) -> bool:
-        if spec.proposer.has_match():
+        if self.drafted or spec.proposer.has_match():
             return True
         return self._may_use_suffix(seq) and self.suffix is not None and self.suffix.has_match(spec.proposer.tokens)
 

@@ -82,6 +82,8 @@ class Matcher:
             if j == len(draft) or not self._matcher.accept_token(draft[j]):
                 break
             taken += 1
+            if self._matcher.is_terminated():  # a stop token: nothing may follow it
+                break
         if taken:
             self._matcher.rollback(taken)
         if (bitmask[0] == 0).all():
