@@ -28,7 +28,7 @@ from trillm.engine.actors import Actors, Arrival, Cancel, Message
 from trillm.engine.config import EngineConfig
 from trillm.engine.errors import EngineNotRunning, EngineOverloaded, RequestRejected
 from trillm.engine.execution import native_memory
-from trillm.engine.execution.draft import DraftModel, check_same_vocabulary, load_draft_model
+from trillm.engine.execution.draft import DraftModel, load_draft_model
 from trillm.engine.execution.gguf_support import available_memory
 from trillm.engine.execution.launch import Ranks, launch
 from trillm.engine.execution.loading import load_model
@@ -163,17 +163,7 @@ class Engine:
         """Resolve, download/convert if needed, and load the model (slow; call from a thread)."""
         draft = load_draft_model(config) if config.draft_model else None
         launched = launch(config)
-        if draft is not None:
-            check_same_vocabulary(launched.tokenizer, draft[1], config.draft_model or "")
-        return cls(
-            config,
-            launched.model,
-            launched.tokenizer,
-            launched.eos_ids,
-            launched.ranks,
-            kv_sharers,
-            draft[0] if draft is not None else None,
-        )
+        return cls(config, launched.model, launched.tokenizer, launched.eos_ids, launched.ranks, kv_sharers, draft)
 
     # -- the interface handlers use ------------------------------------------------
 

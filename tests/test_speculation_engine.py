@@ -260,3 +260,16 @@ async def test_a_draft_model_proposes_and_the_output_is_the_plain_one(model_part
             assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
     (counts,) = stats.speculation
     assert counts.method == "draft" and counts.accepted_tokens >= 0.9 * counts.draft_tokens > 0
+
+
+def test_a_draft_model_is_refused_in_one_line_before_its_weights_load() -> None:
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.execution.draft import load_draft_model
+
+    with pytest.raises(ValueError, match="--speculative draft needs --draft-model"):
+        EngineConfig(speculative="draft")
+    with pytest.raises(FileNotFoundError, match="--draft-model no-such-model: model 'no-such-model' is neither"):
+        load_draft_model(EngineConfig(draft_model="no-such-model"))
+    # Gemma 3's 262,144 tokens are not SmolLM2's 49,152: refused from the tokenizers alone
+    with pytest.raises(ValueError, match="vocabulary differs from the model's \\(262144 against 49152"):
+        load_draft_model(EngineConfig(draft_model="gemma-3-270m-q4_k_m"))

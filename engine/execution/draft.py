@@ -30,24 +30,28 @@ from trillm.engine.step import PENDING, Batch, ScheduledChunk, ScheduledSequence
 _GREEDY = SamplingParams(max_tokens=None, temperature=0.0)
 
 
-def load_draft_model(config: EngineConfig) -> tuple[DecoderModel, Any]:
-    """``--draft-model`` and its tokenizer, in this process, in the target's dtype and device
-    choices (slow; before the target, so a draft that cannot load fails first)."""
-    from trillm.engine.execution.loading import load_model
-
+def _settings(config: EngineConfig) -> EngineConfig:
     assert config.draft_model is not None
-    settings = attrs.evolve(config, model=config.draft_model, tp=1, dp=1, nnodes=1, draft_model=None, tokenizer=None)
-    model, tokenizer, _ = load_model(settings)
-    return model, tokenizer
+    return attrs.evolve(config, model=config.draft_model, tp=1, dp=1, nnodes=1, draft_model=None, tokenizer=None)
 
 
-def check_same_vocabulary(target: Any, draft: Any, name: str) -> None:
-    """A draft model must speak the target's tokens: refuse one whose vocabulary differs."""
-    if target.get_vocab() != draft.get_vocab():
-        raise ValueError(
-            f"--draft-model {name}: its tokenizer's vocabulary differs from the model's "
-            f"({len(draft.get_vocab())} against {len(target.get_vocab())} tokens); a draft must share it"
-        )
+def load_draft_model(config: EngineConfig) -> DecoderModel:
+    """``--draft-model``, in this process, with the target's dtype and device choices (slow). Its
+    tokenizer is checked against the target's first, before any weight is read: a draft must
+    speak the same tokens."""
+    from trillm.engine.execution.loading import load_model, load_tokenizer
+
+    try:
+        target = load_tokenizer(config)[0]
+        draft = load_tokenizer(_settings(config))[0]
+        if target.get_vocab() != draft.get_vocab():
+            raise ValueError(
+                f"its tokenizer's vocabulary differs from the model's ({len(draft.get_vocab())} against "
+                f"{len(target.get_vocab())} tokens); a draft must share it"
+            )
+        return load_model(_settings(config))[0]
+    except (ValueError, OSError) as exc:  # the refusal's one line, said of the draft
+        raise type(exc)(f"--draft-model {config.draft_model}: {exc}") from exc
 
 
 @attrs.frozen
