@@ -202,6 +202,20 @@ class Step(Generic[Inputs]):
     inputs: Inputs
 
 
+def fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[SampleRow, ...]:
+    """Put the previous step's samples in place of the ``PENDING`` inputs; returns the
+    sample rows with their histories filled in too. Without them (that step failed,
+    and so did its sequences) the inputs get token 0: those rows are thrown away."""
+    take = (lambda sample: previous[sample]) if previous is not None else (lambda sample: 0)
+    for row, sample in inputs.pending_inputs:
+        inputs.input_ids[row] = take(sample)
+    rows = list(inputs.rows)
+    for i, sample in inputs.pending_history:
+        history = tuple(take(sample) if t == PENDING else t for t in rows[i].output_ids)
+        rows[i] = attrs.evolve(rows[i], output_ids=history)
+    return tuple(rows)
+
+
 # -- what the runner hands back ------------------------------------------------------------
 
 

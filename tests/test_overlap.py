@@ -19,14 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trillm.engine.execution.backends.base import StepRows
-from trillm.engine.execution.model_runner import _fill_pending
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.step_loop import StepLoop
-from trillm.engine.step import PENDING, Batch, Step, StepInputs
+from trillm.engine.step import PENDING, Batch, Step, StepInputs, fill_pending
 
 from tests.helpers import make_engine, wait_idle
 
@@ -78,7 +77,7 @@ class Driver:
     def _execute(self, batch: Batch, inputs: StepInputs, pages: list[list[int]]) -> list[int]:
         """The worker's view: fill in the PENDING tokens, read and write KV through the
         snapshot's pages, sample. Every input and every KV read must be the truth."""
-        rows = _fill_pending(inputs, self.last_sampled)
+        rows = fill_pending(inputs, self.last_sampled)
         ids = inputs.input_ids.tolist()
         ps = self.page_size
         sampled = []

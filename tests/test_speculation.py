@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from trillm.engine.execution.backends.base import StepRows
-from trillm.engine.execution.model_runner import _fill_pending
 from trillm.engine.execution.verify import verify
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
@@ -22,7 +21,7 @@ from trillm.engine.scheduling.sequence import Sequence
 from trillm.engine.scheduling.speculation import MAX_COOLDOWN, NgramProposer, SpeculationControl
 from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.suffix_cache import SuffixCache
-from trillm.engine.step import Batch, Sampled, SampleRow, Step, StepInputs
+from trillm.engine.step import Batch, Sampled, SampleRow, Step, StepInputs, fill_pending
 
 # -- the proposer ---------------------------------------------------------------------------
 
@@ -200,7 +199,7 @@ class Driver:
 
     def execute(self, step: Step[tuple[StepInputs, list[list[int]]]]) -> Sampled:
         inputs, tables = step.inputs
-        _fill_pending(inputs, self.last_sampled)  # overlap: the inputs the step before samples
+        fill_pending(inputs, self.last_sampled)  # overlap: the inputs the step before samples
         ids = inputs.input_ids.tolist()
         ps, row = self.page_size, 0
         tokens, accepted = [], []

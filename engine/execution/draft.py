@@ -25,7 +25,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.verify import chunk_rows
 from trillm.engine.sampling_params import SamplingParams
-from trillm.engine.step import PENDING, Batch, ScheduledChunk, ScheduledSequence, StepInputs
+from trillm.engine.step import PENDING, Batch, ScheduledChunk, ScheduledSequence, StepInputs, fill_pending
 
 _GREEDY = SamplingParams(max_tokens=None, temperature=0.0)
 
@@ -136,9 +136,7 @@ class DraftModel:
     def propose(self, draft: DraftInputs, previous: list[int] | None) -> list[tuple[int, ...]]:
         """Each verification's proposals (greedy), computing the draft's K/V as it goes.
         ``previous``: the samples of the step before (for the tokens still ``PENDING``)."""
-        from trillm.engine.execution.model_runner import _fill_pending
-
-        _fill_pending(draft.first, previous)
+        fill_pending(draft.first, previous)
         proposals: list[list[int]] = [[] for _ in draft.chunks]
         with torch.inference_mode():
             logits = self._forward(draft.first)

@@ -31,7 +31,6 @@ from trillm.engine.execution.verify import chunk_rows, verify
 from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.step import (
     HEARTBEAT,
-    PENDING,
     Batch,
     PromptLogprobs,
     PromptSpan,
@@ -41,6 +40,7 @@ from trillm.engine.step import (
     ScheduledSequence,
     StepInputs,
     StepResult,
+    fill_pending,
 )
 from trillm.engine.structured.matcher import GrammarMasks, advance
 
@@ -68,20 +68,6 @@ def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tupl
 
 def kv_bytes_per_token(model: DecoderModel) -> int:
     return model.shape.kv_bytes_per_token(model.dtype)
-
-
-def _fill_pending(inputs: StepInputs, previous: list[int] | None) -> tuple[SampleRow, ...]:
-    """Put the previous step's samples in place of the ``PENDING`` inputs; returns the
-    sample rows with their histories filled in too. Without them (that step failed,
-    and so did its sequences) the inputs get token 0: those rows are thrown away."""
-    take = (lambda sample: previous[sample]) if previous is not None else (lambda sample: 0)
-    for row, sample in inputs.pending_inputs:
-        inputs.input_ids[row] = take(sample)
-    rows = list(inputs.rows)
-    for i, sample in inputs.pending_history:
-        history = tuple(take(sample) if t == PENDING else t for t in rows[i].output_ids)
-        rows[i] = attrs.evolve(rows[i], output_ids=history)
-    return tuple(rows)
 
 
 def _with_verifications(
@@ -222,7 +208,7 @@ class ModelRunner:
             torch.set_num_threads(self.num_threads)
         began = time.perf_counter()
         previous, self._last_sampled = self._last_sampled, None
-        rows = _fill_pending(inputs, previous)
+        rows = fill_pending(inputs, previous)
         if inputs.draft is not None and self.draft is not None:  # the draft model proposes, then the target scores
             inputs = self.draft.fill(
                 attrs.evolve(inputs, rows=rows), inputs.draft, self.draft.propose(inputs.draft, previous)
