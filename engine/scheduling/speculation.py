@@ -19,6 +19,7 @@ Pure and synchronous, as the scheduler is.
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 import attrs
@@ -30,68 +31,99 @@ if TYPE_CHECKING:
     from trillm.engine.scheduling.sequence import Sequence
 
 MODES = ("off", "ngram", "suffix", "draft", "auto")
-MAX_NGRAM = 4  # the longest suffix looked up
-MIN_NGRAM = 2  # the shortest (one token matches too often to be worth a row)
+MAX_NGRAM = 4  # the longest suffix matched
+MIN_NGRAM = 2  # the shortest (one token matches too often to be worth a row): the pairs indexed
+CANDIDATES = 8  # a pair's latest places compared for the longest match
 MAX_COOLDOWN = 32  # tokens a sequence whose proposals were all rejected decodes plainly, at most
 EMA = 0.2  # weight of the newest measurement in the running averages
 MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plain step
 
 
+class _BigramIndex:
+    """Where each token pair was last followed by a known token, and the pair's earlier places
+    (``before``): one dictionary entry and 4 bytes a token, whatever the longest match looked for."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.last: dict[int, int] = {}
+        self.before = array("i")  # before[end]: the previous end after the same pair, or -1
+
+    @staticmethod
+    def key(a: int, b: int) -> int:
+        return a << 32 | b
+
+    def extend(self, tokens: list[int] | tuple[int, ...]) -> None:
+        for token in tokens:
+            end = len(self.tokens)
+            self.before.append(-1)
+            if end >= 2:  # the pair just before ``end`` is followed by ``token``
+                key = self.key(self.tokens[-2], self.tokens[-1])
+                self.before[end] = self.last.get(key, -1)
+                self.last[key] = end
+            self.tokens.append(token)
+
+    def find(self, suffix: list[int]) -> int | None:
+        """Where the longest match of ``suffix``'s end (up to ``MAX_NGRAM`` tokens) is followed
+        by a known token, among its last ``CANDIDATES`` places; the latest of equals."""
+        at = self.last.get(self.key(suffix[-2], suffix[-1]), -1) if len(suffix) >= 2 else -1
+        best, best_length = None, 0
+        for _ in range(CANDIDATES):
+            if at < 0:
+                break
+            length = 2
+            while (
+                length < MAX_NGRAM
+                and length < min(at, len(suffix))
+                and self.tokens[at - length - 1] == suffix[-length - 1]
+            ):
+                length += 1
+            if length > best_length:
+                best, best_length = at, length
+            at = self.before[at]
+        return best
+
+
 class NgramProposer:
     """Prompt lookup over one sequence's tokens, and over a predicted output (OpenAI's
-    ``prediction``) before them.
-
-    ``index`` maps each n-gram (``MIN_NGRAM`` .. ``MAX_NGRAM``) to where its latest occurrence
-    is followed by a known token: tokens are added as they become known, never removed."""
+    ``prediction``) before them: the tokens that followed the longest recent match of the last
+    ``MIN_NGRAM`` .. ``MAX_NGRAM`` tokens. Tokens are added as they become known, never removed."""
 
     def __init__(self, prediction: tuple[int, ...] = (), prompt_len: int = 0) -> None:
         self.prompt_len = prompt_len  # before any output, the prediction's start is proposed
-        self.tokens: list[int] = []
-        self.index: dict[tuple[int, ...], int] = {}
-        self.prediction = prediction
-        self.prediction_index: dict[tuple[int, ...], int] = {}
-        for end in range(1, len(prediction)):
-            self._note(prediction, end, self.prediction_index)
+        self.own = _BigramIndex()
+        self.predicted = _BigramIndex()
+        self.predicted.extend(prediction)
 
-    @staticmethod
-    def _note(tokens: tuple[int, ...] | list[int], end: int, index: dict[tuple[int, ...], int]) -> None:
-        """The n-grams ending just before ``end`` are followed by ``tokens[end]``."""
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
-            if end >= n:
-                index[tuple(tokens[end - n : end])] = end
+    @property
+    def tokens(self) -> list[int]:
+        return self.own.tokens
 
     def extend(self, tokens: list[int]) -> None:
         """Known tokens of the sequence, appended (the prompt, then each settled output)."""
-        for token in tokens:
-            self.tokens.append(token)
-            self._note(self.tokens, len(self.tokens) - 1, self.index)
+        self.own.extend(tokens)
 
     def propose(self, k: int) -> tuple[tuple[int, ...], bool]:
         """Up to ``k`` tokens likely to follow, and whether they come from the prediction."""
-        tokens = self.tokens
-        if self.prediction and len(tokens) == self.prompt_len:
-            return self.prediction[:k], True
-        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
-            if len(tokens) < n:
-                continue
-            key = tuple(tokens[-n:])
-            at = self.prediction_index.get(key)
-            if at is not None:
-                return tuple(self.prediction[at : at + k]), True
-            at = self.index.get(key)
-            if at is not None:
-                return tuple(tokens[at : min(at + k, len(tokens))]), False
+        tokens, prediction = self.own.tokens, self.predicted.tokens
+        if prediction and len(tokens) == self.prompt_len:
+            return tuple(prediction[:k]), True
+        at = self.predicted.find(tokens)
+        if at is not None:
+            return tuple(prediction[at : at + k]), True
+        at = self.own.find(tokens)
+        if at is not None:
+            return tuple(tokens[at : at + k]), False
         return (), False
 
     def has_match(self) -> bool:
-        """Whether ``propose`` would find anything now (cheap: dictionary lookups)."""
-        tokens = self.tokens
-        if self.prediction and len(tokens) == self.prompt_len:
+        """Whether ``propose`` would find anything now (one or two dictionary lookups)."""
+        tokens = self.own.tokens
+        if self.predicted.tokens and len(tokens) == self.prompt_len:
             return True
-        return any(
-            tuple(tokens[-n:]) in self.prediction_index or tuple(tokens[-n:]) in self.index
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, len(tokens)) + 1)
-        )
+        if len(tokens) < MIN_NGRAM:
+            return False
+        key = _BigramIndex.key(tokens[-2], tokens[-1])
+        return key in self.predicted.last or key in self.own.last
 
 
 @attrs.define
