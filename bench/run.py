@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,15 @@ def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
         text = candidate
 
 
+async def sse_events(http: Any, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON events of one streamed request (``data: {...}`` lines, until ``[DONE]``)."""
+    async with http.stream("POST", path, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def _stream_one(
     http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None, extra: dict[str, Any]
 ) -> tuple[float, list[float], int]:
@@ -56,23 +66,18 @@ async def _stream_one(
     }
     t0 = time.perf_counter()
     ttft, last, gaps, tokens, seen = float("nan"), 0.0, [], 0, 0
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                now = time.perf_counter()
-                if seen == 0:
-                    ttft = now - t0
-                else:
-                    gaps.append(now - last)
-                last, seen = now, seen + 1
-                if seen == 5 and started is not None:
-                    started.set()
+    async for event in sse_events(http, "/v1/completions", body):
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+        if event.get("choices") and event["choices"][0].get("text"):
+            now = time.perf_counter()
+            if seen == 0:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last, seen = now, seen + 1
+            if seen == 5 and started is not None:
+                started.set()
     return ttft, gaps, tokens or seen  # a server that reports no usage: one token per event
 
 

@@ -18,7 +18,6 @@ ratios).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -156,6 +155,8 @@ class ServerTarget:
     async def _run(self, workload: str, concurrency: int, turn: int) -> Turn:
         import httpx
 
+        from trillm.bench.run import sse_events
+
         items = _items(workload, concurrency, turn)
         results: list[tuple[float, list[float], int]] = []
         async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
@@ -172,21 +173,16 @@ class ServerTarget:
                 if prediction:
                     body["prediction"] = {"type": "content", "content": prediction}
                 began, last, gaps, ttft, tokens = time.perf_counter(), 0.0, [], float("nan"), 0
-                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                    response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if event.get("usage"):
-                            tokens = event["usage"]["completion_tokens"]
-                        if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
-                            now = time.perf_counter()
-                            if last:
-                                gaps.append(now - last)
-                            else:
-                                ttft = now - began
-                            last = now
+                async for event in sse_events(http, "/v1/chat/completions", body):
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
+                    if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
+                        now = time.perf_counter()
+                        if last:
+                            gaps.append(now - last)
+                        else:
+                            ttft = now - began
+                        last = now
                 results.append((ttft, gaps, tokens))
 
             start = time.perf_counter()

@@ -365,14 +365,19 @@ class Scheduler:
                     self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
             if token is None:
                 continue
-            index = chunk.end - len(seq.prompt_ids)
-            seq.settle_token(index, token)
-            updated.append((seq, index))
-            if seq.is_finished:
-                queue = self.running if seq in self.running else self.waiting
-                queue.remove(seq)
-                self._release(seq)
+            self._settle(seq, chunk.end - len(seq.prompt_ids), token, updated)
         return updated
+
+    def _settle(self, seq: Sequence, index: int, token: int, updated: list[tuple[Sequence, int]]) -> bool:
+        """``token`` becomes output ``index``; a sequence it ends is retired (pages freed).
+        Returns whether it ended."""
+        seq.settle_token(index, token)
+        updated.append((seq, index))
+        if seq.is_finished:
+            queue = self.running if seq in self.running else self.waiting
+            queue.remove(seq)
+            self._release(seq)
+        return seq.is_finished
 
     def wants_to_speculate(self) -> bool:
         """Whether the next step should wait for the one in flight (no overlap) so that its
@@ -397,13 +402,7 @@ class Scheduler:
             seq.num_computed = seq.num_settled = chunk.start + 1 + len(kept)
         for t in (*kept, token):
             seq.output_ids.append(t)
-            index = len(seq.output_ids) - 1
-            seq.settle_token(index, t)
-            updated.append((seq, index))
-            if seq.is_finished:
-                queue = self.running if seq in self.running else self.waiting
-                queue.remove(seq)
-                self._release(seq)
+            if self._settle(seq, len(seq.output_ids) - 1, t, updated):
                 return
         if current:
             keep = max(pages_needed(seq.num_tokens, self.page_size), seq.dropped_pages)
