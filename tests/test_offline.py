@@ -228,12 +228,20 @@ def test_the_readme_example_runs_and_close_stops_everything():
 @pytest.mark.model
 @pytest.mark.slow
 def test_close_stops_the_tensor_parallel_ranks():
-    """``tp=2``: the second rank is a process of this LLM's; close() ends it (~40 s here)."""
+    """``tp=2``: the second rank is a process of this LLM's; close() ends it (~40 s here). Its
+    verifications (speculation on) give the greedy output of one process without speculation."""
+    repeat = [{"role": "user", "content": "Repeat exactly: red, green, blue, red, green, blue, red, green, blue."}]
+    params = SamplingParams(max_tokens=40, temperature=0)
+    with LLM(model=MODEL, **{**SETTINGS, "speculative": "off"}) as alone:
+        (expected,) = alone.chat(repeat, params, use_tqdm=False)
     before = children()
-    with LLM(model=MODEL, **{**SETTINGS, "tp": 2}) as llm:
+    with LLM(model=MODEL, **{**SETTINGS, "tp": 2, "speculative": "ngram"}) as llm:
         assert len(children() - before) >= 1  # rank 1
         (out,) = llm.generate("The capital of France is", GREEDY, use_tqdm=False)
         assert out.outputs[0].text
+        (spoken,) = llm.chat(repeat, params, use_tqdm=False)
+        assert spoken.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert llm.stats().speculation[0].accepted_tokens > 0
     assert children() <= before
 
 

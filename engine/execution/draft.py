@@ -107,9 +107,12 @@ class DraftModel:
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self.bound = model.backend.bind(model, self.kv_cache)
 
-    def prepare(self, batch: Batch[ScheduledSequence]) -> DraftInputs:
-        """The passes of ``batch`` (on the event loop, with the target's ``prepare``)."""
+    def prepare(self, batch: Batch[ScheduledSequence], target: StepInputs) -> DraftInputs:
+        """The passes of ``batch`` (on the event loop, after the target's ``prepare`` made
+        ``target``, which a step with no verification shares: the same tokens, the same rows)."""
         backend = self.model.backend
+        if not any(c.draft for c in batch.chunks):
+            return DraftInputs(target, (), ())
         cut = tuple(attrs.evolve(c, length=c.length - len(c.draft), draft=()) if c.draft else c for c in batch.chunks)
         first = backend.prepare(Batch(cut), self.page_size)
         longest = max((len(c.draft) for c in batch.chunks), default=0)

@@ -176,7 +176,7 @@ class ModelRunner:
         """The step's tensors, in the backend's own metadata (and the draft model's passes)."""
         inputs = self.backend.prepare(batch, self.page_size)
         if self.draft is not None:
-            inputs = attrs.evolve(inputs, draft=self.draft.prepare(batch))
+            inputs = attrs.evolve(inputs, draft=self.draft.prepare(batch, inputs))
         return inputs
 
     def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
