@@ -1,4 +1,4 @@
-"""Draft-free speculation: proposing the next tokens of a sequence from what it has already seen.
+"""Speculation's scheduling side: which sequences carry proposed tokens into a step, and which.
 
 A decode step reads every weight once whatever its rows; on a CPU (and a GPU at small batches)
 several rows cost about what one does. So a sequence may carry k proposed tokens into a step, the
@@ -6,10 +6,11 @@ model scores all of them at once, and the sampler keeps the longest prefix it ag
 token of its own (``execution/verify.py``): greedy output is the output without speculation, and
 sampled output keeps its distribution.
 
-The proposers here need no draft model. ``NgramProposer`` is prompt lookup: the last n tokens
-matched against the request's own prompt and output (and a client's predicted output, first),
-the tokens after the latest match proposed. Its state is the request's own, built from its tokens
-as they come, so it is never stale across requests.
+``NgramProposer`` is prompt lookup: the last tokens matched against the request's own prompt and
+output (and a client's predicted output, first), the tokens after the longest recent match
+proposed. Its state is the request's own, built from its tokens as they come, so it is never
+stale across requests. ``suffix_cache.SuffixCache`` proposes what earlier requests wrote. With a
+draft model (``execution/draft.py``) the proposals here are placeholders its guesses fill in.
 
 ``SpeculationControl`` decides per step and per sequence: a sequence whose proposals keep failing
 backs off (exponentially, up to ``MAX_COOLDOWN`` tokens), and a step speculates only while the
