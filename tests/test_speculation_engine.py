@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import httpx
 import pytest
+import torch
 import trio
 
 from trillm.engine import Engine, SamplingParams
@@ -273,3 +274,30 @@ def test_a_draft_model_is_refused_in_one_line_before_its_weights_load() -> None:
     # Gemma 3's 262,144 tokens are not SmolLM2's 49,152: refused from the tokenizers alone
     with pytest.raises(ValueError, match="vocabulary differs from the model's \\(262144 against 49152"):
         load_draft_model(EngineConfig(draft_model="gemma-3-270m-q4_k_m"))
+
+
+async def test_draft_masks_stop_at_a_refused_token_and_after_a_stop_and_leave_the_matcher_as_it_was(
+    model_parts, tokenizer
+) -> None:
+    from trillm.engine.structured import GrammarSpec
+    from trillm.engine.structured.matcher import Matcher
+
+    engine = make_engine(model_parts)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        grammar = await engine.compile_grammar(GrammarSpec.choice(["yes", "no"]))
+        nursery.cancel_scope.cancel()
+    vocab = model_parts[0].shape.vocab_size
+    yes = tokenizer("yes", add_special_tokens=False)["input_ids"]
+    stop = sorted(grammar.stop_ids)[0]
+    matcher = Matcher(grammar)
+    fresh, _ = matcher.draft_masks((), vocab)
+    masks, taken = matcher.draft_masks((*yes, stop, yes[0]), vocab)
+    assert taken == len(yes) + 1  # "yes", then the stop token; nothing after it is verified
+    assert masks.rows == list(range(taken + 1)) and torch.equal(masks.bitmask[0], fresh.bitmask[0])
+    no_token = tokenizer("maybe", add_special_tokens=False)["input_ids"][0]
+    masks, taken = matcher.draft_masks((no_token, *yes), vocab)
+    assert taken == 0 and masks.rows == [0]  # refused at once: only the first row is scored
+    assert matcher.num_accepted == 0 and matcher.active  # every probe rolled back
+    again, _ = matcher.draft_masks((), vocab)
+    assert torch.equal(again.bitmask, fresh.bitmask)

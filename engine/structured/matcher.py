@@ -73,21 +73,29 @@ class Matcher:
 
     def draft_masks(self, draft: tuple[int, ...], vocab_size: int) -> tuple[GrammarMasks, int]:
         """The masks of a verification's rows (row j: after the first j proposals) and how many
-        proposals the grammar takes: the rows after one it refuses are not verified. Leaves the
-        matcher where it was (xgrammar rolls back any number of tokens)."""
+        proposals are verified: not one the grammar refuses, nor one after which it allows no
+        token (plain decoding meets that dead end next, as it would have). Leaves the matcher
+        where it was (xgrammar rolls back any number of tokens). A dead end at the first row
+        fails the matcher, as ``GrammarMasks.fill`` does, and masks nothing."""
         bitmask = torch.full((len(draft) + 1, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-        taken = 0
+        accepted = taken = 0
         for j in range(len(draft) + 1):
             self._matcher.fill_next_token_bitmask(bitmask, j)
+            if (bitmask[j] == 0).all():  # a dead end: the proposal before it is not verified
+                taken = max(0, j - 1)
+                break
+            taken = j
             if j == len(draft) or not self._matcher.accept_token(draft[j]):
                 break
-            taken += 1
+            accepted += 1
             if self._matcher.is_terminated():  # a stop token: nothing may follow it
+                taken = j + 1
                 break
-        if taken:
-            self._matcher.rollback(taken)
+        if accepted:
+            self._matcher.rollback(accepted)
         if (bitmask[0] == 0).all():
             self.fail("no token is allowed")
+            return GrammarMasks(bitmask, []), 0
         return GrammarMasks(bitmask, list(range(taken + 1))), taken
 
     def take(self, tokens: Sequence[int]) -> None:
