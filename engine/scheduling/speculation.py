@@ -140,7 +140,6 @@ class SequenceSpeculation:
     proposed: int = 0
     accepted: int = 0
     prediction_accepted: int = 0
-    prediction_rejected: int = 0
 
 
 @attrs.define
@@ -344,7 +343,6 @@ class SpeculationControl:
         spec.accepted += accepted
         if method == "prediction":
             spec.prediction_accepted += accepted
-            spec.prediction_rejected += proposed - accepted
         spec.acceptance += EMA * (accepted / proposed - spec.acceptance)
         if accepted:
             spec.misses = 0
