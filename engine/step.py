@@ -230,11 +230,6 @@ class Sampled:
     accepted: list[tuple[int, ...]] = attrs.field(factory=list)  # empty: no chunk verified
     accepted_logprobs: list[tuple[TokenLogprobs | None, ...]] = attrs.field(factory=list)
 
-    def emitted(self, sample: int) -> tuple[int, ...]:
-        """Every token sampling chunk ``sample`` produced, in order."""
-        accepted = self.accepted[sample] if self.accepted else ()
-        return (*accepted, self.tokens[sample])
-
     def emitted_logprobs(self, sample: int) -> tuple[TokenLogprobs | None, ...]:
         accepted = self.accepted_logprobs[sample] if self.accepted_logprobs else ()
         return (*accepted, self.logprobs[sample])

@@ -301,3 +301,26 @@ async def test_draft_masks_stop_at_a_refused_token_and_after_a_stop_and_leave_th
     assert matcher.num_accepted == 0 and matcher.active  # every probe rolled back
     again, _ = matcher.draft_masks((), vocab)
     assert torch.equal(again.bitmask, fresh.bitmask)
+
+
+async def test_the_kernel_backend_verifies_to_the_plain_output(tokenizer) -> None:
+    """The Triton backend's layout (here its torch references): a verification's positions as
+    one-token queries, each with its own context."""
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.execution.loading import load_model
+
+    parts = load_model(EngineConfig(kernels="reference", dtype="float32"))
+    chat = [{"role": "user", "content": "Copy this sentence five times: The quick brown fox jumps over the lazy dog."}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    request = (tokenizer(text, add_special_tokens=False)["input_ids"], SamplingParams(max_tokens=60, temperature=0.0))
+    results = {}
+    for mode in ("off", "ngram"):
+        engine = make_engine(parts, kernels="reference", speculative=mode)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            (results[mode],) = await _run(engine, [request])
+            await wait_idle(engine)
+            stats = engine.stats()
+            nursery.cancel_scope.cancel()
+    assert _tokens(results["off"]) == _tokens(results["ngram"])
+    assert stats.speculation[0].accepted_tokens > 0

@@ -27,7 +27,7 @@ from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.parallel.channel import StepChannel
 from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.execution.sampler import sample_with_logprobs
-from trillm.engine.execution.verify import chunk_rows, verify
+from trillm.engine.execution.verify import chunk_rows, with_verifications
 from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.step import (
     HEARTBEAT,
@@ -36,7 +36,6 @@ from trillm.engine.step import (
     PromptSpan,
     RunnerSetup,
     Sampled,
-    SampleRow,
     ScheduledSequence,
     StepInputs,
     StepResult,
@@ -68,32 +67,6 @@ def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tupl
 
 def kv_bytes_per_token(model: DecoderModel) -> int:
     return model.shape.kv_bytes_per_token(model.dtype)
-
-
-def _with_verifications(
-    plain: Sampled, logits: torch.Tensor, rows: tuple[SampleRow, ...], drafts: tuple[tuple[int, ...], ...]
-) -> Sampled:
-    """Every sampling chunk's result in batch order: ``plain``'s for the one-row chunks (in
-    order), ``verify``'s for the verification chunks."""
-    tokens: list[int] = []
-    logprobs: list[TokenLogprobs | None] = []
-    accepted: list[tuple[int, ...]] = []
-    accepted_logprobs: list[tuple[TokenLogprobs | None, ...]] = []
-    plain_tokens, plain_logprobs = iter(plain.tokens), iter(plain.logprobs)
-    for start, draft in zip(chunk_rows(drafts), drafts):
-        if not draft:
-            tokens.append(next(plain_tokens))
-            logprobs.append(next(plain_logprobs))
-            accepted.append(())
-            accepted_logprobs.append(())
-            continue
-        end = start + len(draft) + 1
-        kept, token, kept_logprobs, token_logprobs = verify(logits[start:end], list(rows[start:end]), draft)
-        tokens.append(token)
-        logprobs.append(token_logprobs)
-        accepted.append(kept)
-        accepted_logprobs.append(kept_logprobs)
-    return Sampled(tokens, logprobs, accepted, accepted_logprobs)
 
 
 @attrs.define
@@ -234,7 +207,7 @@ class ModelRunner:
             kernel = self.backend.sampling_kernel
             sampled = sample_with_logprobs(plain_logits, plain_rows, kernel, masks) if plain_rows else Sampled([], [])
             if inputs.drafts:
-                sampled = _with_verifications(sampled, logits, rows, inputs.drafts)
+                sampled = with_verifications(sampled, logits, rows, inputs.drafts)
             prompt = prompt_logprobs(logits[n:], inputs.prompt_spans) if inputs.prompt_spans else ()
         if masks is not None:
             started = time.perf_counter()

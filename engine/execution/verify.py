@@ -18,7 +18,7 @@ import torch
 
 from trillm.engine.execution.sampler import adjust, draw, token_logprobs, truncate, uniform
 from trillm.engine.outputs import TokenLogprobs
-from trillm.engine.step import SampleRow
+from trillm.engine.step import Sampled, SampleRow
 
 
 def verify(
@@ -81,3 +81,29 @@ def chunk_rows(drafts: tuple[tuple[int, ...], ...]) -> list[int]:
         starts.append(row)
         row += len(draft) + 1
     return starts
+
+
+def with_verifications(
+    plain: Sampled, logits: torch.Tensor, rows: tuple[SampleRow, ...], drafts: tuple[tuple[int, ...], ...]
+) -> Sampled:
+    """Every sampling chunk's result in batch order: ``plain``'s for the one-row chunks (in
+    order), ``verify``'s for the verification chunks."""
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    accepted: list[tuple[int, ...]] = []
+    accepted_logprobs: list[tuple[TokenLogprobs | None, ...]] = []
+    plain_tokens, plain_logprobs = iter(plain.tokens), iter(plain.logprobs)
+    for start, draft in zip(chunk_rows(drafts), drafts):
+        if not draft:
+            tokens.append(next(plain_tokens))
+            logprobs.append(next(plain_logprobs))
+            accepted.append(())
+            accepted_logprobs.append(())
+            continue
+        end = start + len(draft) + 1
+        kept, token, kept_logprobs, token_logprobs = verify(logits[start:end], list(rows[start:end]), draft)
+        tokens.append(token)
+        logprobs.append(token_logprobs)
+        accepted.append(kept)
+        accepted_logprobs.append(kept_logprobs)
+    return Sampled(tokens, logprobs, accepted, accepted_logprobs)

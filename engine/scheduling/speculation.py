@@ -184,7 +184,7 @@ class SpeculationControl:
         return self.mode == "auto"
 
     def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode-only step of ``rows`` rows took ``seconds``."""
+        """A decode step (every chunk a decode or a verification) of ``rows`` rows took ``seconds``."""
         old = self.step_seconds.get(rows)
         self.step_seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
 
@@ -214,12 +214,6 @@ class SpeculationControl:
         mean_s = sum(table.values()) / len(sizes)
         slope = sum((r - mean_r) * (table[r] - mean_s) for r in sizes) / sum((r - mean_r) ** 2 for r in sizes)
         return table[below[-1]] + max(0.0, slope) * (rows - below[-1])
-
-    def observe(self, chunk_lengths: list[int], seconds: float) -> None:
-        """A step returned after ``seconds``: a decode step (every chunk a decode or a
-        verification, ``chunk_lengths`` its rows per sequence) feeds the cost model."""
-        if chunk_lengths:
-            self.observe_step(sum(chunk_lengths), seconds)
 
     def worth(self, rows: int, extra: int, expected: float) -> bool:
         """Whether a step of ``rows`` decodes plus ``extra`` proposed rows, expected to bring

@@ -81,10 +81,11 @@ class KernelBackend(Backend):
             positions += range(start, end)
             slots += (table[p // ps] * ps + p % ps for p in range(start, end))
             # a verification chunk: one query of one token per position, each its own context
-            for query_end in range(start + 1, end + 1) if chunk.draft else (end,):
+            query = 1 if chunk.draft else chunk.length
+            for context in range(start + query, end + 1, query):
                 tables.append(table)
-                starts.append(starts[-1] + query_end - (query_end - 1 if chunk.draft else start))
-                lens.append(query_end)
+                starts.append(starts[-1] + query)
+                lens.append(context)
         meta = KernelMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             block_tables=padded_tables(tables, torch.int32),
