@@ -143,7 +143,7 @@ def steps_match_transformers(
     ]
     for seq in seqs[:3]:
         sched.add(seq)
-    steps = mixed = decodes = 0
+    steps = mixed = decodes = interpreted_steps = 0
     while sched.has_work or seqs[3].num_computed == 0:
         if steps == 4:
             sched.add(seqs[3])
@@ -161,9 +161,15 @@ def steps_match_transformers(
             assert mine.argmax(-1).tolist() == ref.argmax(-1).tolist(), name
         mixed += any(c.length == 1 for c in batch.chunks) and any(c.length > 1 for c in batch.chunks)
         decodes += all(c.length == 1 for c in batch.chunks)
+        if "triton" in runners and mixed and decodes and seqs[3].num_computed > 0:
+            # The interpreted kernels have now scored a chunked prefill, a prefix hit, a mixed step and
+            # a decode step: the rest of the run adds little but minutes.
+            del runners["triton"]
+            interpreted_steps = steps + 1
         sched.complete(batch, [int(row.argmax()) for row in ref])
         steps += 1
     assert all(len(seq.output_ids) == max_tokens for seq in seqs)
+    assert "triton" not in models or interpreted_steps >= 4
     assert mixed >= 2 and decodes >= 2 and seqs[3].num_cached_tokens >= 28
 
 
