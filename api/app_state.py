@@ -15,8 +15,8 @@ import attrs
 from pydantic import BaseModel
 from quart import Response, current_app, request
 
+from trillm.api import anthropic_api, chat, expect_continue, request_body, responses_api
 from trillm.api import body as body_decoding
-from trillm.api import chat, expect_continue, request_body, responses_api
 from trillm.api.drain import Drain
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.engine_host import EngineHost
@@ -45,6 +45,7 @@ class AppState:
     context: ServerContext
     chat_endpoint: GenerationEndpoint
     responses_endpoint: GenerationEndpoint
+    messages_endpoint: GenerationEndpoint  # Anthropic's Messages API
     preparer: Preparer = attrs.Factory(Preparer)  # templating and tokenizing: worker threads, a few at a time
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -62,6 +63,7 @@ class AppState:
             context=ServerContext(tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser),
             chat_endpoint=chat.endpoint(server.reasoning_parser),
             responses_endpoint=responses_api.endpoint(server.reasoning_parser),
+            messages_endpoint=anthropic_api.endpoint(server.reasoning_parser),
         )
 
     @property

@@ -1,6 +1,7 @@
 """Who may use the server: API keys, checked in constant time, and never logged.
 
-Keys come from ``--api-key`` (repeatable), ``--api-keys-file`` and ``TRILLM_API_KEY``.
+Keys come from ``--api-key`` (repeatable), ``--api-keys-file`` and ``TRILLM_API_KEY``; clients
+send them as ``Authorization: Bearer KEY`` or (Anthropic's SDKs) ``x-api-key: KEY``.
 Only their SHA-256 digests are kept: a presented key is hashed once and compared
 with every digest by ``hmac.compare_digest``, all of them whatever matched, so
 neither the time taken nor the path through the code says which key (or how
@@ -76,6 +77,16 @@ def one_authorization(values: list[str]) -> str | None:
             f"The request has {len(values)} Authorization headers; send exactly one (Authorization: Bearer YOUR_KEY)."
         )
     return values[0] if values else None
+
+
+def presented_key(authorization: list[str], x_api_key: list[str]) -> str | None:
+    """The ``Authorization`` header to check: the request's own, else Anthropic's ``x-api-key``
+    (its SDKs send the key there) as a bearer token. One of each at most, as ``one_authorization``."""
+    if authorization or not x_api_key:
+        return one_authorization(authorization)
+    if len(x_api_key) > 1:
+        raise unauthorized(f"The request has {len(x_api_key)} x-api-key headers; send exactly one.")
+    return f"Bearer {x_api_key[0]}"
 
 
 def unauthorized(message: str) -> ApiError:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from jinja2 import TemplateError
@@ -30,7 +30,10 @@ from trillm.engine import RequestOutput, SamplingParams
 IMITATION = Imitation()
 
 
-def bind(engine: EngineHandle, req: ChatRequest, ctx: ServerContext) -> ChatRequest:
+Req = TypeVar("Req", bound=ChatRequest)  # chat's, or a request served as chat (Responses, Messages)
+
+
+def bind(engine: EngineHandle, req: Req, ctx: ServerContext) -> Req:
     """Choose the tool-call format (setting, else the chat template) and, with tools, the
     grammar that forces or constrains calls (it takes the place of ``response_format``).
     Without tools, after tool turns the generic format rendered as text, a reply that imitates
@@ -107,6 +110,14 @@ def _message(req: ChatRequest, parts: dict[str, Any], finish_reason: str | None)
     return message, finish_reason
 
 
+def finished_message(
+    req: ChatRequest, text: str, finish_reason: str | None, reasoning_parser: str | None = None
+) -> tuple[dict[str, Any], str | None]:
+    """A finished choice's assistant message (thinking split off, calls parsed out) and its finish
+    reason (``tool_calls`` where calls ended it); the Messages API writes it in its own shape."""
+    return _message(req, _splitter(reasoning_parser, req).message(text), finish_reason)
+
+
 def _prediction(params: SamplingParams, accepted: list[int]) -> tuple[int, int] | None:
     """(prediction tokens, accepted) for ``usage`` over the choices, where the request predicted."""
     if not params.prediction:
@@ -136,7 +147,6 @@ async def complete(
     params, n = req.common.params, req.common.n
     request_ids, outputs = submit_choices(engine, prompts, params, n)
     done = await collect(engine, request_ids, outputs, [""] * n, deadline)
-    split = _splitter(reasoning_parser, req)
     return {
         "id": new_completion_id("chatcmpl"),
         "object": "chat.completion",
@@ -150,7 +160,9 @@ async def complete(
                 "finish_reason": finish_reason,
             }
             for i in range(n)
-            for message, finish_reason in [_message(req, split.message(done.texts[i]), done.last[i].finish_reason)]
+            for message, finish_reason in [
+                finished_message(req, done.texts[i], done.last[i].finish_reason, reasoning_parser)
+            ]
         ],
         "usage": usage(
             len(prompts[0]),

@@ -26,7 +26,7 @@ from quart import Response, request
 from quart_cors import cors
 from quart_trio import QuartTrio
 
-from trillm.api.auth import ApiKeys, one_authorization
+from trillm.api.auth import ApiKeys, presented_key
 from trillm.api.errors import ApiError
 from trillm.api.settings import ServerConfig
 
@@ -34,7 +34,7 @@ log = logging.getLogger("trillm.api")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID = 128
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 _SLOT = "trillm.slot"  # the request's ASGI scope holds its slot here until the exchange ends
 _REQUEST_ID = "trillm.request_id"
 
@@ -130,7 +130,7 @@ def install(app: QuartTrio, server: ServerConfig, keys: ApiKeys) -> KeyLimiter:
     async def authorize() -> None:
         if not keys.needs_key(request.method, request.path):
             return
-        key = keys.check(one_authorization(request.headers.getlist("Authorization")))
+        key = keys.check(presented_key(request.headers.getlist("Authorization"), request.headers.getlist("x-api-key")))
         if request.method == "POST" and request.path in GENERATION_PATHS:
             _state(request.scope)[_SLOT] = limiter.acquire(key)
 

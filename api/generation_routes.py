@@ -1,4 +1,4 @@
-"""The generation routes (chat, completions, responses): one path for all three, which
+"""The generation routes (chat, completions, responses, messages): one path for all, which
 validates, checks limits, then replies or streams (``GenerationEndpoint`` holds what differs)."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import attrs
 import trio
 from quart import Blueprint, Response
 
-from trillm.api import completions
+from trillm.api import anthropic_api, chat, completions
 from trillm.api.app_state import AppState, app_state, json_response
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.input_limits import check_counts
+from trillm.api.schemas.anthropic import CountTokensBody, count_tokens_request
 from trillm.api.submission import check_prompt, with_grammar
 
 generation_routes = Blueprint("generation", __name__)
@@ -71,3 +72,25 @@ async def completions_endpoint() -> Response:
 @generation_routes.post("/v1/responses")
 async def responses_endpoint() -> Response:
     return await generation(app_state().responses_endpoint)
+
+
+@generation_routes.post("/v1/messages")
+async def messages_endpoint() -> Response:
+    """Anthropic's Messages API (its errors in Anthropic's shape: ``error_handlers.py``)."""
+    return await generation(app_state().messages_endpoint)
+
+
+@generation_routes.post("/v1/messages/count_tokens")
+async def count_tokens_endpoint() -> Response:
+    """The prompt a Messages call would have, counted: ``{"input_tokens": N}``."""
+    state = app_state()
+    body = await state.json_body(CountTokensBody)
+
+    def count() -> int:
+        check_counts(body, state.engine.max_model_len)
+        parsed = count_tokens_request(body)
+        state.check_model(parsed.common.model)
+        [ids] = anthropic_api.prompt_ids(state.engine, chat.bind(state.engine, parsed, state.context))
+        return len(ids)
+
+    return json_response({"input_tokens": await state.preparer.run(count)})

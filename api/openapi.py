@@ -29,7 +29,13 @@ def _request_schemas() -> dict[str, Any]:
 def request_schemas(model_name: str) -> dict[str, Any]:
     """Request bodies and the objects nested in them; ``model`` is declared as the one served id."""
     schemas = copy.deepcopy(_request_schemas())
-    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
+    for name in (
+        "ChatCompletionRequest",
+        "CompletionRequest",
+        "ResponsesRequest",
+        "MessagesRequest",
+        "CountTokensRequest",
+    ):
         schemas[name]["properties"]["model"]["enum"] = [model_name]
     return schemas
 
@@ -178,6 +184,51 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
             },
         },
     },
+    "MessageReply": {
+        "type": "object",
+        "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "type": {"const": "message"},
+            "role": {"const": "assistant"},
+            "model": {"type": "string"},
+            "content": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["type"],
+                    "properties": {"type": {"enum": ["text", "thinking", "tool_use"]}},
+                },
+            },
+            "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use", None]},
+            "stop_sequence": {"type": ["string", "null"]},
+            "usage": {
+                "type": "object",
+                "required": ["input_tokens", "output_tokens"],
+                "properties": {
+                    k: {"type": "integer", "minimum": 0}
+                    for k in ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+                },
+            },
+        },
+    },
+    "TokenCount": {
+        "type": "object",
+        "required": ["input_tokens"],
+        "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
+    },
+    "AnthropicError": {
+        "type": "object",
+        "required": ["type", "error"],
+        "properties": {
+            "type": {"const": "error"},
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            },
+        },
+    },
     "Tokens": {
         "type": "object",
         "required": ["tokens", "count", "max_model_len"],
@@ -236,18 +287,26 @@ def _json(name: str, description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
 
 
+# Anthropic's routes answer errors in its shape, a 503 as its 529.
+_ANTHROPIC_ERRORS = {
+    str(529 if code == 503 else code): {**error, "content": {"application/json": {"schema": _ref("AnthropicError")}}}
+    for code, error in ((int(c), e) for c, e in _ERRORS.items())
+}
+
+
 def _post(request: str, reply: str, summary: str, stream_chunk: str | None = None) -> dict[str, Any]:
     ok = _json(reply, "the reply")
     if stream_chunk:
         events = f"with stream: true, `data: <{stream_chunk}>` events, then `data: [DONE]`"
         if stream_chunk == "typed":
-            events = "with stream: true, `event: <type>` + `data: {type, sequence_number, ...}` events (docs/api.md)"
+            events = "with stream: true, `event: <type>` + `data: {type, ...}` events (docs/api.md)"
         ok["content"]["text/event-stream"] = {"schema": {**_SSE_EVENT, "description": events}}
+    errors = _ANTHROPIC_ERRORS if request in ("MessagesRequest", "CountTokensRequest") else _ERRORS
     return {
         "post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
-            "responses": {"200": ok, **_ERRORS},
+            "responses": {"200": ok, **errors},
         }
     }
 
@@ -283,6 +342,10 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             ),
             "/v1/completions": _post("CompletionRequest", "Completion", "text completion (legacy)", "Completion"),
             "/v1/responses": _post("ResponsesRequest", "Response", "a response (Responses API, stateless)", "typed"),
+            "/v1/messages": _post("MessagesRequest", "MessageReply", "a message (Anthropic's Messages API)", "typed"),
+            "/v1/messages/count_tokens": _post(
+                "CountTokensRequest", "TokenCount", "a Messages call's prompt tokens, counted"
+            ),
             "/tokenize": _post("TokenizeRequest", "Tokens", "text or messages to token ids"),
             "/detokenize": _post("DetokenizeRequest", "Text", "token ids to text"),
             "/v1/models": _get("ModelList", "the served model"),

@@ -31,6 +31,7 @@ class RequestOutput:
     # each with its log-probability given the tokens before it (the first token has none).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     error: str | None = None  # with finish_reason "error": what ended it, when the request is at fault
+    stop_string: str | None = None  # with finish_reason "stop": the stop string that ended the text, if one did
     accepted_prediction_tokens: int = 0  # of ``SamplingParams.prediction``, tokens verified into the output so far
 
 

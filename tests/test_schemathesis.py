@@ -74,6 +74,7 @@ def _fuzz(url: str) -> dict[str, set[int]]:
 async def test_schemathesis_finds_nothing(server):
     seen = await in_thread(_fuzz, server.url)
     operations = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /tokenize"}
+    operations |= {"POST /v1/messages", "POST /v1/messages/count_tokens"}
     assert operations | {"GET /v1/models", "GET /v1/models/{model}"} <= set(seen)
     assert 200 in seen["GET /v1/models/{model}"]
     assert any(200 in codes for label, codes in seen.items() if label.startswith("POST /v1/")), seen

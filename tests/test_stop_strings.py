@@ -38,11 +38,17 @@ def test_output_is_the_text_cut_before_the_first_stop(text, stop_list, cuts):
     expected = text[: min(ends)[1]] if ends else text
     assert sent == expected
     assert not any(s in sent for s in stop_list)
+    # The stop string named as the one found is the one the text goes on with after the cut.
+    assert (
+        matcher.matched is None
+        if not ends
+        else (matcher.matched in stop_list and text[len(sent) :].startswith(matcher.matched))
+    )
 
 
 def test_the_stop_that_completes_first_wins():
-    assert earliest_stop("xa ab", ("a ab", " ")) == 2
-    assert earliest_stop("say STOP now", ("OP", "STOP")) == 4
+    assert earliest_stop("xa ab", ("a ab", " ")) == (2, " ")
+    assert earliest_stop("say STOP now", ("OP", "STOP")) == (4, "STOP")
     assert earliest_stop("nothing", ("x",)) is None
 
 

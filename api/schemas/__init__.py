@@ -7,6 +7,7 @@ trillm.api.schemas.docs``). New fields and message kinds are new declarations
 in ``generation.py``, ``chat.py``, ``completion.py`` or ``messages.py``.
 """
 
+from trillm.api.schemas.anthropic import CountTokensBody, MessagesBody
 from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.schemas.completion import CompletionBody, CompletionRequest, parse_completion_request
 from trillm.api.schemas.generation import CommonFields, GenerationBody
@@ -18,6 +19,8 @@ PUBLISHED = {
     "ChatCompletionRequest": ChatCompletionBody,
     "CompletionRequest": CompletionBody,
     "ResponsesRequest": ResponsesBody,
+    "MessagesRequest": MessagesBody,
+    "CountTokensRequest": CountTokensBody,
     "TokenizeRequest": TokenizeBody,
     "DetokenizeRequest": DetokenizeBody,
 }
@@ -29,8 +32,10 @@ __all__ = [
     "CommonFields",
     "CompletionBody",
     "CompletionRequest",
+    "CountTokensBody",
     "DetokenizeBody",
     "GenerationBody",
+    "MessagesBody",
     "ResponsesBody",
     "TokenizeBody",
     "parse_chat_request",

@@ -116,6 +116,7 @@ class OutputRouter:
             tuple(entries),
             seq.num_cached_tokens,
             self._take_prompt_logprobs(live),
+            stop_string=live.stops.matched if last else None,
             accepted_prediction_tokens=seq.spec.prediction_accepted if seq.spec is not None else 0,
         )
         now = time.monotonic()

@@ -4,11 +4,14 @@ what could still become one, so no part of a stop string is ever sent."""
 from __future__ import annotations
 
 
-def earliest_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Where to cut ``text``: at the stop string that completes first (as tokens
-    arrive), the longest one if several complete at the same character."""
-    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return min(found)[1] if found else None
+def earliest_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where to cut ``text``, and the stop string found there: the one that completes first (as
+    tokens arrive), the longest one if several complete at the same character."""
+    found = [(i + len(s), i, s) for s in stops if (i := text.find(s)) >= 0]
+    if not found:
+        return None
+    _, cut, stop = min(found)
+    return cut, stop
 
 
 class StopStringMatcher:
@@ -23,6 +26,7 @@ class StopStringMatcher:
         self.stops = tuple(s for s in stops if s)
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's ``stop_sequence``)
 
     def push(self, delta: str) -> str:
         """Return the text to send now; sets ``stopped`` when a stop string completed."""
@@ -31,10 +35,11 @@ class StopStringMatcher:
         if self.stopped:
             return ""
         text = self.held + delta
-        cut = earliest_stop(text, self.stops)
-        if cut is not None:
+        found = earliest_stop(text, self.stops)
+        if found is not None:
             self.stopped = True
             self.held = ""
+            cut, self.matched = found
             return text[:cut]
         keep = self._longest_stop_prefix_suffix(text)
         self.held = text[len(text) - keep :] if keep else ""
