@@ -18,14 +18,15 @@ from quart import Response, current_app, request
 from trillm.api import anthropic_api, chat, expect_continue, request_body, responses_api
 from trillm.api import body as body_decoding
 from trillm.api.drain import Drain
+from trillm.api.embeddings import Embedder
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.engine_host import EngineHost
 from trillm.api.errors import ApiError, shown
 from trillm.api.input_limits import Preparer
 from trillm.api.json_text import dumps
-from trillm.api.metrics import metrics_registry
+from trillm.api.metrics import PrometheusObserver, metrics_registry
 from trillm.api.settings import ServerConfig
-from trillm.engine import Engine, ReplicaSet
+from trillm.engine import Engine, ReplicaSet, pooling_for
 
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -42,10 +43,12 @@ class AppState:
     host: EngineHost
     drain: Drain  # `trillm serve` runs the drain
     registry: Any  # the Prometheus registry ``/metrics`` renders
+    observer: PrometheusObserver  # its request timings and counters
     context: ServerContext
     chat_endpoint: GenerationEndpoint
     responses_endpoint: GenerationEndpoint
     messages_endpoint: GenerationEndpoint  # Anthropic's Messages API
+    embedder: Embedder  # how /v1/embeddings pools this model
     preparer: Preparer = attrs.Factory(Preparer)  # templating and tokenizing: worker threads, a few at a time
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -60,10 +63,12 @@ class AppState:
             host=EngineHost(engine, observer),
             drain=Drain(server.shutdown_timeout),
             registry=registry,
+            observer=observer,
             context=ServerContext(tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser),
             chat_endpoint=chat.endpoint(server.reasoning_parser),
             responses_endpoint=responses_api.endpoint(server.reasoning_parser),
             messages_endpoint=anthropic_api.endpoint(server.reasoning_parser),
+            embedder=Embedder(pooling_for(engine.config), engine.model.shape.hidden_size),
         )
 
     @property

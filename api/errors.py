@@ -94,7 +94,6 @@ def from_engine(exc: Exception) -> ApiError | None:
 
 # OpenAI APIs this server does not implement: a 404 that says so, rather than "unknown URL".
 UNSUPPORTED_APIS = {
-    "/v1/embeddings": "the embeddings API",
     "/v1/audio": "the audio API",
     "/v1/images": "the images API",
     "/v1/moderations": "the moderations API",

@@ -34,7 +34,9 @@ log = logging.getLogger("trillm.api")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID = 128
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
+)
 _SLOT = "trillm.slot"  # the request's ASGI scope holds its slot here until the exchange ends
 _REQUEST_ID = "trillm.request_id"
 

@@ -171,7 +171,13 @@ class PrometheusObserver:
             ["model_name", "finished_reason"],
             registry=registry,
         )
+        self._embedded = Counter(
+            "trillm:embedding_inputs", "Inputs embedded (/v1/embeddings).", ["model_name"], registry=registry
+        ).labels(model_name)
         self._model_name = model_name
+
+    def embedded(self, inputs: int) -> None:
+        self._embedded.inc(inputs)
 
     def queue_time(self, seconds: float, priority: int = 0) -> None:
         self._queue.observe(seconds)

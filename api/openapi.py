@@ -1,5 +1,8 @@
 """``GET /openapi.json``: an OpenAPI 3.1 description whose request schemas pydantic derives from
-the same declarations that validate requests, plus the response shapes the handlers build."""
+the same declarations that validate requests, plus the response shapes the handlers build.
+
+Longer than our ~400-line guide, as one idea: the one document, whose reply schemas sit beside
+the paths that answer with them (schemathesis checks every reply against them)."""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ def request_schemas(model_name: str) -> dict[str, Any]:
         "ResponsesRequest",
         "MessagesRequest",
         "CountTokensRequest",
+        "EmbeddingRequest",
     ):
         schemas[name]["properties"]["model"]["enum"] = [model_name]
     return schemas
@@ -212,6 +216,30 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
             },
         },
     },
+    "EmbeddingList": {
+        "type": "object",
+        "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["object", "index", "embedding"],
+                    "properties": {
+                        "object": {"const": "embedding"},
+                        "index": {"type": "integer"},
+                        "embedding": {"type": ["array", "string"], "items": {"type": "number"}},
+                    },
+                },
+            },
+            "model": {"type": "string"},
+            "usage": {
+                "type": "object",
+                "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "total_tokens")},
+            },
+        },
+    },
     "TokenCount": {
         "type": "object",
         "required": ["input_tokens"],
@@ -342,6 +370,7 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             ),
             "/v1/completions": _post("CompletionRequest", "Completion", "text completion (legacy)", "Completion"),
             "/v1/responses": _post("ResponsesRequest", "Response", "a response (Responses API, stateless)", "typed"),
+            "/v1/embeddings": _post("EmbeddingRequest", "EmbeddingList", "each input's pooled embedding"),
             "/v1/messages": _post("MessagesRequest", "MessageReply", "a message (Anthropic's Messages API)", "typed"),
             "/v1/messages/count_tokens": _post(
                 "CountTokensRequest", "TokenCount", "a Messages call's prompt tokens, counted"

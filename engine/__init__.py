@@ -37,6 +37,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "execution.model_source": ("DEFAULT_ALIAS", "resolve_model", "default_gguf", "gguf_file", "converted_default"),
     "execution.shape": ("ModelShape",),
     "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of"),
+    "execution.pooling": ("Pooling", "pooling_for"),  # how embeddings are pooled
     # Settings declared once: flags, variables, --help and the README's table derive from them.
     "settings": ("Setting", "setting", "settings_of", "from_env", "add_arguments", "overrides_from", "markdown_table"),
     # Processes: another machine's tensor-parallel ranks (`trillm serve --node-rank N`), a free port.
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
     from trillm.engine.execution.parallel.channel import StepChannel as StepChannel
     from trillm.engine.execution.parallel.topology import Topology as Topology
     from trillm.engine.execution.parallel.topology import join_group as join_group
+    from trillm.engine.execution.pooling import Pooling as Pooling
+    from trillm.engine.execution.pooling import pooling_for as pooling_for
     from trillm.engine.execution.sampler import LOGPROB_FLOOR as LOGPROB_FLOOR
     from trillm.engine.execution.shape import ModelShape as ModelShape
     from trillm.engine.mailbox import OutputMailbox as OutputMailbox

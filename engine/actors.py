@@ -239,6 +239,10 @@ class Actors:
         batch, updated = self.loop.resolve(result.tokens, result.accepted)
         if isinstance(result, StepResult):
             self._observe(batch, result.seconds)
+        for pooled in result.pooled if isinstance(result, StepResult) else ():
+            chunk = batch.chunks[pooled.chunk]
+            if chunk.generation == chunk.seq.num_preemptions:  # else a preemption started its pooling over
+                chunk.seq.pool(pooled.rows, pooled.count)
         for prompt in result.prompt_logprobs if isinstance(result, StepResult) else ():
             # kept before routing: the first token goes out with its prompt's logprobs
             self.router.add_prompt_logprobs(batch.chunks[prompt.chunk].seq, prompt.start, prompt.entries)

@@ -22,6 +22,7 @@ LOAD_FORMATS = ("auto", "dummy")
 WEIGHT_FORMATS = ("auto", "dense", "blocks")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_MODES = ("auto", "ngram", "suffix", "draft", "off")
+POOLING_MODES = ("auto", "mean", "cls", "last")
 MB = 1024 * 1024
 
 
@@ -142,6 +143,12 @@ class EngineConfig:
         "with a draft model, else `suffix`, used only where the measured step times say it pays; `off`",
         choices=SPECULATIVE_MODES,
     )
+    pooling: str = setting(
+        "auto",
+        "how `/v1/embeddings` pools the last hidden states: `mean`, `cls` (the first token's), `last` (the last "
+        "token's); `auto`: what the model's sentence-transformers config or GGUF header names, else `mean`",
+        choices=POOLING_MODES,
+    )
     num_speculative_tokens: int = setting(4, "most tokens proposed per decode step", validator=attrs.validators.ge(1))
     draft_model: str | None = setting(
         None,
@@ -235,6 +242,7 @@ class EngineConfig:
             ("weight_format", WEIGHT_FORMATS),
             ("scheduling_policy", SCHEDULING_POLICIES),
             ("speculative", SPECULATIVE_MODES),
+            ("pooling", POOLING_MODES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")

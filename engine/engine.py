@@ -259,7 +259,7 @@ class Engine:
         seqs = [self._sequence(prompt_ids, params) for prompt_ids, params in requests]
         leaders: dict[tuple[int, ...], Sequence] = {}
         for seq in seqs:
-            if seq.params.prompt_logprobs is None:  # else each choice computes (and scores) its prompt
+            if seq.params.prompt_logprobs is None and seq.params.pooling is None:  # else each computes its prompt
                 seq.leader = leaders.setdefault(tuple(seq.prompt_ids), seq)
                 if seq.leader is seq:
                     seq.leader = None

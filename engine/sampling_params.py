@@ -15,6 +15,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Priorities are bounded so that aging (priority x seconds) stays exact in a float.
 MAX_PRIORITY = 1_000_000
 GREEDY_TEMPERATURE = 1e-5  # below it, a temperature is taken as 0
+POOLING = ("mean", "cls", "last")
 
 
 @attrs.frozen
@@ -58,6 +59,11 @@ class SamplingParams:
     speculative: bool = True
     # OpenAI's Predicted Outputs: the tokens the client expects (a file being edited), proposed first.
     prediction: tuple[int, ...] = ()
+    # An embedding request (``/v1/embeddings``): the prompt's final-normed hidden states pooled
+    # ("mean", "cls": the first token's, "last": the last token's) come back on the finished
+    # output (``RequestOutput.embedding``); its one sampled token is dropped. "mean" and "cls"
+    # reuse no prefix-cache pages: every prompt row is computed.
+    pooling: str | None = None
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)
@@ -69,6 +75,8 @@ class SamplingParams:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if self.pooling is not None and self.pooling not in POOLING:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING)}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (off) or >= 1")
         if not 0 < self.top_p <= 1:

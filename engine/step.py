@@ -172,6 +172,17 @@ class PromptSpan:
 
 
 @attrs.frozen
+class PoolSpan:
+    """Rows of ``hidden_rows`` an embedding request pools (``SamplingParams.pooling``): ``count``
+    rows from ``offset`` on, of chunk ``chunk`` of the batch (every prompt row for "mean", the first
+    or the last prompt row for "cls" and "last")."""
+
+    chunk: int
+    offset: int
+    count: int
+
+
+@attrs.frozen
 class StepInputs:
     """One prepared step: a snapshot of the batch, so the scheduler may change it meanwhile."""
 
@@ -192,6 +203,9 @@ class StepInputs:
     # with a draft model: its passes (``execution.draft.DraftInputs``), which propose the
     # verifications' tokens (``PENDING`` in ``drafts`` and the inputs until then)
     draft: Any = None
+    # input rows whose final-normed hidden states embedding requests pool (``pool_spans`` say whose)
+    hidden_rows: torch.Tensor | None = None
+    pool_spans: tuple[PoolSpan, ...] = ()
 
 
 @attrs.frozen
@@ -247,11 +261,22 @@ class PromptLogprobs:
 
 
 @attrs.frozen
+class Pooled:
+    """What chunk ``chunk`` of the step's batch adds to its embedding: the sum of ``count`` pooled
+    rows (float32, on the CPU)."""
+
+    chunk: int
+    rows: torch.Tensor
+    count: int
+
+
+@attrs.frozen
 class StepResult(Sampled):
-    """A step's samples, plus the prompt log-probabilities its requests asked for."""
+    """A step's samples, plus the prompt log-probabilities and pooled rows its requests asked for."""
 
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     seconds: float = 0.0  # what the forward and the sampling took (speculation's cost model reads it)
+    pooled: tuple[Pooled, ...] = ()
 
 
 # -- what goes between tensor-parallel ranks -------------------------------------------------

@@ -103,7 +103,6 @@ async def test_default_max_tokens_caps_defaults_and_models_retrieve(model_parts)
 
 
 UNSERVED = [
-    ("POST", "/v1/embeddings", "embeddings"),
     ("POST", "/v1/audio/transcriptions", "audio"),
     ("POST", "/v1/audio/speech", "audio"),
     ("POST", "/v1/images/generations", "images"),
@@ -121,10 +120,10 @@ UNSERVED = [
 async def test_routes_not_served_answer_openai_shaped_404s(server):
     c = client(server)
     with pytest.raises(openai.NotFoundError) as err:
-        await in_thread(c.embeddings.create, model=MODEL, input="hello")
+        await in_thread(c.moderations.create, model=MODEL, input="hello")
     assert err.value.code == "unsupported_endpoint"
     assert err.value.body["message"] == (
-        "trillm does not serve the embeddings API (/v1/embeddings); see /openapi.json for what it serves"
+        "trillm does not serve the moderations API (/v1/moderations); see /openapi.json for what it serves"
     )
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         for method, path, name in UNSERVED:

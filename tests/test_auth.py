@@ -35,7 +35,9 @@ CLOSED = [
     ("GET", "/tokenizer_info", None, 200),
     ("POST", "/flush_cache", None, 200),
     ("GET", "/metrics", None, 200),  # with --metrics-require-key
-    ("POST", "/v1/embeddings", {}, 404),  # unknown /v1 paths are closed too: a 404 only with a key
+    ("POST", "/v1/embeddings", {"model": MODEL, "input": "Hi"}, 200),
+    ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}, 200),
+    ("POST", "/v1/audio/speech", {}, 404),  # unknown /v1 paths are closed too: a 404 only with a key
 ]
 OPEN = ["/health", "/version", "/openapi.json"]
 
@@ -127,11 +129,14 @@ async def test_every_route_needs_a_right_key_and_keys_are_never_logged(model_par
                     assert r.status_code == 401, (method, path, headers)
                     assert r.headers["www-authenticate"] == "Bearer"
                     error = r.json()["error"]
-                    assert (error["type"], error["param"], error["code"]) == (
-                        "invalid_request_error",
-                        None,
-                        "invalid_api_key",
-                    )
+                    if path.startswith("/v1/messages"):  # Anthropic's shape there
+                        assert r.json()["type"] == "error" and error["type"] == "authentication_error"
+                    else:
+                        assert (error["type"], error["param"], error["code"]) == (
+                            "invalid_request_error",
+                            None,
+                            "invalid_api_key",
+                        )
                     assert WRONG not in r.text and KEYS[0] not in r.text
                 for key in KEYS:
                     r = await http.request(method, path, json=body, headers=bearer(key))

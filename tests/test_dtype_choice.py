@@ -36,7 +36,7 @@ def block_path_here() -> bool:
 def default_model() -> tuple[EngineConfig, object, dict]:
     """The default model as loading sees it: its GGUF file's header is where its weights are."""
     config = EngineConfig()
-    folder = loading._model_folder(config)
+    folder = loading.model_folder(config)
     return config, loading._weights_source(config, folder), loading.json.loads((folder / "config.json").read_text())
 
 

@@ -10,6 +10,7 @@ in ``generation.py``, ``chat.py``, ``completion.py`` or ``messages.py``.
 from trillm.api.schemas.anthropic import CountTokensBody, MessagesBody
 from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.schemas.completion import CompletionBody, CompletionRequest, parse_completion_request
+from trillm.api.schemas.embeddings import EmbeddingsBody
 from trillm.api.schemas.generation import CommonFields, GenerationBody
 from trillm.api.schemas.responses import ResponsesBody, parse_responses_request
 from trillm.api.schemas.tokenize import DetokenizeBody, TokenizeBody
@@ -21,6 +22,7 @@ PUBLISHED = {
     "ResponsesRequest": ResponsesBody,
     "MessagesRequest": MessagesBody,
     "CountTokensRequest": CountTokensBody,
+    "EmbeddingRequest": EmbeddingsBody,
     "TokenizeRequest": TokenizeBody,
     "DetokenizeRequest": DetokenizeBody,
 }
@@ -34,6 +36,7 @@ __all__ = [
     "CompletionRequest",
     "CountTokensBody",
     "DetokenizeBody",
+    "EmbeddingsBody",
     "GenerationBody",
     "MessagesBody",
     "ResponsesBody",

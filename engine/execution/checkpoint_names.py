@@ -91,6 +91,7 @@ def _rows_every(w: GGUFWeight, start: int) -> GGUFWeight:
 
 # An image-and-text checkpoint's parts the text model does not read, and its language model's prefixes
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 _LANGUAGE_PREFIXES = {
     "language_model.model.": "model.",  # the published Gemma 3 checkpoints
     "language_model.lm_head.": "lm_head.",
@@ -100,12 +101,16 @@ _LANGUAGE_PREFIXES = {
 
 def text_name(name: str) -> str | None:
     """A checkpoint tensor's name for the text model: a multimodal checkpoint's language model
-    under a Llama-style name, None for its vision tower and projector (not read); others as they are."""
+    under a Llama-style name, None for its vision tower and projector (not read); a base model's
+    (``Qwen3Model``, as embedding models are saved: no ``model.`` prefix, no head) under the
+    causal model's; others as they are."""
     if name.startswith(_VISION_PREFIXES):
         return None
     for prefix, ours in _LANGUAGE_PREFIXES.items():
         if name.startswith(prefix):
             return ours + name.removeprefix(prefix)
+    if name.startswith(_BASE_MODEL_PREFIXES):  # a base model's checkpoint (embedding models): no ``model.``
+        return "model." + name
     return name
 
 

@@ -66,7 +66,7 @@ def read_tokenizer(folder: Path) -> Any:
 def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoice:
     """The dtype ``config`` serves its model in (``dtype_choice``); resolves the model first."""
     cpu_build.use_cache_dir(config.cache_path)  # the probe may build the block kernels
-    folder = _model_folder(config)
+    folder = model_folder(config)
     source = _weights_source(config, folder)
     return choose_dtype(config, device, source, _model_config(config, folder, source))
 
@@ -107,7 +107,7 @@ def _dummy_config_file(config: EngineConfig) -> Path | None:
     return path if config.load_format == "dummy" and path.is_file() and path.suffix == ".json" else None
 
 
-def _model_folder(config: EngineConfig) -> Path:
+def model_folder(config: EngineConfig) -> Path:
     file = _dummy_config_file(config)
     return file.parent if file else resolve_model(config.model, config.cache_path)
 
@@ -165,7 +165,7 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     # machines, so the caller's thread stays single-threaded.
     torch.set_num_threads(1)
     cpu_build.use_cache_dir(config.cache_path)  # before anything asks whether a C kernel is available
-    folder = _model_folder(config)
+    folder = model_folder(config)
     source = _weights_source(config, folder)
     model_config = _model_config(config, folder, source)
     device = choose_device(config)
@@ -253,6 +253,6 @@ def load_model(config: EngineConfig) -> tuple[DecoderModel, Any, frozenset[int]]
 def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str, Any]]:
     """The tokenizer, EOS ids and ``config.json`` of ``config.model``, without its weights: what a
     front end of several replicas needs (each replica loads the model itself)."""
-    folder = _model_folder(config)
+    folder = model_folder(config)
     model_config = _model_config(config, folder, _weights_source(config, folder))  # a GGUF file's own
     return (*_tokenizer_and_eos(config, folder, model_config), model_config)

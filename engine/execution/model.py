@@ -333,6 +333,23 @@ class DecoderModel:
 
         ``bound``: what the backend's ``bind`` made for this ``kv_cache``, if the caller
         keeps it (the runner does; on the CPU path, the C layer loop of decode steps)."""
-        h = self.backend.run_layers(self, self._embed(input_ids), positions, kv_cache, meta, logits_rows, bound)
-        logits = self.tp.gather_vocab(project(h, self.lm_head).float())
-        return soft_cap(logits, self.shape.final_logit_softcap)
+        return self.forward_with_hidden(input_ids, positions, kv_cache, meta, logits_rows, None, bound)[0]
+
+    def forward_with_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: StepMetadata,
+        logits_rows: torch.Tensor,
+        hidden_rows: torch.Tensor | None,
+        bound: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``'s logits, and the final-normed hidden states of ``hidden_rows`` (float32
+        [H, hidden]: what embeddings pool, as transformers' ``last_hidden_state``), which skip the head."""
+        rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
+        h = self.backend.run_layers(self, self._embed(input_ids), positions, kv_cache, meta, rows, bound)
+        sampled = logits_rows.shape[0]
+        logits = self.tp.gather_vocab(project(h[:sampled] if hidden_rows is not None else h, self.lm_head).float())
+        hidden = h[sampled:].float() if hidden_rows is not None else None
+        return soft_cap(logits, self.shape.final_logit_softcap), hidden

@@ -32,6 +32,8 @@ from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.step import (
     HEARTBEAT,
     Batch,
+    Pooled,
+    PoolSpan,
     PromptLogprobs,
     PromptSpan,
     RunnerSetup,
@@ -63,6 +65,13 @@ def prompt_logprobs(logits: torch.Tensor, spans: tuple[PromptSpan, ...]) -> tupl
         entries = tuple(TokenLogprobs(t, lp, top) for t, lp, top in zip(span.targets, chosen, tops))
         out.append(PromptLogprobs(span.chunk, span.start, entries))
     return tuple(out)
+
+
+def pooled(hidden: torch.Tensor, spans: tuple[PoolSpan, ...]) -> tuple[Pooled, ...]:
+    """Each span's rows summed (a mean divides by the prompt's length once it is all in), on the CPU."""
+    return tuple(
+        Pooled(span.chunk, hidden[span.offset : span.offset + span.count].sum(0).cpu(), span.count) for span in spans
+    )
 
 
 def kv_bytes_per_token(model: DecoderModel) -> int:
@@ -154,20 +163,28 @@ class ModelRunner:
 
     def execute_logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass alone: float32 logits of the sampling rows, on the model's device."""
+        return self.execute_forward(inputs)[0]
+
+    def execute_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward pass: the logits, and the hidden states of ``inputs.hidden_rows`` (embeddings)."""
         if self.steps is not None:  # what the other ranks need to run the same forward, no more
-            self.steps.send(attrs.evolve(inputs, rows=(), pending_inputs=(), pending_history=(), draft=None))
+            self.steps.send(
+                attrs.evolve(inputs, rows=(), pending_inputs=(), pending_history=(), draft=None, hidden_rows=None)
+            )
         device = self.model.device
-        replay = not inputs.prompt_spans  # a graph computes the rows of the batch in order, no more
+        replay = not inputs.prompt_spans and inputs.hidden_rows is None  # a graph computes the batch's rows, no more
         if replay and self.graphs is not None and self.graphs.fits(inputs.input_ids, inputs.meta, inputs.logits_rows):
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta), None
         meta = inputs.meta.to(device)
+        hidden_rows = inputs.hidden_rows.to(device) if inputs.hidden_rows is not None else None
         with torch.inference_mode():
-            return self.model.forward(
+            return self.model.forward_with_hidden(
                 inputs.input_ids.to(device, non_blocking=True),
                 inputs.positions.to(device, non_blocking=True),
                 self.kv_cache,
                 meta,
                 inputs.logits_rows,
+                hidden_rows,
                 self._bound,
             )
 
@@ -188,7 +205,7 @@ class ModelRunner:
             )
             rows = inputs.rows
         try:
-            logits = self.execute_logits(inputs)
+            logits, hidden = self.execute_forward(inputs)
         except Exception as exc:
             if self.model.tp.size > 1:  # a collective failed, or a rank's forward: the group is out of step
                 raise WorkerDied(f"a tensor-parallel step failed: {exc}") from exc
@@ -221,4 +238,5 @@ class ModelRunner:
             sampled.accepted_logprobs,
             prompt,
             time.perf_counter() - began,
+            pooled(hidden, inputs.pool_spans) if hidden is not None else (),
         )

@@ -21,7 +21,16 @@ GEMMA = {"Gemma2ForCausalLM", "Gemma3ForCausalLM"}
 # Image-and-text checkpoints whose language model is served alone (its text config and weights;
 # the vision tower and projector are not read): the architecture their text part is
 MULTIMODAL_TEXT = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA | set(MULTIMODAL_TEXT)
+# Base models, as embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) are saved: the causal
+# model's layers without its head, which is then the embeddings (tied) for the one token such a
+# request samples.
+BASE_MODELS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA | set(MULTIMODAL_TEXT) | set(BASE_MODELS)
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.
 _WINDOWED_ALL = {"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"}
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
@@ -172,6 +181,9 @@ def language_config(cfg: dict[str, Any]) -> dict[str, Any]:
     ``text_config``, its unset keys filled with transformers' defaults (published configs list only
     what differs from them); any other config as it is."""
     archs = cfg.get("architectures") or []
+    base = next((BASE_MODELS[a] for a in archs if a in BASE_MODELS), None)
+    if base is not None:
+        return {**cfg, "architectures": [base], "tie_word_embeddings": True}
     text = next((MULTIMODAL_TEXT[a] for a in archs if a in MULTIMODAL_TEXT), None)
     if text is None:
         return cfg

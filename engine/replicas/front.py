@@ -63,6 +63,7 @@ class ReplicaDied(RuntimeError):
 class _Shape:
     vocab_size: int
     max_position_embeddings: int
+    hidden_size: int  # of the embeddings ``/v1/embeddings`` returns
 
 
 @attrs.frozen
@@ -117,7 +118,8 @@ class ReplicaSet:
             timeout=config.grammar_compile_timeout,
             workers=config.grammar_compile_workers,
         )
-        self.model = ModelInfo(_Shape(vocab, model_config.get("max_position_embeddings", 2048)), 0)
+        shape = _Shape(vocab, model_config.get("max_position_embeddings", 2048), model_config.get("hidden_size", 0))
+        self.model = ModelInfo(shape, 0)
         self.router = PrefixRouter(config.dp, config.page_size)
         self.replicas: list[_Replica] = []
         self._open: dict[str, _Open] = {}

@@ -214,9 +214,9 @@ class Scheduler:
     def _reuse_cached_prefix(self, seq: Sequence) -> bool:
         """Start ``seq`` after the longest prefix of its tokens found in the cache.
 
-        Not for a request that asks for prompt logprobs: those need the logits of every
-        prompt position, so it computes them all (its pages are cached afterwards as usual)."""
-        if self.prefix_cache is None or seq.pages or seq.num_computed or seq.params.prompt_logprobs is not None:
+        Not for one that needs every prompt row computed (``Sequence.reuses_prefix``): its pages
+        are cached when it ends, as any request's."""
+        if self.prefix_cache is None or seq.pages or seq.num_computed or not seq.reuses_prefix:
             return False
         pages = self.prefix_cache.match(seq.token_ids(0, seq.num_tokens))
         if not pages:
@@ -306,6 +306,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = seq.num_settled = 0
         seq.leader = None
+        seq.pooled, seq.num_pooled = None, 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.policy.requeue(self.waiting, seq)
@@ -359,9 +360,12 @@ class Scheduler:
                 continue
             if chunk.generation == seq.num_preemptions:
                 seq.num_settled = max(seq.num_settled, chunk.end)
-                if self.prefix_cache is not None and chunk.length > 1 and not seq.dropped_pages:
-                    # Full prompt pages are final once computed: share them with
-                    # requests arriving now, not only after this one ends.
+                if self.prefix_cache is not None and chunk.length > 1 and not seq.dropped_pages and seq.reuses_prefix:
+                    # Full prompt pages are final once computed: share them with requests arriving
+                    # now, not only after this one ends. Not the pages of one that computes its
+                    # prefix again rather than reusing it: hung below the cached copies, they
+                    # would keep those from eviction while it runs, and a preempted one's
+                    # every restart would strand more, until it no longer fits.
                     self.prefix_cache.insert(seq.token_ids(0, seq.num_settled), seq.pages, seq.num_settled)
             if token is None:
                 continue

@@ -50,6 +50,28 @@ class Sequence:
     # Another choice of the same prompt: this one waits for its prefill and
     # then shares its full prompt pages instead of computing them again.
     leader: Sequence | None = attrs.field(default=None, repr=False)
+    # An embedding request's pooled hidden states so far (``SamplingParams.pooling``): their sum
+    # and how many prompt rows it holds. Preemption starts them over with the prompt.
+    pooled: Any = attrs.field(default=None, repr=False)
+    num_pooled: int = 0
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether it may start from cached pages: not when it needs every prompt row computed
+        (prompt logprobs, an embedding pooled over more than its last token)."""
+        return self.params.prompt_logprobs is None and self.params.pooling in (None, "last")
+
+    def pool(self, rows: Any, count: int) -> None:
+        """Add a step's pooled rows (a float32 vector: their sum, or the one row)."""
+        self.pooled = rows if self.pooled is None else self.pooled + rows
+        self.num_pooled += count
+
+    @property
+    def embedding(self) -> Any:
+        """The pooled vector once the prompt has been computed (the mean: the sum over its rows)."""
+        if self.pooled is None:
+            return None
+        return self.pooled / self.num_pooled if self.params.pooling == "mean" else self.pooled
 
     @property
     def banned_ids(self) -> tuple[int, ...]:

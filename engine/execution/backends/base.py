@@ -21,6 +21,7 @@ from trillm.engine.execution.sampler import SamplingKernel
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import (
     Batch,
+    PoolSpan,
     PromptSpan,
     SampleRow,
     ScheduledChunk,
@@ -95,6 +96,30 @@ class PromptRows:
 
 
 @attrs.define
+class PoolRows:
+    """Collects the rows embedding requests pool while a backend prepares a step."""
+
+    rows: list[int] = attrs.field(factory=list)  # input rows, in order
+    spans: list[PoolSpan] = attrs.field(factory=list)
+
+    def add(self, index: int, chunk: ScheduledChunk[ScheduledSequence], row: int) -> None:
+        """Chunk ``index`` of the batch starts at input ``row``: the prompt rows its request pools."""
+        seq = chunk.seq
+        mode, prompt = seq.params.pooling, len(seq.prompt_ids)
+        if mode is None:
+            return
+        first, stop = chunk.start, min(chunk.end, prompt)
+        if mode == "cls":
+            stop = min(stop, 1)
+        elif mode == "last":
+            first = max(first, prompt - 1)
+        if first >= stop:
+            return
+        self.spans.append(PoolSpan(index, len(self.rows), stop - first))
+        self.rows += range(row + first - chunk.start, row + stop - chunk.start)
+
+
+@attrs.define
 class StepRows:
     """What every backend collects alike while preparing a step: the input ids, the rows to
     sample, the inputs still in flight (overlap), and the prompt-logprob rows. Each backend
@@ -106,6 +131,7 @@ class StepRows:
     pending_inputs: list[tuple[int, int]] = attrs.field(factory=list)
     pending_history: list[tuple[int, int]] = attrs.field(factory=list)
     prompt: PromptRows = attrs.field(factory=PromptRows)
+    pool: PoolRows = attrs.field(factory=PoolRows)
     drafts: list[tuple[int, ...]] = attrs.field(factory=list)  # per sampling chunk
 
     def add(self, index: int, chunk: ScheduledChunk[ScheduledSequence]) -> int:
@@ -114,6 +140,7 @@ class StepRows:
         before it in its history."""
         row, seq = len(self.ids), chunk.seq
         self.prompt.add(index, chunk, row)
+        self.pool.add(index, chunk, row)
         note_pending(seq, chunk, row, len(self.rows), self.pending_inputs, self.pending_history)
         self.ids += chunk.token_ids()
         if chunk.samples:
@@ -136,6 +163,8 @@ class StepRows:
             pending_history=tuple(self.pending_history),
             prompt_spans=tuple(self.prompt.spans),
             drafts=tuple(self.drafts) if any(self.drafts) else (),
+            hidden_rows=torch.tensor(self.pool.rows, dtype=torch.long) if self.pool.rows else None,
+            pool_spans=tuple(self.pool.spans),
         )
 
 
