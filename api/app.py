@@ -19,6 +19,7 @@ from trillm.api.engine_host import EngineHost
 from trillm.api.error_handlers import errors
 from trillm.api.generation_routes import generation_routes
 from trillm.api.info_routes import info_routes
+from trillm.api.retrieval_routes import retrieval_routes
 from trillm.api.settings import ServerConfig, config_from_env, server_config_from_env
 from trillm.engine import Engine, EngineConfig, ReplicaSet
 
@@ -46,7 +47,7 @@ def create_app(
     keys = auth.load_keys(server)
     auth.warn_if_open(keys, server)
     app.extensions["trillm_limiter"] = front_door.install(app, server, keys)
-    for blueprint in (errors, generation_routes, info_routes):
+    for blueprint in (errors, generation_routes, retrieval_routes, info_routes):
         app.register_blueprint(blueprint)
 
     @app.before_serving

@@ -25,6 +25,7 @@ from trillm.api.errors import ApiError, shown
 from trillm.api.input_limits import Preparer
 from trillm.api.json_text import dumps
 from trillm.api.metrics import PrometheusObserver, metrics_registry
+from trillm.api.rerank import Scorer
 from trillm.api.settings import ServerConfig
 from trillm.engine import Engine, ReplicaSet, pooling_for
 
@@ -49,6 +50,7 @@ class AppState:
     responses_endpoint: GenerationEndpoint
     messages_endpoint: GenerationEndpoint  # Anthropic's Messages API
     embedder: Embedder  # how /v1/embeddings pools this model
+    scorer: Scorer  # how /v1/rerank and /v1/score ask this model
     preparer: Preparer = attrs.Factory(Preparer)  # templating and tokenizing: worker threads, a few at a time
     created: int = attrs.Factory(lambda: int(time.time()))
 
@@ -69,6 +71,7 @@ class AppState:
             responses_endpoint=responses_api.endpoint(server.reasoning_parser),
             messages_endpoint=anthropic_api.endpoint(server.reasoning_parser),
             embedder=Embedder(pooling_for(engine.config), engine.model.shape.hidden_size),
+            scorer=Scorer.for_model(server.rerank_prompt, engine.config.model, engine.tokenizer),
         )
 
     @property

@@ -35,7 +35,18 @@ log = logging.getLogger("trillm.api")
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID = 128
 GENERATION_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+    }
 )
 _SLOT = "trillm.slot"  # the request's ASGI scope holds its slot here until the exchange ends
 _REQUEST_ID = "trillm.request_id"

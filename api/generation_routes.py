@@ -9,12 +9,11 @@ import attrs
 import trio
 from quart import Blueprint, Response
 
-from trillm.api import anthropic_api, chat, completions, embeddings
+from trillm.api import anthropic_api, chat, completions
 from trillm.api.app_state import AppState, app_state, json_response
 from trillm.api.endpoint import GenerationEndpoint
 from trillm.api.input_limits import check_counts
 from trillm.api.schemas.anthropic import CountTokensBody, count_tokens_request
-from trillm.api.schemas.embeddings import EmbeddingsBody, parse_embeddings_request
 from trillm.api.submission import check_prompt, with_grammar
 
 generation_routes = Blueprint("generation", __name__)
@@ -79,29 +78,6 @@ async def responses_endpoint() -> Response:
 async def messages_endpoint() -> Response:
     """Anthropic's Messages API (its errors in Anthropic's shape: ``error_handlers.py``)."""
     return await generation(app_state().messages_endpoint)
-
-
-@generation_routes.post("/v1/embeddings")
-async def embeddings_endpoint() -> Response:
-    """Each input's pooled last hidden states (``api/embeddings.py``)."""
-    state = app_state()
-    engine, embedder = state.engine, state.embedder
-    body = await state.json_body(EmbeddingsBody)
-    state.drain.check()
-
-    def prepare() -> tuple[EmbeddingsBody, list[list[int]]]:
-        parsed = parse_embeddings_request(body)
-        state.check_model(parsed.model)
-        state.check_serving()
-        embedder.check_dimensions(parsed.dimensions)
-        return parsed, embeddings.prompt_ids(engine, parsed)
-
-    parsed, prompts = await state.preparer.run(prepare)
-    embeddings.check_prompts(engine, prompts)
-    deadline = trio.current_time() + state.server.timeout_seconds
-    reply = await embeddings.embed(engine, embedder, state.model_name, parsed, prompts, deadline)
-    state.observer.embedded(len(prompts))
-    return json_response(reply)
 
 
 @generation_routes.post("/v1/messages/count_tokens")

@@ -39,6 +39,8 @@ def request_schemas(model_name: str) -> dict[str, Any]:
         "MessagesRequest",
         "CountTokensRequest",
         "EmbeddingRequest",
+        "RerankRequest",
+        "ScoreRequest",
     ):
         schemas[name]["properties"]["model"]["enum"] = [model_name]
     return schemas
@@ -240,6 +242,49 @@ RESPONSE_SCHEMAS: dict[str, Any] = {
             },
         },
     },
+    "RerankReply": {
+        "type": "object",
+        "required": ["id", "model", "results", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "model": {"type": "string"},
+            "results": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "relevance_score"],
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "relevance_score": {"type": "number", "minimum": 0, "maximum": 1},
+                        "document": {"type": "object", "properties": {"text": {"type": "string"}}},
+                    },
+                },
+            },
+            "usage": {"type": "object"},
+        },
+    },
+    "ScoreReply": {
+        "type": "object",
+        "required": ["id", "object", "model", "data", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "list"},
+            "model": {"type": "string"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["index", "object", "score"],
+                    "properties": {
+                        "index": {"type": "integer"},
+                        "object": {"const": "score"},
+                        "score": {"type": "number", "minimum": 0, "maximum": 1},
+                    },
+                },
+            },
+            "usage": {"type": "object"},
+        },
+    },
     "TokenCount": {
         "type": "object",
         "required": ["input_tokens"],
@@ -371,6 +416,8 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
             "/v1/completions": _post("CompletionRequest", "Completion", "text completion (legacy)", "Completion"),
             "/v1/responses": _post("ResponsesRequest", "Response", "a response (Responses API, stateless)", "typed"),
             "/v1/embeddings": _post("EmbeddingRequest", "EmbeddingList", "each input's pooled embedding"),
+            "/v1/rerank": _post("RerankRequest", "RerankReply", "documents ranked by relevance to a query"),
+            "/v1/score": _post("ScoreRequest", "ScoreReply", "each text pair's relevance"),
             "/v1/messages": _post("MessagesRequest", "MessageReply", "a message (Anthropic's Messages API)", "typed"),
             "/v1/messages/count_tokens": _post(
                 "CountTokensRequest", "TokenCount", "a Messages call's prompt tokens, counted"

@@ -94,6 +94,14 @@ class ServerConfig:
         "described in the system prompt, replies in JSON; any model); `auto`: from the chat template",
         choices=PARSER_CHOICES,
     )
+    rerank_prompt: str = setting(
+        "auto",
+        "how `/v1/rerank` and `/v1/score` ask the model whether a document answers a query: `qwen3-reranker` (the "
+        "Qwen3-Reranker template: the score is P(yes) against P(no)), `yes-no` (our own question in the model's chat "
+        "template, scored the same way; any model); `auto`: `qwen3-reranker` for a model whose name says reranker "
+        "and whose tokenizer has `<|im_start|>`, else `yes-no`",
+        choices=("auto", "qwen3-reranker", "yes-no"),
+    )
     reasoning_parser: str | None = setting(
         None,
         "split chat replies into `reasoning_content` (the `<think>` part) and `content`: `deepseek_r1` (thinking "

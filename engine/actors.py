@@ -239,6 +239,11 @@ class Actors:
         batch, updated = self.loop.resolve(result.tokens, result.accepted)
         if isinstance(result, StepResult):
             self._observe(batch, result.seconds)
+        sampling = [chunk for chunk in batch.chunks if chunk.samples] if isinstance(result, StepResult) else []
+        for index, values in result.scores if isinstance(result, StepResult) else ():
+            chunk = sampling[index]
+            if chunk.generation == chunk.seq.num_preemptions:
+                chunk.seq.token_scores = values
         for pooled in result.pooled if isinstance(result, StepResult) else ():
             chunk = batch.chunks[pooled.chunk]
             if chunk.generation == chunk.seq.num_preemptions:  # else a preemption started its pooling over

@@ -34,11 +34,11 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     error: str | None = None  # with finish_reason "error": what ended it, when the request is at fault
     stop_string: str | None = None  # with finish_reason "stop": the stop string that ended the text, if one did
-    accepted_prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0  # of ``SamplingParams.prediction``, tokens verified into the output so far
     # An embedding request's (``SamplingParams.pooling``) pooled vector, float32, on its last output
-    embedding: Any = attrs.field(
-        default=None, eq=False, repr=False
-    )  # of ``SamplingParams.prediction``, tokens verified into the output so far
+    embedding: Any = attrs.field(default=None, eq=False, repr=False)
+    # ``SamplingParams.score_ids``' raw log-probabilities where the first token was sampled, on the last output
+    token_scores: tuple[float, ...] | None = None
 
 
 @attrs.define

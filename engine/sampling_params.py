@@ -64,6 +64,10 @@ class SamplingParams:
     # output (``RequestOutput.embedding``); its one sampled token is dropped. "mean" and "cls"
     # reuse no prefix-cache pages: every prompt row is computed.
     pooling: str | None = None
+    # The model's own log-probabilities (log-softmax of the raw logits: no bias, penalty or
+    # temperature) of these tokens where it samples its first token (``RequestOutput.token_scores``):
+    # what ``/v1/rerank`` reads a "yes" or "no" from.
+    score_ids: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)

@@ -277,6 +277,8 @@ class StepResult(Sampled):
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
     seconds: float = 0.0  # what the forward and the sampling took (speculation's cost model reads it)
     pooled: tuple[Pooled, ...] = ()
+    # (sampling chunk, the raw log-probabilities of its ``SamplingParams.score_ids``), where asked
+    scores: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
 
 # -- what goes between tensor-parallel ranks -------------------------------------------------

@@ -12,6 +12,7 @@ from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_
 from trillm.api.schemas.completion import CompletionBody, CompletionRequest, parse_completion_request
 from trillm.api.schemas.embeddings import EmbeddingsBody
 from trillm.api.schemas.generation import CommonFields, GenerationBody
+from trillm.api.schemas.rerank import RerankBody, ScoreBody
 from trillm.api.schemas.responses import ResponsesBody, parse_responses_request
 from trillm.api.schemas.tokenize import DetokenizeBody, TokenizeBody
 
@@ -23,6 +24,8 @@ PUBLISHED = {
     "MessagesRequest": MessagesBody,
     "CountTokensRequest": CountTokensBody,
     "EmbeddingRequest": EmbeddingsBody,
+    "RerankRequest": RerankBody,
+    "ScoreRequest": ScoreBody,
     "TokenizeRequest": TokenizeBody,
     "DetokenizeRequest": DetokenizeBody,
 }
@@ -39,7 +42,9 @@ __all__ = [
     "EmbeddingsBody",
     "GenerationBody",
     "MessagesBody",
+    "RerankBody",
     "ResponsesBody",
+    "ScoreBody",
     "TokenizeBody",
     "parse_chat_request",
     "parse_completion_request",

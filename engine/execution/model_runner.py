@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +39,7 @@ from trillm.engine.step import (
     PromptSpan,
     RunnerSetup,
     Sampled,
+    SampleRow,
     ScheduledSequence,
     StepInputs,
     StepResult,
@@ -71,6 +73,17 @@ def pooled(hidden: torch.Tensor, spans: tuple[PoolSpan, ...]) -> tuple[Pooled, .
     """Each span's rows summed (a mean divides by the prompt's length once it is all in), on the CPU."""
     return tuple(
         Pooled(span.chunk, hidden[span.offset : span.offset + span.count].sum(0).cpu(), span.count) for span in spans
+    )
+
+
+def token_scores(
+    logits: torch.Tensor, rows: Sequence[SampleRow], chunks: Sequence[int]
+) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    """The raw log-probabilities of each row's ``score_ids``, by sampling chunk, where asked."""
+    return tuple(
+        (chunk, tuple(torch.log_softmax(logits[i].float(), -1)[list(row.params.score_ids)].tolist()))
+        for i, (row, chunk) in enumerate(zip(rows, chunks))
+        if row.params.score_ids
     )
 
 
@@ -239,4 +252,5 @@ class ModelRunner:
             prompt,
             time.perf_counter() - began,
             pooled(hidden, inputs.pool_spans) if hidden is not None else (),
+            token_scores(plain_logits, plain_rows, plain),
         )

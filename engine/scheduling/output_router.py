@@ -118,6 +118,7 @@ class OutputRouter:
             self._take_prompt_logprobs(live),
             stop_string=live.stops.matched if last else None,
             embedding=seq.embedding if last and seq.params.pooling is not None else None,
+            token_scores=seq.token_scores if last else None,
             accepted_prediction_tokens=seq.spec.prediction_accepted if seq.spec is not None else 0,
         )
         now = time.monotonic()

@@ -54,6 +54,7 @@ class Sequence:
     # and how many prompt rows it holds. Preemption starts them over with the prompt.
     pooled: Any = attrs.field(default=None, repr=False)
     num_pooled: int = 0
+    token_scores: tuple[float, ...] | None = None  # ``SamplingParams.score_ids``' log-probabilities, once known
 
     @property
     def reuses_prefix(self) -> bool:

@@ -1,0 +1,84 @@
+"""The routes retrieval apps call beside generation: ``/v1/embeddings``, ``/v1/rerank`` (with
+its ``/rerank`` and ``/v2/rerank`` aliases, as vLLM and llama.cpp serve it) and ``/v1/score``.
+Each validates and tokenizes in a worker thread, then runs every input as one batch through
+the engine (``api/embeddings.py``, ``api/rerank.py``)."""
+
+from __future__ import annotations
+
+import time
+
+import trio
+from quart import Blueprint, Response
+
+from trillm.api import embeddings, rerank
+from trillm.api.app_state import app_state, json_response
+from trillm.api.schemas.embeddings import EmbeddingsBody, parse_embeddings_request
+from trillm.api.schemas.rerank import RerankBody, ScoreBody, parse_rerank_request, parse_score_request
+
+retrieval_routes = Blueprint("retrieval", __name__)
+
+
+@retrieval_routes.post("/v1/embeddings")
+async def embeddings_endpoint() -> Response:
+    """Each input's pooled last hidden states."""
+    state = app_state()
+    engine, embedder = state.engine, state.embedder
+    body = await state.json_body(EmbeddingsBody)
+    state.drain.check()
+
+    def prepare() -> tuple[EmbeddingsBody, list[list[int]]]:
+        parsed = parse_embeddings_request(body)
+        state.check_model(parsed.model)
+        state.check_serving()
+        embedder.check_dimensions(parsed.dimensions)
+        return parsed, embeddings.prompt_ids(engine, parsed)
+
+    parsed, prompts = await state.preparer.run(prepare)
+    embeddings.check_prompts(engine, prompts)
+    deadline = trio.current_time() + state.server.timeout_seconds
+    reply = await embeddings.embed(engine, embedder, state.model_name, parsed, prompts, deadline)
+    state.observer.embedded(len(prompts))
+    return json_response(reply)
+
+
+@retrieval_routes.post("/v1/rerank")
+@retrieval_routes.post("/v2/rerank")
+@retrieval_routes.post("/rerank")
+async def rerank_endpoint() -> Response:
+    """The documents ordered by their relevance to the query (Cohere's and Jina's shape)."""
+    state = app_state()
+    body = await state.json_body(RerankBody)
+    state.drain.check()
+
+    def prepare() -> tuple[RerankBody, list[list[int]]]:
+        parsed = parse_rerank_request(body)
+        state.check_model(parsed.model)
+        state.check_serving()
+        pairs = [(parsed.query, document) for document in parsed.texts()]
+        return parsed, rerank.prompts(state.engine, state.scorer, pairs, parsed.instruction, "documents")
+
+    parsed, prompts = await state.preparer.run(prepare)
+    deadline = trio.current_time() + state.server.timeout_seconds
+    values, tokens = await rerank.scores(state.engine, state.scorer, prompts, parsed.priority, deadline)
+    reply = rerank.rerank_reply(state.model_name, parsed.texts(), values, tokens, parsed.top_n, parsed.return_documents)
+    return json_response(reply)
+
+
+@retrieval_routes.post("/v1/score")
+@retrieval_routes.post("/score")
+async def score_endpoint() -> Response:
+    """Each (text_1, text_2) pair's relevance, in order (vLLM's shape)."""
+    state = app_state()
+    body = await state.json_body(ScoreBody)
+    state.drain.check()
+
+    def prepare() -> tuple[ScoreBody, list[list[int]]]:
+        parsed = parse_score_request(body)
+        state.check_model(parsed.model)
+        state.check_serving()
+        return parsed, rerank.prompts(state.engine, state.scorer, parsed.pairs(), parsed.instruction, "text_2")
+
+    parsed, prompts = await state.preparer.run(prepare)
+    deadline = trio.current_time() + state.server.timeout_seconds
+    values, tokens = await rerank.scores(state.engine, state.scorer, prompts, parsed.priority, deadline)
+    return json_response(rerank.score_reply(state.model_name, values, tokens, int(time.time())))
