@@ -68,6 +68,9 @@ class SamplingParams:
     # temperature) of these tokens where it samples its first token (``RequestOutput.token_scores``):
     # what ``/v1/rerank`` reads a "yes" or "no" from.
     score_ids: tuple[int, ...] = ()
+    # OpenAI's ``prompt_cache_key``: under ``--dp`` requests with the same key go to the same replica
+    # (whose prefix cache holds what they share), as the prefix itself routes them otherwise.
+    prompt_cache_key: str | None = None
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)

@@ -55,6 +55,22 @@ class ChatRequest:
     prediction: str | None = None  # Predicted Outputs' text, tokenized by ``chat.bind``
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# What each effort is passed to a template as: ``reasoning_effort`` (gpt-oss's names) and, for the
+# two that mean "do not think", ``enable_thinking: false`` (Qwen3's switch).
+_EFFORT_TEMPLATE = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+
+
+def with_effort(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any] | None:
+    """The chat template's variables with OpenAI's ``reasoning_effort`` (the caller's own win)."""
+    if effort is None:
+        return kwargs
+    derived: dict[str, Any] = {"reasoning_effort": _EFFORT_TEMPLATE[effort]}
+    if effort in ("none", "minimal"):
+        derived["enable_thinking"] = False
+    return {**derived, **(kwargs or {})}
+
+
 class PredictedOutput(RequestModel):
     type: Literal["content"] = Field(description='only `"content"`, as OpenAI')
     content: Content = Field(description="the expected text: a string, or text parts")
@@ -84,6 +100,24 @@ class ChatCompletionBody(GenerationBody, ToolFields):
         "(verified into the reply) and `rejected_prediction_tokens` (the rest). No effect with "
         "`--speculative off` or `speculative: false`",
     )
+    reasoning_effort: Effort | None = Field(
+        None,
+        description="how hard a reasoning model thinks, through its chat template: `reasoning_effort` is passed to "
+        "it (gpt-oss's reads low / medium / high; `xhigh` is passed as `high`), and `none` / `minimal` also turn "
+        "thinking off (`enable_thinking: false`, as Qwen3's templates read it, passed as `low`); templates that "
+        "read neither ignore it. `chat_template_kwargs` win where they set the same names",
+    )
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        None,
+        description="accepted, not honoured: no template here reads it (the reply is as long as the model makes it)",
+    )
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, description='`["text"]`; asking for `audio` is a 400: replies are text only'
+    )
+    audio: dict[str, Any] | None = Field(None, description="audio output parameters: a 400 (replies are text only)")
+    web_search_options: dict[str, Any] | None = Field(
+        None, description="a 400: this server searches nothing (give function tools in `tools`)"
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         description='extra variables for the chat template, e.g. `{"enable_thinking": false}` (with a raw `prompt` '
@@ -97,6 +131,15 @@ class ChatCompletionBody(GenerationBody, ToolFields):
             raise invalid("give exactly one of 'messages' or 'prompt'", "messages")
         if "top_logprobs" in self.model_fields_set and not self.logprobs:
             raise invalid("needs 'logprobs': true", "top_logprobs")
+        if "audio" in (self.modalities or ()):
+            raise invalid("audio output is not supported: replies are text only (ask for ['text'])", "modalities")
+        if self.audio is not None:
+            raise invalid("audio output is not supported: replies are text only", "audio")
+        if self.web_search_options is not None:
+            raise invalid(
+                "web search is not supported: this server searches nothing (give function tools in 'tools')",
+                "web_search_options",
+            )
         if self.chat_template_kwargs is not None:
             taken = sorted(RESERVED_TEMPLATE_KWARGS & self.chat_template_kwargs.keys())
             if taken:
@@ -112,9 +155,8 @@ class ChatCompletionBody(GenerationBody, ToolFields):
         if tools is not None and self.prompt is not None:
             raise ApiError("'tools' need 'messages' (a raw 'prompt' has no template)", param="tools")
         prediction = None if self.prediction is None else text_of(self.prediction.content)
-        return ChatRequest(
-            common, messages, self.prompt, self.chat_template_kwargs, tools, prediction=prediction or None
-        )
+        kwargs = with_effort(self.chat_template_kwargs, self.reasoning_effort)
+        return ChatRequest(common, messages, self.prompt, kwargs, tools, prediction=prediction or None)
 
 
 def parse_chat_request(body: Any) -> ChatRequest:

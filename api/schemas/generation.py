@@ -6,7 +6,7 @@ tables of ``docs/api.md`` print it as is.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import attrs
 from pydantic import Field, model_validator
@@ -132,6 +132,15 @@ class GenerationBody(StructuredFields):
         "go by priority, then arrival, and one that finds no pages or no seat preempts the lowest-priority "
         "running request, which resumes later losing no tokens; aging (`--priority-aging-seconds`) bounds how "
         "long a low priority can wait. Under `fcfs` (the default) it is accepted and ignored",
+    )
+    prompt_cache_key: str | None = Field(
+        None,
+        max_length=1024,
+        description="OpenAI's cache key: under `--dp`, requests with the same key are routed to the same replica, "
+        "whose prefix cache holds what they share; one engine caches every prefix anyway",
+    )
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; there is one tier here (`priority` is the field that orders requests)"
     )
     speculative: bool = Field(
         True,

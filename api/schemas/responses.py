@@ -16,7 +16,7 @@ from pydantic import Discriminator, Field, Tag, model_validator
 from pydantic.fields import FieldInfo
 
 from trillm.api.schemas.base import RequestModel, Unsupported, invalid
-from trillm.api.schemas.chat import ChatRequest
+from trillm.api.schemas.chat import ChatRequest, Effort, with_effort
 from trillm.api.schemas.describe import parse
 from trillm.api.schemas.generation import CommonFields, GenerationBody
 from trillm.api.schemas.messages import AssistantMessage, FunctionCall, ToolCall, ToolMessage
@@ -137,6 +137,11 @@ class JsonSchemaTextFormat(JsonSchema):
 _TextFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaTextFormat, Field(discriminator="type")]
 
 
+class ReasoningConfig(RequestModel):
+    effort: Effort | None = Field(None, description="as chat's `reasoning_effort`")
+    summary: str | None = Field(None, description="accepted; thinking comes back whole, as a reasoning item")
+
+
 class TextConfig(RequestModel):
     format: _TextFormat | None = Field(
         None,
@@ -187,6 +192,13 @@ class ResponsesBody(RequestModel):
     )
     parallel_tool_calls: bool = Field(True, description="`false`: at most one call per response")
     text: TextConfig | None = Field(None, description='`{"format": ...}`: structured output')
+    reasoning: ReasoningConfig | None = Field(
+        None, description="`{effort}`: passed to the chat template, as chat's `reasoning_effort`"
+    )
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="as on chat: a `--dp` routing key")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; one tier here"
+    )
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)] | None = (
         Field(None, description=f"up to {MAX_METADATA} string pairs, echoed in the response")
     )
@@ -271,12 +283,20 @@ class ResponsesBody(RequestModel):
     def request(self) -> ResponsesRequest:
         given = self.max_output_tokens is not None
         params = SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_output_tokens, priority=self.priority
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_output_tokens,
+            priority=self.priority,
+            prompt_cache_key=self.prompt_cache_key,
         )
         common = CommonFields(
             self.model, params, self.stream, False, 1, given, self.grammar(), max_tokens_param="max_output_tokens"
         )
-        return ResponsesRequest(common, self.messages(), None, tools=self.tool_set(), echo=self.echo())
+        effort = self.reasoning.effort if self.reasoning is not None else None
+        kwargs = with_effort(None, effort)
+        return ResponsesRequest(
+            common, self.messages(), None, chat_template_kwargs=kwargs, tools=self.tool_set(), echo=self.echo()
+        )
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:

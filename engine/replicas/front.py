@@ -193,7 +193,8 @@ class ReplicaSet:
         """Checked here, sent whole to one replica (choices of one call share its prefix cache)."""
         admission.admit(self, requests)
         loads = [len(r.open) for r in self.replicas]
-        replica = self.replicas[self.router.choose(requests[0][0], loads, [r.alive for r in self.replicas])]
+        alive = [r.alive for r in self.replicas]
+        replica = self.replicas[self.router.choose(requests[0][0], loads, alive, requests[0][1].prompt_cache_key)]
         ids = tuple(f"dp{replica.index}-{next(_ids)}" for _ in requests)
         mailbox = OutputMailbox()
         now = time.monotonic()

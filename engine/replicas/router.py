@@ -44,13 +44,19 @@ class PrefixRouter:
             matched += 1
         return matched
 
-    def choose(self, prompt_ids: Sequence[int], loads: Sequence[int], alive: Sequence[bool]) -> int:
+    def choose(
+        self, prompt_ids: Sequence[int], loads: Sequence[int], alive: Sequence[bool], cache_key: str | None = None
+    ) -> int:
         """The replica for a prompt, given each replica's open requests; remembers the choice.
-        ValueError when no replica is alive."""
+        ``cache_key`` (OpenAI's ``prompt_cache_key``) stands before the prompt as a page of its own,
+        so requests with one key go where the key went. ValueError when no replica is alive."""
         candidates = [i for i, ok in enumerate(alive) if ok]
         if not candidates:
             raise ValueError("no replica is alive")
         hashes = prefix_hashes(prompt_ids, self.page_size)
+        if cache_key is not None:
+            key = hash(("prompt_cache_key", cache_key))
+            hashes = [key, *(hash((key, h)) for h in hashes)]
         least = min(loads[i] for i in candidates)
         best, best_match = -1, 0
         for i in candidates:
