@@ -320,3 +320,22 @@ def test_the_engine_loop_says_why_the_engine_stopped():
     loop.stop()  # idempotent
     with pytest.raises(EngineNotRunning, match="closed"):
         loop.call(lambda: 42)
+
+
+@pytest.mark.model
+def test_embed_gives_the_servers_vectors_over_the_same_engine(llm, model_dir):
+    """``LLM.embed``: the mean of the final-normed hidden states, normalized (the default model
+    names no pooling), as transformers computes them; pages back afterwards."""
+    import torch
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts = ["the cat sat on the mat", "a cat was sitting on a mat", "stock prices fell sharply"]
+    vectors = llm.embed(texts, use_tqdm=False)
+    for text, vector in zip(texts, vectors):
+        with torch.inference_mode():
+            h = hf(torch.tensor([llm.tokenizer(text)["input_ids"]])).last_hidden_state[0].mean(0)
+        torch.testing.assert_close(torch.tensor(vector), torch.nn.functional.normalize(h, dim=0), atol=1e-5, rtol=1e-4)
+    cat, mat, stocks = (torch.tensor(v) for v in vectors)
+    assert float(cat @ mat) > float(cat @ stocks) + 0.1
+    assert idle(llm)

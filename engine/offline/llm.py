@@ -19,11 +19,13 @@ from types import TracebackType
 from typing import Any
 
 import attrs
+import torch
 import trio
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.errors import EngineNotRunning
+from trillm.engine.execution.pooling import pooling_for
 from trillm.engine.offline.batch import SETTLE_SECONDS, Batch, Ended, Prompt
 from trillm.engine.offline.loop import EngineLoop, unwrap
 from trillm.engine.offline.params import SamplingParams
@@ -179,6 +181,26 @@ class LLM:
             )
             batch.append(Prompt(text, tok(text, add_special_tokens=False)["input_ids"], sp))
         return self._run(batch, use_tqdm)
+
+    def embed(
+        self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], *, use_tqdm: bool = True
+    ) -> list[tuple[float, ...]]:
+        """Each prompt's embedding, as ``/v1/embeddings`` gives it: the final-normed hidden states
+        pooled as the model's files say (``--pooling``; else the mean), normalized where they say so
+        (a model that names nothing: yes)."""
+        pooling = pooling_for(self.config)
+        params = SamplingParams(max_tokens=1, temperature=0, pooling=pooling.mode, speculative=False)
+        vectors = []
+        for result in self.generate(prompts, params, use_tqdm=use_tqdm):
+            if result.embedding is None:
+                raise EngineNotRunning(
+                    f"prompt {result.request_id} was not embedded ({result.outputs[0].finish_reason})"
+                )
+            vector = torch.tensor(result.embedding)
+            if pooling.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            vectors.append(tuple(vector.tolist()))
+        return vectors
 
     def _check_open(self) -> None:
         if self.closed:

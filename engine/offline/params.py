@@ -66,6 +66,9 @@ class SamplingParams:
     prediction: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # token ids the output is expected to be
     response_format: Mapping[str, Any] | None = attrs.field(default=None, eq=False)
     grammar: GrammarSpec | None = None
+    pooling: str | None = None  # "mean", "cls", "last": the result carries the pooled vector (``LLM.embed``)
+    score_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # raw logprobs of these where it answers
+    prompt_cache_key: str | None = None  # under dp: one replica per key
 
     def __attrs_post_init__(self) -> None:
         self.choices()  # every value checked now, by the engine's own rules (choice j's seed too)

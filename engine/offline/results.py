@@ -35,6 +35,7 @@ class RequestOutput:
     outputs: tuple[CompletionOutput, ...]
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # with SamplingParams.prompt_logprobs
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    embedding: tuple[float, ...] | None = None  # with SamplingParams.pooling: the pooled vector, as pooled
 
     @property
     def finished(self) -> bool:
@@ -77,6 +78,14 @@ class Gathered:
             )
         cached = max((o.num_cached_tokens for o in totals.last.values()), default=0)
         prompt_logprobs = next((p for p in totals.prompt_logprobs if p is not None), None)
+        first = totals.last.get(0)
+        embedding = None if first is None or first.embedding is None else tuple(first.embedding.tolist())
         return RequestOutput(
-            self.request_id, self.prompt, tuple(self.prompt_token_ids), tuple(outputs), prompt_logprobs, cached
+            self.request_id,
+            self.prompt,
+            tuple(self.prompt_token_ids),
+            tuple(outputs),
+            prompt_logprobs,
+            cached,
+            embedding,
         )
