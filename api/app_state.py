@@ -71,7 +71,9 @@ class AppState:
             responses_endpoint=responses_api.endpoint(server.reasoning_parser),
             messages_endpoint=anthropic_api.endpoint(server.reasoning_parser),
             embedder=Embedder(pooling_for(engine.config), engine.model.shape.hidden_size),
-            scorer=Scorer.for_model(server.rerank_prompt, engine.config.model, engine.tokenizer),
+            scorer=Scorer.for_model(
+                server.rerank_prompt, engine.config.model, engine.tokenizer, engine.model.classifier
+            ),
         )
 
     @property

@@ -12,8 +12,10 @@ model is asked our question (``yes-no``) in its chat template:
             Document: <document>
             Is the Document relevant to the Query? Answer "yes" or "no".
 
-with "yes"/"Yes" against "no"/"No" (each word's first token). Pairs run as one batch
-through the scheduler, cancelled with their client.
+with "yes"/"Yes" against "no"/"No" (each word's first token). A model with a
+classification head (``*ForSequenceClassification``) is read through it instead: its
+last prompt token's final-normed hidden state (``pooling="last"``) times the head.
+Pairs run as one batch through the scheduler, cancelled with their client.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uuid
 from typing import Any
 
 import attrs
+import torch
 
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
@@ -48,14 +51,20 @@ def _first_tokens(tokenizer: Any, words: tuple[str, ...]) -> tuple[int, ...]:
 class Scorer:
     """The prompt a pair becomes, and the tokens whose probabilities say yes and no."""
 
-    style: str  # "qwen3-reranker" or "yes-no"
-    yes_ids: tuple[int, ...]
-    no_ids: tuple[int, ...]
+    style: str  # "qwen3-reranker", "yes-no" or "classifier"
+    yes_ids: tuple[int, ...] = ()
+    no_ids: tuple[int, ...] = ()
+    head: Any = attrs.field(default=None, eq=False, repr=False)  # a classifier's [labels, hidden]
+    chatml: bool = False  # a classifier's prompt: Qwen3-Reranker's template (its tokenizer has ChatML)
 
     @classmethod
-    def for_model(cls, setting: str, model_name: str, tokenizer: Any) -> Scorer:
+    def for_model(cls, setting: str, model_name: str, tokenizer: Any, classifier: Any = None) -> Scorer:
+        """``classifier``: the model's sequence-classification head, if it has one (then used, unless
+        the setting asks for a yes/no prompt)."""
         vocab = tokenizer.get_vocab()
         style = setting
+        if style == "auto" and classifier is not None:
+            return cls("classifier", head=classifier, chatml="<|im_start|>" in vocab)
         if style == "auto":
             style = "qwen3-reranker" if "rerank" in model_name.lower() and "<|im_start|>" in vocab else "yes-no"
         if style == "qwen3-reranker":
@@ -63,7 +72,9 @@ class Scorer:
         return cls(style, _first_tokens(tokenizer, ("yes", "Yes")), _first_tokens(tokenizer, ("no", "No")))
 
     def prompt(self, tokenizer: Any, query: str, document: str, instruction: str | None) -> list[int]:
-        if self.style == "qwen3-reranker":
+        if self.style == "classifier" and not self.chatml:  # a cross-encoder's pair, one per line
+            return list(tokenizer(f"{query}\n{document}")["input_ids"])
+        if self.style in ("qwen3-reranker", "classifier"):
             text = (
                 f"<|im_start|>system\n{QWEN3_SYSTEM}<|im_end|>\n<|im_start|>user\n"
                 f"<Instruct>: {instruction or QWEN3_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
@@ -78,6 +89,20 @@ class Scorer:
         else:
             text = f"{YES_NO_SYSTEM}\n\n{YES_NO_QUESTION.format(query=query, document=document)}\nAnswer:"
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def params(self, priority: int) -> SamplingParams:
+        """One pair's request: its last hidden state (a classifier), or its yes/no log-probabilities."""
+        if self.style == "classifier":
+            return SamplingParams(max_tokens=1, temperature=0, pooling="last", priority=priority, speculative=False)
+        ids = self.yes_ids + self.no_ids
+        return SamplingParams(max_tokens=1, temperature=0, score_ids=ids, priority=priority, speculative=False)
+
+    def classify(self, hidden: Any) -> float:
+        """A classifier's relevance: the sigmoid of its one label, or the second of two labels' softmax."""
+        logits = self.head @ hidden.float()
+        if logits.numel() == 1:
+            return float(torch.sigmoid(logits[0]))
+        return float(torch.softmax(logits, -1)[1])
 
     def relevance(self, logprobs: tuple[float, ...]) -> float:
         """P(yes) / (P(yes) + P(no)) from the log-probabilities of ``yes_ids + no_ids``."""
@@ -116,16 +141,16 @@ async def scores(
     engine: EngineHandle, scorer: Scorer, prompt_ids: list[list[int]], priority: int, deadline: float
 ) -> tuple[list[float], int]:
     """Every pair's relevance, and the prompt tokens they took."""
-    params = SamplingParams(
-        max_tokens=1, temperature=0, score_ids=scorer.yes_ids + scorer.no_ids, priority=priority, speculative=False
-    )
-    request_ids, outputs = submit_choices(engine, prompt_ids, params, 1)
+    request_ids, outputs = submit_choices(engine, prompt_ids, scorer.params(priority), 1)
     done = await collect(engine, request_ids, outputs, [""] * len(prompt_ids), deadline)
     values = []
     for index, out in enumerate(done.last):
-        if out.token_scores is None:
+        if scorer.style == "classifier" and out.embedding is not None:
+            values.append(scorer.classify(out.embedding))
+        elif scorer.style != "classifier" and out.token_scores is not None:
+            values.append(scorer.relevance(out.token_scores))
+        else:
             raise ApiError(f"pair {index} could not be scored ({out.finish_reason})", 500)
-        values.append(scorer.relevance(out.token_scores))
     return values, sum(map(len, prompt_ids))
 
 

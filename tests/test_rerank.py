@@ -136,3 +136,41 @@ async def test_a_qwen3_reranker_is_read_with_its_own_template(reranker_dir, toke
     want = {i: expected(hf, scorer, tokenizer, QUERY, d, task) for i, d in enumerate(DOCUMENTS)}
     assert got == pytest.approx(want, abs=1e-4)
     assert "<Instruct>: " + task in tokenizer.decode(scorer.prompt(tokenizer, QUERY, DOCUMENTS[0], task))
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory, model_dir):
+    """A cross-encoder with a one-label classification head (as rerankers converted to
+    ``Qwen3ForSequenceClassification`` are), on random weights."""
+    from transformers import Qwen3ForSequenceClassification
+
+    torch.manual_seed(2)
+    folder = tmp_path_factory.mktemp("tiny-seq-cls")
+    Qwen3ForSequenceClassification(Qwen3Config(**QWEN3, num_labels=1)).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, folder / name)
+    return folder
+
+
+async def test_a_classification_head_scores_the_pairs(classifier_dir, tokenizer):
+    """The sigmoid of the head over the last token's final-normed hidden state, as transformers'
+    ``Qwen3ForSequenceClassification`` computes it, on the Qwen3-Reranker template (ChatML)."""
+    from transformers import Qwen3ForSequenceClassification
+
+    hf = Qwen3ForSequenceClassification.from_pretrained(classifier_dir, dtype=torch.float32).eval()
+    parts = load_model(EngineConfig(model=str(classifier_dir), dtype="float32"))
+    assert parts[0].classifier is not None and parts[0].classifier.shape == (1, QWEN3["hidden_size"])
+    scorer = Scorer.for_model("auto", str(classifier_dir), tokenizer, parts[0].classifier)
+    assert scorer.style == "classifier" and scorer.chatml
+    async with running_server(parts, model=str(classifier_dir), num_pages=64) as srv:
+
+        def run():
+            body = {"model": str(classifier_dir), "text_1": QUERY, "text_2": DOCUMENTS}
+            return httpx.post(srv.url + "/v1/score", json=body, timeout=60).json()
+
+        reply = await in_thread(run)
+    for item, document in zip(reply["data"], DOCUMENTS):
+        ids = scorer.prompt(tokenizer, QUERY, document, None)
+        with torch.inference_mode():
+            want = float(torch.sigmoid(hf(torch.tensor([ids])).logits[0, 0]))
+        assert item["score"] == pytest.approx(want, abs=1e-4)

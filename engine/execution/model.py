@@ -103,6 +103,10 @@ class DecoderModel:
         head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head = make_weight(head, block_weights) if isinstance(head, torch.Tensor) else head
         self.final_norm = w["model.norm.weight"]
+        # A sequence classifier's head (``*ForSequenceClassification``: [labels, hidden]), applied by
+        # ``/v1/rerank`` and ``/v1/score`` to the last prompt token's final-normed hidden state.
+        score = weights.get("score.weight")
+        self.classifier = score.float().cpu() if isinstance(score, torch.Tensor) else None
         self.layers: list[LayerWeights] = []
         for i in range(shape.num_layers):
             p = f"model.layers.{i}."

@@ -29,6 +29,12 @@ BASE_MODELS = {
     "MistralModel": "MistralForCausalLM",
     "Qwen2Model": "Qwen2ForCausalLM",
     "Qwen3Model": "Qwen3ForCausalLM",
+    # Sequence classifiers (cross-encoder rerankers): the same layers, and a ``score`` head
+    # ``DecoderModel.classifier`` keeps for ``/v1/rerank``.
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = LLAMA_LIKE | MIXTURES | GEMMA | set(MULTIMODAL_TEXT) | set(BASE_MODELS)
 # Families whose sliding_window (when set) applies to every layer; Qwen2/3 need use_sliding_window.

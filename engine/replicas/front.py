@@ -72,6 +72,7 @@ class ModelInfo:
 
     shape: _Shape
     projection_bytes: int
+    classifier: Any = None  # a sequence classifier's head stays in the replicas (rerank reads P(yes) here)
 
 
 @attrs.define
