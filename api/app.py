@@ -60,11 +60,12 @@ def create_app(
         gc.collect()
         gc.freeze()
         await app.nursery.start(state.host.run)
+        await state.models.run(app.nursery)  # --preload, --model-ttl; the other models load on demand
 
     @app.after_serving
     async def stop_engine() -> None:
         try:
-            await state.host.stop()
+            await state.stop_engines()
         finally:  # even when the stop is cancelled: frozen, this engine could never be collected
             gc.unfreeze()
 

@@ -18,16 +18,15 @@ from quart import Response, current_app, request
 from trillm.api import anthropic_api, chat, expect_continue, request_body, responses_api
 from trillm.api import body as body_decoding
 from trillm.api.drain import Drain
-from trillm.api.embeddings import Embedder
 from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.engine_host import EngineHost
 from trillm.api.errors import ApiError, shown
 from trillm.api.input_limits import Preparer
 from trillm.api.json_text import dumps
-from trillm.api.metrics import PrometheusObserver, metrics_registry
-from trillm.api.rerank import Scorer
+from trillm.api.metrics import metrics_registry
+from trillm.api.model_set import ModelSet, Served
 from trillm.api.settings import ServerConfig
-from trillm.engine import Engine, ReplicaSet, pooling_for
+from trillm.engine import Engine, ReplicaSet
 
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -38,42 +37,39 @@ EXTENSION = "trillm"  # app.extensions[EXTENSION] is the app's AppState
 class AppState:
     """The engine, the HTTP settings and what the routes derive from them, built once per app."""
 
-    engine: Engine | ReplicaSet
+    engine: Engine | ReplicaSet  # the primary model's (``--model``), loaded before the server starts
     server: ServerConfig
-    model_name: str  # the id clients must send as ``model``
+    model_name: str  # the id clients send as ``model`` for the primary
     host: EngineHost
+    models: ModelSet  # the primary and every other model served beside it
     drain: Drain  # `trillm serve` runs the drain
     registry: Any  # the Prometheus registry ``/metrics`` renders
-    observer: PrometheusObserver  # its request timings and counters
     context: ServerContext
     chat_endpoint: GenerationEndpoint
     responses_endpoint: GenerationEndpoint
     messages_endpoint: GenerationEndpoint  # Anthropic's Messages API
-    embedder: Embedder  # how /v1/embeddings pools this model
-    scorer: Scorer  # how /v1/rerank and /v1/score ask this model
     preparer: Preparer = attrs.Factory(Preparer)  # templating and tokenizing: worker threads, a few at a time
     created: int = attrs.Factory(lambda: int(time.time()))
 
     @classmethod
     def build(cls, engine: Engine | ReplicaSet, server: ServerConfig) -> AppState:
         model_name = server.served_model_name or engine.config.model
-        registry, observer = metrics_registry(engine, model_name)
+        found: list[ModelSet] = []  # the scrape reads the set once it exists
+        registry, metrics = metrics_registry(lambda: found[0].loaded_engines() if found else [(model_name, engine)])
+        primary = Served.around(model_name, engine, server, metrics)
+        found.append(ModelSet(primary, server, metrics))
         return cls(
             engine=engine,
             server=server,
             model_name=model_name,
-            host=EngineHost(engine, observer),
+            host=primary.host,
+            models=found[0],
             drain=Drain(server.shutdown_timeout),
             registry=registry,
-            observer=observer,
             context=ServerContext(tool_call_parser=server.tool_call_parser, reasoning_parser=server.reasoning_parser),
             chat_endpoint=chat.endpoint(server.reasoning_parser),
             responses_endpoint=responses_api.endpoint(server.reasoning_parser),
             messages_endpoint=anthropic_api.endpoint(server.reasoning_parser),
-            embedder=Embedder(pooling_for(engine.config), engine.model.shape.hidden_size),
-            scorer=Scorer.for_model(
-                server.rerank_prompt, engine.config.model, engine.tokenizer, engine.model.classifier
-            ),
         )
 
     @property
@@ -96,33 +92,36 @@ class AppState:
             return body_decoding.decode(data, schema)
         return await self.preparer.run(lambda: body_decoding.decode(data, schema))
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise ApiError(
-                f"The model `{shown(name)}` does not exist or you do not have access to it "
-                f"(this server serves `{self.model_name}`).",
-                404,
-                param="model",
-                code="model_not_found",
-                type="invalid_request_error",
-            )
+    async def serve(self, body: Any, deadline: float = math.inf) -> Served:
+        """The model a request body names, loaded first if need be: its ``model`` where that names
+        a served model, else the primary (whose checks then refuse the name, as 404 or 400)."""
+        name = body.get("model") if isinstance(body, dict) else None
+        if isinstance(name, str) and name in self.models.entries:
+            return await self.models.serve(name, deadline)
+        return self.models.primary
 
-    def check_optional_model(self, body: Any) -> None:
+    def check_model(self, name: str, served: Served | None = None) -> None:
+        """A 404 ``model_not_found`` unless ``name`` is ``served``'s (the primary's by default)."""
+        if name != (served or self.models.primary).name:
+            self.models.entry(name)  # names another model, or none: 404 with the served names
+            raise ApiError(f"the model `{shown(name)}` was not the one loaded for this request", 500)
+
+    def check_optional_model(self, body: Any, served: Served | None = None) -> None:
         if isinstance(body, dict) and body.get("model") is not None:
-            self.check_model(body["model"])
+            self.check_model(body["model"], served)
 
-    def check_serving(self) -> None:
-        if not self.engine.is_running:
+    async def stop_engines(self) -> None:
+        """Every model's engine: the others', then the primary's (streams end, pages freed)."""
+        await self.models.stop()
+        await self.host.stop()
+
+    def check_serving(self, served: Served | None = None) -> None:
+        if not (served or self.models.primary).engine.is_running:
             raise ApiError("the engine is not serving (starting or shutting down)", 503, code="engine_unavailable")
 
-    def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.model_name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "trillm",
-            "max_model_len": self.engine.max_model_len,
-        }
+    def model_card(self, name: str | None = None) -> dict[str, Any]:
+        """The card ``/v1/models`` lists for ``name`` (the primary's by default)."""
+        return self.models.card(self.models.entry(name or self.model_name), self.created)
 
 
 def app_state() -> AppState:

@@ -94,7 +94,7 @@ async def serve(app: Any, server: ServerConfig, config: Config | None = None) ->
     stop_serving = trio.Event()
     ports: set[int] = set()
     async with trio.open_nursery() as nursery:
-        stop_engine = state.host.stop
+        stop_engine = state.stop_engines
         await nursery.start(partial(shutdown_on_signals, drain, stop_engine, stop_serving, lambda: ports, config))
 
         async def run_hypercorn(task_status: trio.TaskStatus[list[str]]) -> None:
@@ -138,6 +138,31 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
+def several_models(argv: list[str]) -> list[str]:
+    """``serve``'s ``--model`` given again is ``--extra-model`` (a model served beside the first);
+    a first ``--model NAME=PATH`` serves PATH as NAME (``--served-model-name``)."""
+    out: list[str] = []
+    seen = 0
+    items = iter(argv)
+    for arg in items:
+        flag, eq, value = arg.partition("=")
+        if flag != "--model":
+            out.append(arg)
+            continue
+        if not eq:
+            value = next(items, "")
+        seen += 1
+        if seen > 1:
+            out += ["--extra-model", value]
+            continue
+        name, sep, path = value.partition("=")
+        if sep and name and "/" not in name:
+            out += ["--model", path, "--served-model-name", name]
+        else:
+            out += ["--model", value]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="trillm")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -145,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     from trillm.bench.options import add_parser as add_bench_parser
 
     add_bench_parser(sub)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(several_models(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     if args.command == "serve":
         from trillm.api.app import create_app

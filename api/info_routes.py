@@ -19,16 +19,18 @@ info_routes = Blueprint("info", __name__)
 async def tokenize_endpoint() -> Response:
     state = app_state()
     body = await state.json_body(TokenizeBody)
-    state.check_optional_model(body)
-    return json_response(await state.preparer.run(lambda: tokenize.tokenize(state.engine, body)))
+    served = await state.serve(body)
+    state.check_optional_model(body, served)
+    return json_response(await state.preparer.run(lambda: tokenize.tokenize(served.engine, body)))
 
 
 @info_routes.post("/detokenize")
 async def detokenize_endpoint() -> Response:
     state = app_state()
     body = await state.json_body(DetokenizeBody)
-    state.check_optional_model(body)
-    return json_response(await state.preparer.run(lambda: tokenize.detokenize(state.engine, body)))
+    served = await state.serve(body)
+    state.check_optional_model(body, served)
+    return json_response(await state.preparer.run(lambda: tokenize.detokenize(served.engine, body)))
 
 
 @info_routes.get("/tokenizer_info")
@@ -38,19 +40,48 @@ async def tokenizer_info() -> Response:
 
 @info_routes.post("/flush_cache")
 async def flush_cache() -> Response:
-    return json_response({"flushed_pages": app_state().engine.flush_cache()})
+    """Every loaded model's unheld cached pages."""
+    return json_response({"flushed_pages": sum(s.engine.flush_cache() for s in app_state().models.loaded)})
 
 
 @info_routes.get("/v1/models")
 async def models() -> Response:
-    return json_response({"object": "list", "data": [app_state().model_card()]})
+    """Every model served here, loaded or not (``loaded``)."""
+    state = app_state()
+    return json_response({"object": "list", "data": [state.model_card(name) for name in state.models.entries]})
 
 
 @info_routes.get("/v1/models/<path:model_id>")  # ids may hold slashes (``org/name``)
 async def model(model_id: str) -> Response:
+    return json_response(app_state().model_card(model_id))
+
+
+@info_routes.post("/models/load")
+async def load_model() -> Response:
+    """An admin route (behind the API key): load a model now; its card."""
     state = app_state()
-    state.check_model(model_id)
-    return json_response(state.model_card())
+    name = _admin_model(await state.json_body())
+    await state.models.serve(name)
+    return json_response(state.model_card(name))
+
+
+@info_routes.post("/models/unload")
+async def unload_model() -> Response:
+    """An admin route (behind the API key): unload a model now (its streams end); its card."""
+    state = app_state()
+    name = _admin_model(await state.json_body())
+    entry = state.models.entry(name)
+    if entry.config is None:
+        raise ApiError(f"`{name}` is the server's own model (--model): it is never unloaded", param="model")
+    await state.models.unload(entry)
+    return json_response(state.model_card(name))
+
+
+def _admin_model(body: object) -> str:
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ApiError('the body must be {"model": NAME}', param="model")
+    return name
 
 
 @info_routes.get("/health")

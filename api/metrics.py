@@ -2,40 +2,46 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trillm.engine import Engine, EngineStats, ReplicaSet
 
+# The loaded models, each with its engine, at scrape time (several behind one endpoint).
+LoadedModels = Callable[[], list[tuple[str, Engine | ReplicaSet]]]
+
 
 class EngineCollector:
-    """Reads ``engine.stats()`` on every scrape, so the numbers are never stale copies."""
+    """Reads every loaded model's ``engine.stats()`` on every scrape, so the numbers are never stale
+    copies; each series is labelled with its model (``model_name``)."""
 
-    def __init__(self, engine: Engine | ReplicaSet, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    def __init__(self, models: LoadedModels) -> None:
+        self.models = models
 
     def collect(self) -> Iterator[Metric]:
-        """One series per family; with ``--dp``, one per replica (label ``replica``) and the total
-        (``replica=""``, which Prometheus reads as no label)."""
-        series: list[tuple[list[str], EngineStats]] = [([self.model_name], self.engine.stats())]
-        labels = ["model_name"]
-        if isinstance(self.engine, ReplicaSet):
-            labels.append("replica")
-            series = [([self.model_name, ""], series[0][1])]
-            series += [([self.model_name, str(i)], s) for i, s in enumerate(self.engine.replica_stats()) if s]
-        weight_bytes = self.engine.model.projection_bytes
+        """One series per family and model; with ``--dp``, one per replica (label ``replica``) and
+        the total (``replica=""``, which Prometheus reads as no label)."""
+        loaded = self.models()
+        dp = any(isinstance(engine, ReplicaSet) for _, engine in loaded)
+        labels = ["model_name", "replica"] if dp else ["model_name"]
+        series: list[tuple[list[str], EngineStats, int]] = []
+        for model_name, engine in loaded:
+            weight_bytes = engine.model.projection_bytes
+            series.append(([model_name, ""] if dp else [model_name], engine.stats(), weight_bytes))
+            if isinstance(engine, ReplicaSet):
+                replicas = enumerate(engine.replica_stats())
+                series += [([model_name, str(i)], s, weight_bytes) for i, s in replicas if s]
         for kind, family in ((GaugeMetricFamily, _gauges), (CounterMetricFamily, _counters)):
             by_name: dict[str, Metric] = {}
-            for label_values, s in series:
+            for label_values, s, weight_bytes in series:
                 for name, (doc, value) in family(s, weight_bytes).items():
                     if name not in by_name:
                         by_name[name] = kind(f"trillm:{name}", doc, labels=labels)
                     by_name[name].add_metric(label_values, value)  # type: ignore[attr-defined]
             yield from by_name.values()
-        yield from _speculation(series, labels)
+        yield from _speculation([(values, s) for values, s, _ in series], labels)
 
 
 def _speculation(series: list[tuple[list[str], EngineStats]], labels: list[str]) -> Iterator[Metric]:
@@ -142,18 +148,18 @@ def priority_class(priority: int) -> str:
     return "high" if priority < 0 else "low" if priority > 0 else "normal"
 
 
-class PrometheusObserver:
-    """The engine's per-request timings as Prometheus histograms and counters."""
+class RequestMetrics:
+    """The request-timing families of one registry, shared by every model's observer (a family is
+    registered once; each model is a ``model_name`` label)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         def histogram(name: str, doc: str) -> Histogram:
-            h = Histogram(f"trillm:{name}", doc, ["model_name"], registry=registry, buckets=_LATENCY_BUCKETS)
-            return h.labels(model_name)
+            return Histogram(f"trillm:{name}", doc, ["model_name"], registry=registry, buckets=_LATENCY_BUCKETS)
 
-        self._ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
-        self._itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
-        self._e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
-        self._queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled step.")
 
         # The same two timings again by priority class (``priority_class``), beside the totals above.
         def by_priority(name: str, doc: str) -> Histogram:
@@ -161,19 +167,36 @@ class PrometheusObserver:
             labels = ["model_name", "priority"]
             return Histogram(f"trillm:{name}", doc, labels, registry=registry, buckets=_LATENCY_BUCKETS)
 
-        self._queue_by_priority = by_priority(
+        self.queue_by_priority = by_priority(
             "request_queue_time_by_priority_seconds", "Arrival to first scheduled step,"
         )
-        self._ttft_by_priority = by_priority("time_to_first_token_by_priority_seconds", "Arrival to first token,")
-        self._success = Counter(
+        self.ttft_by_priority = by_priority("time_to_first_token_by_priority_seconds", "Arrival to first token,")
+        self.success = Counter(
             "trillm:request_success",
             "Requests that finished, by finish reason.",
             ["model_name", "finished_reason"],
             registry=registry,
         )
-        self._embedded = Counter(
+        self.embedded = Counter(
             "trillm:embedding_inputs", "Inputs embedded (/v1/embeddings).", ["model_name"], registry=registry
-        ).labels(model_name)
+        )
+
+    def observer(self, model_name: str) -> PrometheusObserver:
+        return PrometheusObserver(self, model_name)
+
+
+class PrometheusObserver:
+    """One model's per-request timings as Prometheus histograms and counters."""
+
+    def __init__(self, families: RequestMetrics, model_name: str) -> None:
+        self._ttft = families.ttft.labels(model_name)
+        self._itl = families.itl.labels(model_name)
+        self._e2e = families.e2e.labels(model_name)
+        self._queue = families.queue.labels(model_name)
+        self._queue_by_priority = families.queue_by_priority
+        self._ttft_by_priority = families.ttft_by_priority
+        self._success = families.success
+        self._embedded = families.embedded.labels(model_name)
         self._model_name = model_name
 
     def embedded(self, inputs: int) -> None:
@@ -195,13 +218,13 @@ class PrometheusObserver:
         self._success.labels(self._model_name, reason).inc()
 
 
-def metrics_registry(engine: Engine | ReplicaSet, model_name: str) -> tuple[CollectorRegistry, PrometheusObserver]:
-    """A registry of this app's own: the engine's gauges and counters read at scrape
-    time, and the observer whose request-timing histograms the engine reports into
-    (passed to ``Engine.run``)."""
+def metrics_registry(models: LoadedModels) -> tuple[CollectorRegistry, RequestMetrics]:
+    """A registry of this app's own: every loaded engine's gauges and counters read at scrape
+    time, and the request-timing families each model's observer reports into (passed to
+    ``Engine.run``)."""
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(EngineCollector(engine, model_name))
-    return registry, PrometheusObserver(registry, model_name)
+    registry.register(EngineCollector(models))
+    return registry, RequestMetrics(registry)
 
 
 def render(registry: CollectorRegistry) -> bytes:

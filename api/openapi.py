@@ -95,6 +95,8 @@ _MODEL: dict[str, Any] = {
         "created": {"type": "integer"},
         "owned_by": {"type": "string"},
         "max_model_len": {"type": "integer"},
+        "loaded": {"type": "boolean"},
+        "load_error": {"type": "string"},
     },
 }
 
@@ -397,6 +399,17 @@ _SSE_EVENT: dict[str, Any] = {
 }
 
 
+def _admin(summary: str) -> dict[str, Any]:
+    body = {"type": "object", "required": ["model"], "properties": {"model": {"type": "string"}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {"200": _json("Model", "the model's card"), **_ERRORS},
+        }
+    }
+
+
 def _get(reply: str, summary: str, errors: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         "get": {"summary": summary, "responses": {"200": _json(reply, "the reply"), **{c: _ERRORS[c] for c in errors}}}
@@ -439,6 +452,8 @@ def openapi_document(version: str, model_name: str) -> dict[str, Any]:
                     "responses": {"200": _json("Model", "the reply"), "404": _ERRORS["404"]},
                 }
             },
+            "/models/load": _admin("load a model now (an admin route: behind the API key)"),
+            "/models/unload": _admin("unload a model now; its streams end (an admin route: behind the API key)"),
             "/flush_cache": {
                 "post": {
                     "summary": "drop every cached KV page no request holds",

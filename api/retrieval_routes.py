@@ -22,22 +22,23 @@ retrieval_routes = Blueprint("retrieval", __name__)
 async def embeddings_endpoint() -> Response:
     """Each input's pooled last hidden states."""
     state = app_state()
-    engine, embedder = state.engine, state.embedder
     body = await state.json_body(EmbeddingsBody)
     state.drain.check()
+    deadline = trio.current_time() + state.server.timeout_seconds
+    served = await state.serve(body, deadline)
+    engine, embedder = served.engine, served.embedder
 
     def prepare() -> tuple[EmbeddingsBody, list[list[int]]]:
         parsed = parse_embeddings_request(body)
-        state.check_model(parsed.model)
-        state.check_serving()
+        state.check_model(parsed.model, served)
+        state.check_serving(served)
         embedder.check_dimensions(parsed.dimensions)
         return parsed, embeddings.prompt_ids(engine, parsed)
 
     parsed, prompts = await state.preparer.run(prepare)
     embeddings.check_prompts(engine, prompts)
-    deadline = trio.current_time() + state.server.timeout_seconds
-    reply = await embeddings.embed(engine, embedder, state.model_name, parsed, prompts, deadline)
-    state.observer.embedded(len(prompts))
+    reply = await embeddings.embed(engine, embedder, served.name, parsed, prompts, deadline)
+    served.observer.embedded(len(prompts))
     return json_response(reply)
 
 
@@ -49,18 +50,19 @@ async def rerank_endpoint() -> Response:
     state = app_state()
     body = await state.json_body(RerankBody)
     state.drain.check()
+    deadline = trio.current_time() + state.server.timeout_seconds
+    served = await state.serve(body, deadline)
 
     def prepare() -> tuple[RerankBody, list[list[int]]]:
         parsed = parse_rerank_request(body)
-        state.check_model(parsed.model)
-        state.check_serving()
+        state.check_model(parsed.model, served)
+        state.check_serving(served)
         pairs = [(parsed.query, document) for document in parsed.texts()]
-        return parsed, rerank.prompts(state.engine, state.scorer, pairs, parsed.instruction, "documents")
+        return parsed, rerank.prompts(served.engine, served.scorer, pairs, parsed.instruction, "documents")
 
     parsed, prompts = await state.preparer.run(prepare)
-    deadline = trio.current_time() + state.server.timeout_seconds
-    values, tokens = await rerank.scores(state.engine, state.scorer, prompts, parsed.priority, deadline)
-    reply = rerank.rerank_reply(state.model_name, parsed.texts(), values, tokens, parsed.top_n, parsed.return_documents)
+    values, tokens = await rerank.scores(served.engine, served.scorer, prompts, parsed.priority, deadline)
+    reply = rerank.rerank_reply(served.name, parsed.texts(), values, tokens, parsed.top_n, parsed.return_documents)
     return json_response(reply)
 
 
@@ -71,14 +73,15 @@ async def score_endpoint() -> Response:
     state = app_state()
     body = await state.json_body(ScoreBody)
     state.drain.check()
+    deadline = trio.current_time() + state.server.timeout_seconds
+    served = await state.serve(body, deadline)
 
     def prepare() -> tuple[ScoreBody, list[list[int]]]:
         parsed = parse_score_request(body)
-        state.check_model(parsed.model)
-        state.check_serving()
-        return parsed, rerank.prompts(state.engine, state.scorer, parsed.pairs(), parsed.instruction, "text_2")
+        state.check_model(parsed.model, served)
+        state.check_serving(served)
+        return parsed, rerank.prompts(served.engine, served.scorer, parsed.pairs(), parsed.instruction, "text_2")
 
     parsed, prompts = await state.preparer.run(prepare)
-    deadline = trio.current_time() + state.server.timeout_seconds
-    values, tokens = await rerank.scores(state.engine, state.scorer, prompts, parsed.priority, deadline)
-    return json_response(rerank.score_reply(state.model_name, values, tokens, int(time.time())))
+    values, tokens = await rerank.scores(served.engine, served.scorer, prompts, parsed.priority, deadline)
+    return json_response(rerank.score_reply(served.name, values, tokens, int(time.time())))

@@ -73,6 +73,29 @@ class ServerConfig:
         None, "write an access log line per request to this file, or `-` for stdout", doc_default="none"
     )
     served_model_name: str | None = setting(None, "the id clients must send as `model`", doc_default="the model string")
+    extra_model: tuple[str, ...] = setting(
+        (),
+        "more models served beside `--model`, each `NAME=PATH` or `PATH` (its name then the path as given): "
+        "`--model` given again means this; a request is served by the model its `model` names",
+    )
+    models_dir: str | None = setting(
+        None,
+        "serve every model in this folder too: each sub-folder with a config.json, each `.gguf` file, "
+        "named by the folder or the file's stem",
+    )
+    max_loaded_models: int = setting(
+        0,
+        "most models loaded at once; loading one more unloads the least recently used idle one (never "
+        "`--model`'s nor a pinned one); 0: no limit",
+        validator=_not_negative,
+    )
+    model_ttl: float = setting(
+        0,
+        "unload a model idle this many seconds (never `--model`'s nor a pinned one); 0: never",
+        validator=_not_negative,
+    )
+    pin: tuple[str, ...] = setting((), "models never unloaded by `--max-loaded-models` or `--model-ttl`")
+    preload: bool = setting(False, "load every model at start (else each on its first request)")
     request_timeout: float | None = setting(
         None,
         "seconds a generation request may take from arrival; then 504 (non-streaming) or a final chunk with "

@@ -37,6 +37,8 @@ CLOSED = [
     ("GET", "/metrics", None, 200),  # with --metrics-require-key
     ("POST", "/v1/embeddings", {"model": MODEL, "input": "Hi"}, 200),
     ("POST", "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}, 200),
+    ("POST", "/models/unload", {"model": MODEL}, 400),  # the admin routes: the primary is never unloaded
+    ("POST", "/models/load", {"model": MODEL}, 200),
     ("POST", "/v1/audio/speech", {}, 404),  # unknown /v1 paths are closed too: a 404 only with a key
 ]
 OPEN = ["/health", "/version", "/openapi.json"]

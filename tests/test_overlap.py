@@ -325,7 +325,7 @@ async def test_a_failed_step_ends_its_requests_and_the_next_ones_run(model_parts
     """The third step raises; with the step after it already queued, its requests end with
     "error", requests submitted afterwards are right, and every page comes back."""
     engine = make_engine(model_parts)
-    real = engine.runner.execute_logits
+    real = engine.runner.execute_forward
     calls = {"n": 0}
 
     def failing_third(inputs):
@@ -334,7 +334,7 @@ async def test_a_failed_step_ends_its_requests_and_the_next_ones_run(model_parts
             raise RuntimeError("injected fault")
         return real(inputs)
 
-    engine.runner.execute_logits = failing_third
+    engine.runner.execute_forward = failing_third
     ids = tokenizer.encode("The capital of France is")
     greedy = SamplingParams(max_tokens=8, temperature=0)
     async with trio.open_nursery() as nursery:

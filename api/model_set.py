@@ -1,0 +1,257 @@
+"""Several models behind one endpoint: each request is served by the model its ``model`` names.
+
+The first ``--model`` is the primary: loaded before the server starts and never unloaded
+(``AppState``'s own engine). The others (``--model`` again, as ``NAME=PATH``, and every
+model in ``--models-dir``) load on their first request, or at start with ``--preload``: in
+a worker thread, while the loaded ones keep serving; a request for a model that is loading
+waits for it, within its deadline. They stay while they fit: loading one more than
+``--max-loaded-models`` first unloads the least recently used idle one, ``--model-ttl``
+unloads one idle that long, and ``--pin`` keeps one loaded. An unloaded model's engine
+is stopped (its streams end, its pages and weights are freed); a GGUF file reopens
+through its memory map when the model is asked for again.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import attrs
+import trio
+
+from trillm.api.embeddings import Embedder
+from trillm.api.engine_host import EngineHost
+from trillm.api.errors import ApiError, shown
+from trillm.api.metrics import PrometheusObserver, RequestMetrics
+from trillm.api.rerank import Scorer
+from trillm.api.settings import ServerConfig
+from trillm.engine import Engine, EngineConfig, ReplicaSet, pooling_for
+
+log = logging.getLogger("trillm.api")
+
+
+@attrs.define(eq=False)
+class Served:
+    """A loaded model: what the routes read of it."""
+
+    name: str
+    engine: Engine | ReplicaSet
+    host: EngineHost
+    observer: PrometheusObserver
+    embedder: Embedder
+    scorer: Scorer
+    last_used: float = attrs.Factory(time.monotonic)
+
+    @classmethod
+    def around(cls, name: str, engine: Engine | ReplicaSet, server: ServerConfig, metrics: RequestMetrics) -> Served:
+        classifier = getattr(engine.model, "classifier", None)
+        observer = metrics.observer(name)
+        return cls(
+            name,
+            engine,
+            EngineHost(engine, observer),
+            observer,
+            Embedder(pooling_for(engine.config), engine.model.shape.hidden_size),
+            Scorer.for_model(server.rerank_prompt, engine.config.model, engine.tokenizer, classifier),
+        )
+
+    @property
+    def idle(self) -> bool:
+        return self.engine.stats().num_open_requests == 0
+
+
+@attrs.define(eq=False)
+class Entry:
+    """One model the server names, loaded or not."""
+
+    name: str
+    config: EngineConfig | None  # None: the primary, loaded before the server starts
+    pinned: bool = False
+    served: Served | None = None
+    loading: trio.Event | None = None  # set when a load in progress ends, loaded or not
+    failure: str | None = None  # why its last load failed
+
+
+def model_specs(server: ServerConfig) -> dict[str, str]:
+    """The models beside ``--model``, by name: ``NAME=PATH`` flags and ``--models-dir``'s contents."""
+    specs: dict[str, str] = {}
+    for spec in server.extra_model:
+        name, sep, path = spec.partition("=")
+        specs[name if sep else spec] = path if sep else spec
+    if server.models_dir is not None:
+        folder = Path(server.models_dir).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"--models-dir {folder} is not a folder")
+        for item in sorted(folder.iterdir()):
+            if item.is_dir() and (item / "config.json").exists():
+                specs.setdefault(item.name, str(item))
+            elif item.is_file() and item.suffix == ".gguf":
+                specs.setdefault(item.stem, str(item))
+    return specs
+
+
+class ModelSet:
+    """Every model the server names; loads, unloads and finds them."""
+
+    def __init__(
+        self,
+        primary: Served,
+        server: ServerConfig,
+        metrics: RequestMetrics,
+        load: Callable[[EngineConfig], Engine | ReplicaSet] | None = None,
+    ) -> None:
+        self.server = server
+        self.metrics = metrics
+        self.primary = primary
+        self._load = load or (lambda config: ReplicaSet(config) if config.dp > 1 else Engine.load(config))
+        self.entries: dict[str, Entry] = {primary.name: Entry(primary.name, None, True, primary)}
+        pinned = set(server.pin)
+        for name, path in model_specs(server).items():
+            if name in self.entries:
+                raise ValueError(f"two models are named {name!r}: give one of them another name (NAME=PATH)")
+            config = attrs.evolve(primary.engine.config, model=path)
+            self.entries[name] = Entry(name, config, name in pinned)
+        unknown = pinned - self.entries.keys()
+        if unknown:
+            raise ValueError(f"--pin names no served model: {', '.join(sorted(unknown))}")
+        self.nursery: trio.Nursery | None = None  # where loaded models' engines run (the app's)
+
+    @property
+    def loaded(self) -> list[Served]:
+        return [entry.served for entry in self.entries.values() if entry.served is not None]
+
+    def loaded_engines(self) -> list[tuple[str, Engine | ReplicaSet]]:
+        """For ``/metrics``: every loaded model's engine, by name."""
+        return [(served.name, served.engine) for served in self.loaded]
+
+    def entry(self, name: str) -> Entry:
+        """The model ``name`` names; a 404 ``model_not_found`` (OpenAI's words) if none."""
+        entry = self.entries.get(name)
+        if entry is None:
+            names = ", ".join(f"`{n}`" for n in self.entries)
+            raise ApiError(
+                f"The model `{shown(name)}` does not exist or you do not have access to it "
+                f"(this server serves {names}).",
+                404,
+                param="model",
+                code="model_not_found",
+                type="invalid_request_error",
+            )
+        return entry
+
+    async def serve(self, name: str, deadline: float = math.inf) -> Served:
+        """The loaded model ``name``, loading it first if need be (waiting for a load in progress)."""
+        entry = self.entry(name)
+        while entry.served is None:
+            if entry.loading is not None:
+                with trio.move_on_at(deadline):
+                    await entry.loading.wait()
+                if entry.loading is not None:  # the deadline came first
+                    raise ApiError(f"the model `{name}` is still loading; retry shortly", 503, code="model_loading")
+                continue
+            await self.load(entry)
+        entry.served.last_used = time.monotonic()
+        return entry.served
+
+    async def load(self, entry: Entry) -> Served:
+        """Load ``entry`` (making room first), start its engine in the app's nursery."""
+        if entry.served is not None:
+            return entry.served
+        assert entry.config is not None and self.nursery is not None
+        done = entry.loading = trio.Event()
+        try:
+            await self._make_room(entry)
+            log.info("loading model %s (%s)", entry.name, entry.config.model)
+            started = time.perf_counter()
+            try:
+                engine = await trio.to_thread.run_sync(partial(self._load, entry.config))
+            except Exception as exc:
+                entry.failure = f"{type(exc).__name__}: {exc}"
+                log.error("model %s failed to load: %s", entry.name, entry.failure)
+                raise ApiError(f"the model `{entry.name}` failed to load: {entry.failure}", 503) from None
+            served = Served.around(entry.name, engine, self.server, self.metrics)
+            await self.nursery.start(served.host.run)
+            entry.served, entry.failure = served, None
+            log.info("model %s loaded in %.1f s", entry.name, time.perf_counter() - started)
+            return served
+        finally:
+            entry.loading = None
+            done.set()
+
+    async def unload(self, entry: Entry) -> None:
+        """Stop its engine (its streams end, its pages and weights go); the primary stays."""
+        served = entry.served
+        if served is None or entry.config is None:
+            return
+        entry.served = None
+        await served.host.stop()
+        del served
+        gc.collect()  # the engine's KV pool and weights, now unreferenced
+        log.info("model %s unloaded", entry.name)
+
+    async def _make_room(self, coming: Entry) -> None:
+        """Under ``--max-loaded-models``: unload the least recently used idle model, unpinned."""
+        limit = self.server.max_loaded_models
+        while limit and len(self.loaded) >= limit:
+            victims = [e for e in self.entries.values() if self._may_unload(e) and e.served.idle]  # type: ignore[union-attr]
+            if not victims:
+                raise ApiError(
+                    f"{len(self.loaded)} models are loaded (--max-loaded-models {limit}) and none is idle; "
+                    f"`{coming.name}` cannot load now: retry shortly",
+                    503,
+                    code="models_busy",
+                    headers={"Retry-After": "1"},
+                )
+            await self.unload(min(victims, key=lambda e: e.served.last_used))  # type: ignore[union-attr]
+
+    def _may_unload(self, entry: Entry) -> bool:
+        return entry.served is not None and entry.config is not None and not entry.pinned
+
+    async def expire_idle(self) -> None:
+        """Forever: unload models idle for ``--model-ttl`` (a busy one counts as used now)."""
+        ttl = self.server.model_ttl
+        while True:
+            await trio.sleep(min(1.0, ttl / 4))
+            now = time.monotonic()
+            for entry in list(self.entries.values()):
+                if not self._may_unload(entry):
+                    continue
+                assert entry.served is not None
+                if not entry.served.idle:
+                    entry.served.last_used = now
+                elif now - entry.served.last_used >= ttl:
+                    await self.unload(entry)
+
+    async def run(self, nursery: trio.Nursery) -> None:
+        """In the app's nursery: preload (``--preload``) and expire (``--model-ttl``)."""
+        self.nursery = nursery
+        if self.server.preload:
+            for entry in list(self.entries.values()):
+                await self.load(entry)
+        if self.server.model_ttl:
+            nursery.start_soon(self.expire_idle)
+
+    async def stop(self) -> None:
+        """Stop every loaded model's engine but the primary's (the app stops that one)."""
+        for entry in self.entries.values():
+            await self.unload(entry)
+
+    def card(self, entry: Entry, created: int) -> dict[str, object]:
+        served = entry.served
+        card: dict[str, object] = {
+            "id": entry.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "trillm",
+            "loaded": served is not None,
+        }
+        if served is not None:
+            card["max_model_len"] = served.engine.max_model_len
+        if entry.failure is not None:
+            card["load_error"] = entry.failure
+        return card

@@ -1,0 +1,163 @@
+"""Several models behind one endpoint (``--model`` again, ``--models-dir``): each request served by
+the model it names, loaded on first use; ``--max-loaded-models`` evicting the least recently used
+idle one, ``--model-ttl`` unloading idle ones, ``--pin`` keeping one; the admin routes; ``/metrics``
+labelled by model; the command line's ``--model NAME=PATH``."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+import torch
+import trio
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from trillm.api.cli import several_models
+from trillm.api.model_set import model_specs
+from trillm.api.settings import ServerConfig
+
+from tests.families import hf_greedy
+from tests.server import MODEL, client, in_thread, running_server
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    eos_token_id=2,
+)
+
+
+def _tiny(folder, model_dir, seed: int):
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(Qwen3Config(**TINY)).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory, model_dir):
+    """Two tiny random models in one folder, as ``--models-dir`` reads it."""
+    root = tmp_path_factory.mktemp("models")
+    for seed, name in ((1, "tiny-a"), (2, "tiny-b")):
+        _tiny(root / name, model_dir, seed)
+    (root / "notes.txt").write_text("not a model")
+    return root
+
+
+def _cards(url: str) -> dict[str, dict]:
+    return {card["id"]: card for card in httpx.get(url + "/v1/models").json()["data"]}
+
+
+async def _cards_async(http: httpx.AsyncClient) -> dict[str, dict]:
+    return {card["id"]: card for card in (await http.get("/v1/models")).json()["data"]}
+
+
+@pytest.mark.e2e
+async def test_two_models_side_by_side_each_request_by_its_model(model_parts, models_dir, tokenizer):
+    hf = Qwen3ForCausalLM.from_pretrained(models_dir / "tiny-a", dtype=torch.float32).eval()
+    settings = ServerConfig(extra_model=(f"tiny={models_dir / 'tiny-a'}",))
+    async with running_server(model_parts, server=settings) as srv:
+
+        def run():
+            c = client(srv)
+            before = _cards(srv.url)
+            tiny = c.completions.create(
+                model="tiny",
+                prompt="The capital of France is",
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            main = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5)
+            vectors = c.embeddings.create(model="tiny", input="hello", encoding_format="float")
+            after = _cards(srv.url)
+            metrics = httpx.get(srv.url + "/metrics").text
+            missing = httpx.post(
+                srv.base_url + "/chat/completions",
+                json={"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+            )
+            return before, tiny, main, vectors, after, metrics, missing
+
+        before, tiny, main, vectors, after, metrics, missing = await in_thread(run)
+    assert set(before) == {MODEL, "tiny"} and before[MODEL]["loaded"] and not before["tiny"]["loaded"]
+    ids = tokenizer("The capital of France is")["input_ids"]
+    assert tiny.model == "tiny" and tiny.choices[0].text == tokenizer.decode(hf_greedy(hf, ids, 8))
+    assert main.model == MODEL and main.choices[0].message.content
+    assert vectors.model == "tiny" and len(vectors.data[0].embedding) == TINY["hidden_size"]
+    assert after["tiny"]["loaded"] and after["tiny"]["max_model_len"] == TINY["max_position_embeddings"]
+    for name in (MODEL, "tiny"):
+        assert f'trillm:num_requests_running{{model_name="{name}"}}' in metrics
+        assert f'trillm:request_success_total{{finished_reason="length",model_name="{name}"}}' in metrics
+    assert missing.status_code == 404 and "`tiny`" in missing.json()["error"]["message"]
+
+
+@pytest.mark.e2e
+async def test_eviction_ttl_pin_and_the_admin_routes(model_parts, models_dir):
+    settings = ServerConfig(models_dir=str(models_dir), max_loaded_models=2, pin=("tiny-b",))
+    ask = {"prompt": "Hello", "max_tokens": 2}
+    async with running_server(model_parts, server=settings) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            assert set(await _cards_async(http)) == {MODEL, "tiny-a", "tiny-b"}
+            assert (await http.post("/v1/completions", json={"model": "tiny-a", **ask})).status_code == 200
+            loaded = {k for k, v in (await _cards_async(http)).items() if v["loaded"]}
+            assert loaded == {MODEL, "tiny-a"}
+            # one more than --max-loaded-models: the least recently used idle one goes
+            assert (await http.post("/v1/completions", json={"model": "tiny-b", **ask})).status_code == 200
+            assert {k for k, v in (await _cards_async(http)).items() if v["loaded"]} == {MODEL, "tiny-b"}
+            # the admin routes
+            unloaded = await http.post("/models/unload", json={"model": "tiny-b"})
+            assert unloaded.status_code == 200 and unloaded.json()["loaded"] is False
+            loaded_now = await http.post("/models/load", json={"model": "tiny-a"})
+            assert loaded_now.status_code == 200 and loaded_now.json()["loaded"] is True
+            primary = await http.post("/models/unload", json={"model": MODEL})
+            assert primary.status_code == 400 and primary.json()["error"]["param"] == "model"
+            assert (await http.post("/models/load", json={"model": "nope"})).status_code == 404
+            # a pinned model is never evicted: with it loaded there is no room for tiny-a
+            await http.post("/models/unload", json={"model": "tiny-a"})
+            assert (await http.post("/models/load", json={"model": "tiny-b"})).json()["loaded"]
+            assert (await http.post("/models/load", json={"model": "tiny-a"})).status_code == 503  # none idle to evict
+            srv_cards = await _cards_async(http)
+            assert srv_cards["tiny-b"]["loaded"] and not srv_cards["tiny-a"]["loaded"]
+    # --model-ttl: idle tiny-a goes within seconds; pinned tiny-b stays
+    settings = ServerConfig(models_dir=str(models_dir), model_ttl=1.0, pin=("tiny-b",))
+    async with running_server(model_parts, server=settings) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            for name in ("tiny-a", "tiny-b"):
+                assert (await http.post("/models/load", json={"model": name})).json()["loaded"]
+            with trio.fail_after(15):
+                while (await _cards_async(http))["tiny-a"]["loaded"]:
+                    await trio.sleep(0.25)
+            assert (await _cards_async(http))["tiny-b"]["loaded"]  # pinned
+
+
+def test_the_command_line_names_several_models(models_dir):
+    argv = ["serve", "--model", "chat=/models/a", "--model=b=/models/b", "--model", "/models/c", "--port", "1"]
+    assert several_models(argv) == [
+        "serve",
+        "--model",
+        "/models/a",
+        "--served-model-name",
+        "chat",
+        "--extra-model",
+        "b=/models/b",
+        "--extra-model",
+        "/models/c",
+        "--port",
+        "1",
+    ]
+    specs = model_specs(ServerConfig(extra_model=("x=/p/x", "/p/y"), models_dir=str(models_dir)))
+    assert specs == {
+        "x": "/p/x",
+        "/p/y": "/p/y",
+        "tiny-a": str(models_dir / "tiny-a"),
+        "tiny-b": str(models_dir / "tiny-b"),
+    }
