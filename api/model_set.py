@@ -129,9 +129,9 @@ class ModelSet:
         """For ``/metrics``: every loaded model's engine, by name."""
         return [(served.name, served.engine) for served in self.loaded]
 
-    def entry(self, name: str) -> Entry:
-        """The model ``name`` names; a 404 ``model_not_found`` (OpenAI's words) if none."""
-        entry = self.entries.get(name)
+    def entry(self, name: object) -> Entry:
+        """The model ``name`` names; a 404 ``model_not_found`` (OpenAI's words) if none (or not a string)."""
+        entry = self.entries.get(name) if isinstance(name, str) else None
         if entry is None:
             names = ", ".join(f"`{n}`" for n in self.entries)
             raise ApiError(
