@@ -68,9 +68,15 @@ class Memory:
 
 async def post(http: Any, path: str, body: dict[str, Any], tries: int = 6) -> None:
     """POST and check the answer, retrying a 503 after its ``Retry-After`` as the OpenAI SDKs do
-    (a busy machine's grammar compiler answers "busy, retry", not a failure)."""
+    (a busy machine's grammar compiler answers "busy, retry", not a failure), and a pooled
+    keep-alive connection the server closed as it was taken (the SDKs retry that too)."""
+    import httpx  # the soak's client (a dev dependency), as the other bench clients import it
+
     for _ in range(tries - 1):
-        response = await http.post(path, json=body)
+        try:
+            response = await http.post(path, json=body)
+        except httpx.RemoteProtocolError:
+            continue
         if response.status_code != 503:
             break
         await trio.sleep(min(float(response.headers.get("retry-after", 1)), 5.0))
@@ -131,6 +137,29 @@ async def tool_call(http: Any) -> None:
     await post(http, "/v1/chat/completions", body)
 
 
+async def embeddings(http: Any) -> None:
+    """Four fresh inputs embedded (a prefill-only request each, its pooled rows)."""
+    inputs = [f"Input {next(_fresh)}: the quick brown fox jumps over the lazy dog" for _ in range(4)]
+    await post(http, "/v1/embeddings", {"model": MODEL, "input": inputs})
+
+
+async def messages(http: Any) -> None:
+    """An Anthropic Messages call, streamed to its end (the chat path under Anthropic's events)."""
+    import httpx
+
+    body = {"model": MODEL, "max_tokens": 8, "messages": prompt(), "stream": True}
+    for attempt in range(3):
+        try:
+            async with http.stream("POST", "/v1/messages", json=body) as response:
+                response.raise_for_status()
+                async for _ in response.aiter_lines():
+                    pass
+            return
+        except httpx.RemoteProtocolError:  # a keep-alive connection closed as it was taken
+            if attempt == 2:
+                raise
+
+
 async def long_prompt(http: Any, num_words: int = LONG_WORDS) -> None:
     """A prompt near the context limit (~3.9 tokens a word), a few tokens out: prefill in chunks,
     then a short decode."""
@@ -146,6 +175,8 @@ KINDS: dict[str, Callable[[Any], Awaitable[None]]] = {
     "completions_n2": completions_n2,
     "json_schema": json_schema,
     "tool_call": tool_call,
+    "embeddings": embeddings,
+    "messages": messages,
     "long_prompt": long_prompt,
 }
 

@@ -72,7 +72,7 @@ async def test_pooled_states_equal_transformers_and_free_every_page(model_parts,
     engine = make_engine(model_parts, max_batch_tokens=32, num_pages=num_pages, page_size=4, max_num_seqs=6)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        for mode in ("mean", "cls", "last"):
+        for mode in ("mean", "cls", "last") if num_pages == 256 else ("mean",):  # preempting: the costliest one
             with trio.fail_after(60):
                 embedded = await _embed_all(engine, prompts, mode)
             for got, ids in zip(embedded, prompts):

@@ -30,7 +30,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a subprocess server under mi
 # A prompt of ~1,200 tokens: prefilled in three chunks, it frees multi-MiB attention and MLP buffers,
 # which is what raised the threshold before the fix (a 7,700-token one costs a minute here).
 LONG_WORDS = 300
-MIXED = ["chat", "chat_aborted", "stream_aborted", "completions_n2", "json_schema", "tool_call"]
+MIXED = [
+    "chat",
+    "chat_aborted",
+    "stream_aborted",
+    "completions_n2",
+    "json_schema",
+    "tool_call",
+    "embeddings",
+    "messages",
+]
 ROUNDS = 2  # after two rounds of warm-up; each: one long prompt, then 6 requests of each type at once
 PER_TYPE = 6
 # Measured on the unfixed code (``TRILLM_MALLOC_TUNING=0``, the same as before; 8 per type, grammar
