@@ -91,9 +91,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, url in servers:
             rounds[name].append(trio.run(one_round, url, models[name], items, args.batch, args.concurrency))
-    print(
-        f"{args.inputs} inputs, {args.batch} per request, {args.concurrency} requests at a time; median of {args.rounds}"
-    )
+    shape = f"{args.inputs} inputs, {args.batch} per request, {args.concurrency} requests at a time"
+    print(f"{shape}; median of {args.rounds}")
     print("| server | inputs/s | prompt tokens/s | request latency (median) | cosine to the first |")
     print("|---|---:|---:|---:|---:|")
     first = rounds[servers[0][0]][0]["vectors"]
