@@ -89,6 +89,35 @@ def save_random(model: torch.nn.Module, folder: Path, tokenizer_dir: Path, norm_
     return folder
 
 
+# A two-layer Qwen3 of the default model's vocabulary: what the serving tests (embeddings, rerank,
+# several models) stand up as a second model in a second or two.
+TINY_QWEN3 = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    eos_token_id=2,
+)
+
+
+def tiny_qwen3(folder: Path, tokenizer_dir: Path, seed: int, kind: Any = None, **config: Any) -> Path:
+    """A ``TINY_QWEN3`` (``kind``: its transformers class, ``Qwen3ForCausalLM`` by default) on
+    seeded random weights, saved with the default model's tokenizer."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    (kind or Qwen3ForCausalLM)(Qwen3Config(**{**TINY_QWEN3, **config})).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, folder / name)
+    return folder
+
+
 def config_of(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "config.json").read_text())
 

@@ -7,7 +7,6 @@ cancelled batch aborted."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import numpy as np
@@ -15,13 +14,14 @@ import pytest
 import torch
 import trio
 from langchain_openai import OpenAIEmbeddings
-from transformers import AutoModel, Qwen3Config, Qwen3Model
+from transformers import AutoModel, Qwen3Model
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.loading import load_model
 from trillm.engine.execution.pooling import pooling_of
 from trillm.engine.sampling_params import SamplingParams
 
+from tests.families import tiny_qwen3
 from tests.helpers import make_engine, wait_idle
 from tests.server import MODEL, client, in_thread, running_server
 
@@ -167,30 +167,13 @@ async def test_a_client_that_leaves_aborts_its_inputs(server):
     assert server.engine.stats().num_aborted > before
 
 
-QWEN3 = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-    tie_word_embeddings=True,
-)
-
-
 @pytest.fixture(scope="module")
 def embedding_dir(tmp_path_factory, model_dir):
     """A Qwen3-Embedding-style sentence-transformers folder on random weights: last-token
     pooling, normalized, trained for 32 and 64 dimensions (Matryoshka)."""
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("qwen3_embedding")
-    Qwen3Model(Qwen3Config(**QWEN3)).eval().save_pretrained(folder)
+    folder = tiny_qwen3(tmp_path_factory.mktemp("qwen3_embedding"), model_dir, 0, Qwen3Model)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [32, 64]}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, folder / name)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},

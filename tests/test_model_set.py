@@ -5,42 +5,18 @@ labelled by model; the command line's ``--model NAME=PATH``."""
 
 from __future__ import annotations
 
-import shutil
-
 import httpx
 import pytest
 import torch
 import trio
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from trillm.api.cli import several_models
 from trillm.api.model_set import model_specs
 from trillm.api.settings import ServerConfig
 
-from tests.families import hf_greedy
+from tests.families import TINY_QWEN3, hf_greedy, tiny_qwen3
 from tests.server import MODEL, client, in_thread, running_server
-
-TINY = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    eos_token_id=2,
-)
-
-
-def _tiny(folder, model_dir, seed: int):
-    torch.manual_seed(seed)
-    Qwen3ForCausalLM(Qwen3Config(**TINY)).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (model_dir / name).exists():
-            shutil.copy(model_dir / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +24,7 @@ def models_dir(tmp_path_factory, model_dir):
     """Two tiny random models in one folder, as ``--models-dir`` reads it."""
     root = tmp_path_factory.mktemp("models")
     for seed, name in ((1, "tiny-a"), (2, "tiny-b")):
-        _tiny(root / name, model_dir, seed)
+        tiny_qwen3(root / name, model_dir, seed)
     (root / "notes.txt").write_text("not a model")
     return root
 
@@ -92,8 +68,8 @@ async def test_two_models_side_by_side_each_request_by_its_model(model_parts, mo
     ids = tokenizer("The capital of France is")["input_ids"]
     assert tiny.model == "tiny" and tiny.choices[0].text == tokenizer.decode(hf_greedy(hf, ids, 8))
     assert main.model == MODEL and main.choices[0].message.content
-    assert vectors.model == "tiny" and len(vectors.data[0].embedding) == TINY["hidden_size"]
-    assert after["tiny"]["loaded"] and after["tiny"]["max_model_len"] == TINY["max_position_embeddings"]
+    assert vectors.model == "tiny" and len(vectors.data[0].embedding) == TINY_QWEN3["hidden_size"]
+    assert after["tiny"]["loaded"] and after["tiny"]["max_model_len"] == TINY_QWEN3["max_position_embeddings"]
     for name in (MODEL, "tiny"):
         assert f'trillm:num_requests_running{{model_name="{name}"}}' in metrics
         assert f'trillm:request_success_total{{finished_reason="length",model_name="{name}"}}' in metrics

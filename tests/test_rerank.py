@@ -4,18 +4,17 @@ weights, and the default model through our yes/no prompt); the Cohere SDK; the 4
 
 from __future__ import annotations
 
-import shutil
-
 import cohere
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from trillm.api.rerank import Scorer
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.loading import load_model
 
+from tests.families import TINY_QWEN3, tiny_qwen3
 from tests.server import MODEL, in_thread, running_server
 
 QUERY = "What is the capital of France?"
@@ -95,28 +94,10 @@ async def test_rerank_and_score_equal_transformers_through_cohere_and_http(serve
     }
 
 
-QWEN3 = dict(
-    vocab_size=49152,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-)
-
-
 @pytest.fixture(scope="module")
 def reranker_dir(tmp_path_factory, model_dir):
     """A folder named as a Qwen3-Reranker, on random weights, with a ChatML tokenizer (the default's)."""
-    torch.manual_seed(1)
-    folder = tmp_path_factory.mktemp("tiny-Qwen3-Reranker")
-    Qwen3ForCausalLM(Qwen3Config(**QWEN3)).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, folder / name)
-    return folder
+    return tiny_qwen3(tmp_path_factory.mktemp("tiny-Qwen3-Reranker"), model_dir, 1)
 
 
 async def test_a_qwen3_reranker_is_read_with_its_own_template(reranker_dir, tokenizer):
@@ -144,12 +125,9 @@ def classifier_dir(tmp_path_factory, model_dir):
     ``Qwen3ForSequenceClassification`` are), on random weights."""
     from transformers import Qwen3ForSequenceClassification
 
-    torch.manual_seed(2)
-    folder = tmp_path_factory.mktemp("tiny-seq-cls")
-    Qwen3ForSequenceClassification(Qwen3Config(**QWEN3, num_labels=1)).eval().save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, folder / name)
-    return folder
+    return tiny_qwen3(
+        tmp_path_factory.mktemp("tiny-seq-cls"), model_dir, 2, Qwen3ForSequenceClassification, num_labels=1
+    )
 
 
 async def test_a_classification_head_scores_the_pairs(classifier_dir, tokenizer):
@@ -159,7 +137,7 @@ async def test_a_classification_head_scores_the_pairs(classifier_dir, tokenizer)
 
     hf = Qwen3ForSequenceClassification.from_pretrained(classifier_dir, dtype=torch.float32).eval()
     parts = load_model(EngineConfig(model=str(classifier_dir), dtype="float32"))
-    assert parts[0].classifier is not None and parts[0].classifier.shape == (1, QWEN3["hidden_size"])
+    assert parts[0].classifier is not None and parts[0].classifier.shape == (1, TINY_QWEN3["hidden_size"])
     scorer = Scorer.for_model("auto", str(classifier_dir), tokenizer, parts[0].classifier)
     assert scorer.style == "classifier" and scorer.chatml
     async with running_server(parts, model=str(classifier_dir), num_pages=64) as srv:
