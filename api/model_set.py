@@ -197,7 +197,9 @@ class ModelSet:
     async def _make_room(self, coming: Entry) -> None:
         """Under ``--max-loaded-models``: unload the least recently used idle model, unpinned."""
         limit = self.server.max_loaded_models
-        while limit and len(self.loaded) >= limit:
+        # another load in progress holds its place too: two loads at once must not both fit in one
+        loading = sum(1 for e in self.entries.values() if e.loading is not None and e is not coming)
+        while limit and len(self.loaded) + loading >= limit:
             victims = [e for e in self.entries.values() if self._may_unload(e) and e.served.idle]  # type: ignore[union-attr]
             if not victims:
                 raise ApiError(
