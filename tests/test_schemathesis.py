@@ -21,7 +21,7 @@ from tests.server import MODEL, QUESTION, client, in_thread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-EXAMPLES_PER_OPERATION = int(os.environ.get("TRILLM_FUZZ_EXAMPLES", "15"))  # per mode: valid, then invalid
+EXAMPLES_PER_OPERATION = int(os.environ.get("TRILLM_FUZZ_EXAMPLES", "12"))  # per mode: valid, then invalid
 
 
 def _cap_lengths(body: object) -> None:
