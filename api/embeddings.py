@@ -20,29 +20,41 @@ from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.input_limits import check_text
 from trillm.api.schemas.embeddings import EmbeddingsBody
-from trillm.api.submission import collect, submit_choices
-from trillm.engine import Pooling, RequestRejected, SamplingParams
+from trillm.api.submission import check_prefill_prompt, collect, submit_choices
+from trillm.engine import EngineConfig, Pooling, SamplingParams, pooling_for
 
 
 @attrs.frozen
 class Embedder:
-    """What the route needs of the served model: its pooling and its hidden size."""
+    """What the route needs of the served model: its pooling and its hidden size. The pooling is
+    read from the model's files on the first embeddings request (in its worker thread: a GGUF
+    header costs up to seconds), not at every start."""
 
-    pooling: Pooling
+    config: EngineConfig
     hidden_size: int
+    _pooling: list[Pooling] = attrs.field(factory=list, eq=False, repr=False)  # once read
+
+    @property
+    def pooling(self) -> Pooling:
+        if not self._pooling:
+            self._pooling.append(pooling_for(self.config))
+        return self._pooling[0]
 
     def check_dimensions(self, dimensions: int | None) -> None:
+        """A 400 for a ``dimensions`` this model cannot give (called in the request's worker thread,
+        which so reads the pooling the first time)."""
+        pooling = self.pooling
         if dimensions is None or dimensions == self.hidden_size:
             return
         if dimensions > self.hidden_size:
             raise ApiError(f"the model's embeddings have {self.hidden_size} dimensions", param="dimensions")
-        if not self.pooling.matryoshka:
+        if not pooling.matryoshka:
             raise ApiError(
                 f"this model's embeddings cannot be shortened (its config names no Matryoshka training); "
                 f"leave 'dimensions' out or send {self.hidden_size}",
                 param="dimensions",
             )
-        sizes = self.pooling.matryoshka_dimensions
+        sizes = pooling.matryoshka_dimensions
         if sizes and dimensions not in sizes:
             raise ApiError(f"must be one of {', '.join(map(str, sizes))}", param="dimensions")
 
@@ -75,17 +87,8 @@ def check_prompts(engine: EngineHandle, prompts: list[list[int]]) -> None:
     limit = engine.max_model_len
     for index, ids in enumerate(prompts):
         param = "input" if len(prompts) == 1 else f"input[{index}]"
-        if len(ids) >= limit:
-            raise ApiError(
-                f"This model's maximum context length is {limit} tokens. However, you requested {len(ids)} "
-                f"tokens in the input (at most {limit - 1} can be embedded). Please reduce the length of the input.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        try:
-            engine.check_prompt(ids)
-        except RequestRejected as exc:
-            raise ApiError(str(exc), param=param, code=exc.code) from None
+        too_long = f"you requested {{tokens}} tokens in the input (at most {limit - 1} can be embedded). Please "
+        check_prefill_prompt(engine, ids, param, too_long + "reduce the length of the input.")
 
 
 async def embed(

@@ -30,7 +30,7 @@ from trillm.api.errors import ApiError, shown
 from trillm.api.metrics import PrometheusObserver, RequestMetrics
 from trillm.api.rerank import Scorer
 from trillm.api.settings import ServerConfig
-from trillm.engine import Engine, EngineConfig, ReplicaSet, pooling_for
+from trillm.engine import Engine, EngineConfig, ReplicaSet
 
 log = logging.getLogger("trillm.api")
 
@@ -56,7 +56,7 @@ class Served:
             engine,
             EngineHost(engine, observer),
             observer,
-            Embedder(pooling_for(engine.config), engine.model.shape.hidden_size),
+            Embedder(engine.config, engine.model.shape.hidden_size),
             Scorer.for_model(server.rerank_prompt, engine.config.model, engine.tokenizer, classifier),
         )
 

@@ -30,8 +30,8 @@ import torch
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.input_limits import check_text
-from trillm.api.submission import collect, submit_choices
-from trillm.engine import RequestRejected, SamplingParams
+from trillm.api.submission import check_prefill_prompt, collect, submit_choices
+from trillm.engine import SamplingParams
 
 QWEN3_SYSTEM = (
     "Judge whether the Document meets the requirements based on the Query and the Instruct provided. "
@@ -121,19 +121,9 @@ def prompts(
     checked against the context and the vocabulary."""
     check_text(engine, [text for pair in pairs for text in pair], param)
     out = [scorer.prompt(engine.tokenizer, query, document, instruction) for query, document in pairs]
-    limit = engine.max_model_len
     for index, ids in enumerate(out):
-        if len(ids) >= limit:
-            raise ApiError(
-                f"This model's maximum context length is {limit} tokens. However, pair {index} takes {len(ids)} "
-                "tokens with the relevance prompt. Please shorten the query or the document.",
-                param=param,
-                code="context_length_exceeded",
-            )
-        try:
-            engine.check_prompt(ids)
-        except RequestRejected as exc:
-            raise ApiError(str(exc), param=param, code=exc.code) from None
+        too_long = f"pair {index} takes {{tokens}} tokens with the relevance prompt. Please shorten the query or "
+        check_prefill_prompt(engine, ids, param, too_long + "the document.")
     return out
 
 

@@ -48,6 +48,20 @@ def check_prompt(engine: EngineHandle, ids: list[int], param: str, common: Commo
         raise context_length_error(engine.max_model_len, len(ids), wanted, where, common.max_tokens_param)
 
 
+def check_prefill_prompt(engine: EngineHandle, ids: list[int], param: str, too_long: str) -> None:
+    """A prompt that is only prefilled (embeddings, relevance scoring): room in the context for the
+    one token its request samples, and ids in the vocabulary; else a 400 naming ``param``
+    (``context_length_exceeded`` in OpenAI's words, then ``too_long`` with ``{tokens}`` filled in)."""
+    limit = engine.max_model_len
+    if len(ids) >= limit:
+        message = f"This model's maximum context length is {limit} tokens. However, " + too_long.format(tokens=len(ids))
+        raise ApiError(message, param=param, code="context_length_exceeded")
+    try:
+        engine.check_prompt(ids)
+    except RequestRejected as exc:
+        raise ApiError(str(exc), param=param, code=exc.code) from None
+
+
 async def with_grammar(engine: EngineHandle, req: Any) -> Any:
     """``req`` with its output constraint compiled into its sampling parameters (in a worker
     process, cached, time-limited); an invalid, empty, too large or too slow one is a 400 naming

@@ -25,7 +25,7 @@ import trio
 from trillm.engine.config import EngineConfig
 from trillm.engine.engine import Engine
 from trillm.engine.errors import EngineNotRunning
-from trillm.engine.execution.pooling import pooling_for
+from trillm.engine.execution.pooling import Pooling, pooling_for
 from trillm.engine.offline.batch import SETTLE_SECONDS, Batch, Ended, Prompt
 from trillm.engine.offline.loop import EngineLoop, unwrap
 from trillm.engine.offline.params import SamplingParams
@@ -105,6 +105,7 @@ class LLM:
         self._loop = EngineLoop(self._engine)
         self._close = weakref.finalize(self, self._loop.stop)  # at interpreter exit too
         self._lock = threading.Lock()
+        self._pooling: Pooling | None = None  # how ``embed`` pools, once asked
 
     # -- what it holds -------------------------------------------------------------------
 
@@ -188,7 +189,9 @@ class LLM:
         """Each prompt's embedding, as ``/v1/embeddings`` gives it: the final-normed hidden states
         pooled as the model's files say (``--pooling``; else the mean), normalized where they say so
         (a model that names nothing: yes)."""
-        pooling = pooling_for(self.config)
+        if self._pooling is None:  # read from the model's files once
+            self._pooling = pooling_for(self.config)
+        pooling = self._pooling
         params = SamplingParams(max_tokens=1, temperature=0, pooling=pooling.mode, speculative=False)
         vectors = []
         for result in self.generate(prompts, params, use_tqdm=use_tqdm):
