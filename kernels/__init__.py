@@ -6,12 +6,13 @@ set runs where is chosen once, by the engine's backend registry
 (``trillm.engine.execution.backends``), which wraps a set in a ``KernelBackend``. The CPU C
 kernels (``cpu_*.py``) are not a set; the engine's ``CpuBackend`` calls them directly.
 
-This file imports only the standard library at its top: a Python started in the repository
-root finds this folder as a top-level ``kernels``, the name of Hugging Face's package, and
-transformers probes for that one by importing it (no metadata answers for ours). Imported so,
-it must load without trillm's dependencies and say "not that package": no ``__version__``,
-which transformers reads as no usable ``kernels`` (tests/test_kernels_folder.py). Hence a
-dataclass rather than attrs for ``Kernels``, and torch only for the type checker.
+A Python started in the repository root finds this folder as a top-level ``kernels``, the
+name of Hugging Face's package, which transformers (5.25 on) depends on and imports. Imported
+under that name, this file hands the name to the installed namesake (``_yield_to_namesake``),
+so that ``from kernels import ...`` gets Hugging Face's; where none is installed it stays,
+without a ``__version__``, which transformers reads as no usable ``kernels``. Either way it
+must load without trillm's dependencies (tests/test_kernels_folder.py): the standard library
+only at its top, a dataclass rather than attrs for ``Kernels``, torch only for the type checker.
 """
 
 from __future__ import annotations
@@ -25,6 +26,35 @@ if TYPE_CHECKING:
     import torch
 
 KERNEL_CHOICES = ("triton", "reference")
+
+
+def _yield_to_namesake() -> None:
+    """Put the installed top-level ``kernels`` (Hugging Face's) in this module's place, if any.
+
+    The import system returns whatever ``sys.modules["kernels"]`` holds once this file has run,
+    so the importer gets the namesake. It is looked for on ``sys.path`` less this folder's parent.
+    """
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        return
+    namesake = importlib.util.module_from_spec(spec)
+    ours = sys.modules["kernels"]
+    sys.modules["kernels"] = namesake  # its own ``kernels.*`` imports find it during its run
+    try:
+        spec.loader.exec_module(namesake)
+    except BaseException:
+        sys.modules["kernels"] = ours
+        raise
+
+
+if __name__ == "kernels":
+    _yield_to_namesake()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The top-level ``kernels/`` folder is found as ``kernels`` by any Python started in the
-repository root, where transformers probes for Hugging Face's ``kernels`` package (its
-``is_kernels_available``: a module spec, then distribution metadata, then an import). That
-probe must get a harmless "not that package", even from a Python without trillm's dependencies."""
+repository root, the name of Hugging Face's ``kernels`` package, which transformers depends on
+(5.25 on) and imports. Imported so, ours must hand the name to that package where it is
+installed and otherwise read as "not that package" (no ``__version__``), even from a Python
+without trillm's dependencies."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,9 +49,14 @@ def site_of(distributions: set[str], into: Path) -> Path:
     return into
 
 
-def test_transformers_imports_from_the_repository_root_without_our_dependencies(tmp_path):
+@pytest.mark.parametrize("namesake", [True, False], ids=["hf-kernels-installed", "no-hf-kernels"])
+def test_transformers_imports_from_the_repository_root_without_our_dependencies(tmp_path, namesake):
     needed = requirement_closure("transformers")
     assert "attrs" not in needed and "torch" not in needed, needed
+    if namesake:
+        needed |= requirement_closure("kernels")
+    else:
+        needed.discard("kernels")
     site = site_of(needed, tmp_path / "site")
     probe = (
         "import importlib.util, sys\n"
@@ -60,6 +67,8 @@ def test_transformers_imports_from_the_repository_root_without_our_dependencies(
         "from transformers.utils.import_utils import is_kernels_available\n"
         "assert LlamaConfig().model_type == 'llama'\n"
         "assert AutoTokenizer.__name__ == 'AutoTokenizer'\n"
+        "import kernels\n"
+        "print('kernels from:', kernels.__file__)\n"
         "print('kernels available:', is_kernels_available())\n"
     )
     # -S: no site-packages (so no attrs, no torch, no trillm); "" (the cwd, the root) first on sys.path.
@@ -69,4 +78,10 @@ def test_transformers_imports_from_the_repository_root_without_our_dependencies(
         [sys.executable, "-S", "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(r"kernels available: False", done.stdout), done.stdout
+    ours = str(ROOT / "kernels")
+    if namesake:
+        assert re.search(r"kernels available: True", done.stdout), done.stdout
+        assert f"kernels from: {ours}" not in done.stdout, done.stdout
+    else:
+        assert re.search(r"kernels available: False", done.stdout), done.stdout
+        assert f"kernels from: {ours}" in done.stdout, done.stdout
