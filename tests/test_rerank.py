@@ -1,6 +1,7 @@
 """``POST /v1/rerank`` and ``/v1/score``: relevance as P(yes) / (P(yes) + P(no)) where the model
 answers, equal to transformers' on the same prompt (a Qwen3-Reranker-style folder on random
-weights, and the default model through our yes/no prompt); the Cohere SDK; the 400s."""
+weights, and the default model through our yes/no prompt); the Cohere SDK, LangChain's
+``CohereRerank`` (a retriever's compressor, as a RAG app reranks); the 400s."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import cohere
 import httpx
 import pytest
 import torch
+from langchain_cohere import CohereRerank
+from langchain_core.documents import Document
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from trillm.api.rerank import Scorer
@@ -44,6 +47,8 @@ async def test_rerank_and_score_equal_transformers_through_cohere_and_http(serve
     def run():
         co = cohere.ClientV2(base_url=server.url, api_key="unused")
         ranked = co.rerank(model=MODEL, query=QUERY, documents=DOCUMENTS, top_n=2)
+        compressor = CohereRerank(model=MODEL, base_url=server.url, cohere_api_key="unused", top_n=2)
+        kept = compressor.compress_documents([Document(d, metadata={"i": i}) for i, d in enumerate(DOCUMENTS)], QUERY)
         plain = httpx.post(
             server.url + "/v1/rerank",
             json={
@@ -71,9 +76,9 @@ async def test_rerank_and_score_equal_transformers_through_cohere_and_http(serve
         ]:
             reply = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=60)
             errors[name] = (reply.status_code, reply.json()["error"]["param"])
-        return ranked, plain, scored, paired, errors
+        return ranked, kept, plain, scored, paired, errors
 
-    ranked, plain, scored, paired, errors = await in_thread(run)
+    ranked, kept, plain, scored, paired, errors = await in_thread(run)
     want = [expected(hf_default, scorer, tokenizer, QUERY, d) for d in DOCUMENTS]
     assert [s["score"] for s in scored["data"]] == pytest.approx(want, abs=1e-4)
     assert [s["index"] for s in scored["data"]] == [0, 1, 2] and scored["object"] == "list"
@@ -82,6 +87,10 @@ async def test_rerank_and_score_equal_transformers_through_cohere_and_http(serve
     assert order[0] == 0 and order[-1] == 1  # the answer first, the bananas last
     assert [r.index for r in ranked.results] == order[:2]  # top_n
     assert [r.relevance_score for r in ranked.results] == pytest.approx([want[i] for i in order[:2]], abs=1e-4)
+    assert [d.metadata["i"] for d in kept] == order[:2] and [d.page_content for d in kept] == [
+        DOCUMENTS[i] for i in order[:2]
+    ]
+    assert [d.metadata["relevance_score"] for d in kept] == pytest.approx([want[i] for i in order[:2]], abs=1e-4)
     assert [r["index"] for r in plain["results"]] == order and "document" not in plain["results"][0]
     assert plain["usage"]["total_tokens"] == sum(len(scorer.prompt(tokenizer, QUERY, d, None)) for d in DOCUMENTS)
     assert errors == {
