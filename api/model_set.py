@@ -5,8 +5,11 @@ The first ``--model`` is the primary: loaded before the server starts and never 
 model in ``--models-dir``) load on their first request, or at start with ``--preload``: in
 a worker thread, while the loaded ones keep serving; a request for a model that is loading
 waits for it, within its deadline. They stay while they fit: loading one more than
-``--max-loaded-models`` first unloads the least recently used idle one, ``--model-ttl``
-unloads one idle that long, and ``--pin`` keeps one loaded. An unloaded model's engine
+``--max-loaded-models``, or one whose weights and KV pool would pass ``--models-memory``
+(by default 90% of the device's memory), first unloads the least recently used idle ones;
+``--model-ttl`` unloads one idle that long, and ``--pin`` keeps one loaded. A model's
+footprint is measured once it has loaded (``Engine.footprint_bytes``); before its first load
+it is guessed from its files' size, and checked again once measured. An unloaded model's engine
 is stopped (its streams end, its pages and weights are freed); a GGUF file reopens
 through its memory map when the model is asked for again.
 """
@@ -30,9 +33,13 @@ from trillm.api.errors import ApiError, shown
 from trillm.api.metrics import PrometheusObserver, RequestMetrics
 from trillm.api.rerank import Scorer
 from trillm.api.settings import ServerConfig
-from trillm.engine import Engine, EngineConfig, ReplicaSet
+from trillm.engine import Engine, EngineConfig, ReplicaSet, device_memory
 
 log = logging.getLogger("trillm.api")
+
+GiB = 2**30
+DEFAULT_MEMORY_SHARE = 0.9  # of the device's memory, where --models-memory is not given
+WEIGHT_FILES = ("*.safetensors", "*.gguf", "*.bin", "*.pt")
 
 
 @attrs.define(eq=False)
@@ -75,6 +82,34 @@ class Entry:
     served: Served | None = None
     loading: trio.Event | None = None  # set when a load in progress ends, loaded or not
     failure: str | None = None  # why its last load failed
+    footprint: int | None = None  # bytes of weights and KV pool, measured at its last load
+
+    def expected_bytes(self) -> int:
+        """What it takes loaded: measured, or (never loaded) its weight files' size; 0 where unknown."""
+        if self.served is not None:
+            return self.served.engine.footprint_bytes
+        if self.footprint is not None or self.config is None:
+            return self.footprint or 0
+        return files_bytes(self.config.model)
+
+
+def files_bytes(model: str) -> int:
+    """The size of a model's weight files on disk (a GGUF file, a folder's safetensors); 0 for a
+    name not on disk (a hub id): its load is weighed once it has loaded."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in path.glob(pattern))
+    return 0
+
+
+def memory_budget(server: ServerConfig, config: EngineConfig) -> int | None:
+    """Bytes all loaded models may take (``--models-memory``); None: no budget."""
+    if server.models_memory is not None:
+        return int(server.models_memory * GiB) or None
+    total = device_memory(config)
+    return int(DEFAULT_MEMORY_SHARE * total) if total else None
 
 
 def model_specs(server: ServerConfig) -> dict[str, str]:
@@ -110,6 +145,7 @@ class ModelSet:
         self.primary = primary
         self._load = load or (lambda config: ReplicaSet(config) if config.dp > 1 else Engine.load(config))
         self.entries: dict[str, Entry] = {primary.name: Entry(primary.name, None, True, primary)}
+        self.budget = memory_budget(server, primary.engine.config)
         pinned = set(server.pin)
         for name, path in model_specs(server).items():
             if name in self.entries:
@@ -177,7 +213,11 @@ class ModelSet:
             served = Served.around(entry.name, engine, self.server, self.metrics)
             await self.nursery.start(served.host.run)
             entry.served, entry.failure = served, None
-            log.info("model %s loaded in %.1f s", entry.name, time.perf_counter() - started)
+            entry.footprint = engine.footprint_bytes
+            await self._fit(entry)
+            log.info(
+                "model %s loaded in %.1f s (%.2f GiB)", entry.name, time.perf_counter() - started, entry.footprint / GiB
+            )
             return served
         finally:
             entry.loading = None
@@ -194,22 +234,56 @@ class ModelSet:
         gc.collect()  # the engine's KV pool and weights, now unreferenced
         log.info("model %s unloaded", entry.name)
 
-    async def _make_room(self, coming: Entry) -> None:
-        """Under ``--max-loaded-models``: unload the least recently used idle model, unpinned."""
-        limit = self.server.max_loaded_models
+    def in_use(self, but: Entry | None = None) -> int:
+        """Bytes the loaded models take, and the loads in progress are expected to, less ``but``'s."""
+        return sum(
+            e.expected_bytes() for e in self.entries.values() if e is not but and (e.served or e.loading is not None)
+        )
+
+    def _victims(self, keep: Entry) -> list[Entry]:
+        return [e for e in self.entries.values() if e is not keep and self._may_unload(e) and e.served.idle]  # type: ignore[union-attr]
+
+    def _over(self, coming: Entry) -> str | None:
+        """Why ``coming`` does not fit now (None: it fits)."""
+        limit, budget = self.server.max_loaded_models, self.budget
         # another load in progress holds its place too: two loads at once must not both fit in one
         loading = sum(1 for e in self.entries.values() if e.loading is not None and e is not coming)
-        while limit and len(self.loaded) + loading >= limit:
-            victims = [e for e in self.entries.values() if self._may_unload(e) and e.served.idle]  # type: ignore[union-attr]
+        if limit and len(self.loaded) + loading + (coming.served is None) > limit:
+            return f"{len(self.loaded)} models are loaded (--max-loaded-models {limit})"
+        if budget and self.in_use(but=coming) + coming.expected_bytes() > budget:
+            return (
+                f"`{coming.name}` takes {coming.expected_bytes() / GiB:.2f} GiB and the loaded models "
+                f"{self.in_use(but=coming) / GiB:.2f} GiB, more than --models-memory {budget / GiB:.2f} GiB"
+            )
+        return None
+
+    async def _make_room(self, coming: Entry) -> None:
+        """Unload the least recently used idle, unpinned models until ``coming`` fits."""
+        while (why := self._over(coming)) is not None:
+            victims = self._victims(coming)
             if not victims:
+                kept = sum(
+                    e.expected_bytes()
+                    for e in self.entries.values()
+                    if e is not coming and (e.served or e.loading) and (e.config is None or e.pinned)
+                )
+                never = bool(self.budget) and coming.expected_bytes() + kept > (self.budget or 0)
                 raise ApiError(
-                    f"{len(self.loaded)} models are loaded (--max-loaded-models {limit}) and none is idle; "
-                    f"`{coming.name}` cannot load now: retry shortly",
+                    f"{why}; `{coming.name}` cannot load "
+                    + ("beside the pinned ones: give it more memory" if never else "now: none is idle; retry shortly"),
                     503,
-                    code="models_busy",
+                    code="model_does_not_fit" if never else "models_busy",
                     headers={"Retry-After": "1"},
                 )
             await self.unload(min(victims, key=lambda e: e.served.last_used))  # type: ignore[union-attr]
+
+    async def _fit(self, loaded: Entry) -> None:
+        """Once measured, ``loaded`` may take more than guessed: make room again, or unload it."""
+        try:
+            await self._make_room(loaded)
+        except ApiError:
+            await self.unload(loaded)
+            raise
 
     def _may_unload(self, entry: Entry) -> bool:
         return entry.served is not None and entry.config is not None and not entry.pinned
@@ -234,7 +308,12 @@ class ModelSet:
         self.nursery = nursery
         if self.server.preload:
             for entry in list(self.entries.values()):
-                await self.load(entry)
+                try:
+                    await self.load(entry)
+                except ApiError as exc:
+                    if exc.code not in ("models_busy", "model_does_not_fit"):
+                        raise
+                    log.warning("--preload: %s", exc.message)  # it loads when asked for, making room then
         if self.server.model_ttl:
             nursery.start_soon(self.expire_idle)
 
@@ -254,6 +333,7 @@ class ModelSet:
         }
         if served is not None:
             card["max_model_len"] = served.engine.max_model_len
+            card["memory_bytes"] = served.engine.footprint_bytes
         if entry.failure is not None:
             card["load_error"] = entry.failure
         return card

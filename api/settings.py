@@ -94,7 +94,17 @@ class ServerConfig:
         "unload a model idle this many seconds (never `--model`'s nor a pinned one); 0: never",
         validator=_not_negative,
     )
-    pin: tuple[str, ...] = setting((), "models never unloaded by `--max-loaded-models` or `--model-ttl`")
+    models_memory: float | None = setting(
+        None,
+        "GiB all loaded models may take together (each its weights and KV pool, `--model`'s too); loading one "
+        "that would pass it first unloads the least recently used idle ones (never `--model`'s nor a pinned "
+        "one); 0: no budget",
+        doc_default="90% of the memory of the device they run on",
+        validator=_not_negative,
+    )
+    pin: tuple[str, ...] = setting(
+        (), "models never unloaded by `--max-loaded-models`, `--models-memory` or `--model-ttl`"
+    )
     preload: bool = setting(False, "load every model at start (else each on its first request)")
     request_timeout: float | None = setting(
         None,

@@ -38,6 +38,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "execution.shape": ("ModelShape",),
     "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of"),
     "execution.pooling": ("Pooling", "pooling_for"),  # how embeddings are pooled
+    "execution.device_memory": ("device_memory",),  # the ceiling of --models-memory's default
     # Settings declared once: flags, variables, --help and the README's table derive from them.
     "settings": ("Setting", "setting", "settings_of", "from_env", "add_arguments", "overrides_from", "markdown_table"),
     # Processes: another machine's tensor-parallel ranks (`trillm serve --node-rank N`), a free port.
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from trillm.engine.execution.backends.cpu_attention import CpuMetadata as CpuMetadata
     from trillm.engine.execution.backends.cpu_attention import DecodeRows as DecodeRows
     from trillm.engine.execution.backends.cpu_attention import PrefillSpan as PrefillSpan
+    from trillm.engine.execution.device_memory import device_memory as device_memory
     from trillm.engine.execution.launch import serve_node as serve_node
     from trillm.engine.execution.loading import choose_model_dtype as choose_model_dtype
     from trillm.engine.execution.loading import eos_ids_of as eos_ids_of

@@ -113,6 +113,7 @@ class Engine:
                 draft_model=draft_model is not None,
             ),
         )
+        self.kv_pool_bytes = plan.pool_bytes
         self.max_model_len = min(context, num_pages * config.page_size)
         log.info(
             "KV pool: %.0f MiB, %d tokens in %d pages (%s); context length %d (the model's %d)",
@@ -179,6 +180,12 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.model.shape.vocab_size
+
+    @property
+    def footprint_bytes(self) -> int:
+        """What this engine holds: its weights and KV pool, on every tensor-parallel rank
+        (``--models-memory`` weighs loaded models by it)."""
+        return (self.model.resident_bytes + self.kv_pool_bytes) * self.model.tp.size
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -93,6 +93,8 @@ def test_two_replicas_share_work_route_by_prefix_free_pages_and_survive_a_death(
 
     try:
         wait_healthy(url, proc, timeout=180)
+        # its card weighs both replicas (each ~106 MiB of weights; --models-memory reads this)
+        assert http.get(f"/v1/models/{MODEL}").json()["memory_bytes"] > 2 * 100 * 2**20
         # Distinct prompts, several at once: both replicas take work.
         import concurrent.futures
 

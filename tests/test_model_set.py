@@ -1,7 +1,8 @@
 """Several models behind one endpoint (``--model`` again, ``--models-dir``): each request served by
 the model it names, loaded on first use; ``--max-loaded-models`` evicting the least recently used
-idle one, ``--model-ttl`` unloading idle ones, ``--pin`` keeping one; the admin routes; ``/metrics``
-labelled by model; the command line's ``--model NAME=PATH``."""
+idle one, ``--models-memory`` weighing each loaded model's weights and KV pool, ``--model-ttl``
+unloading idle ones, ``--pin`` keeping one; the admin routes; ``/metrics`` labelled by model; the
+command line's ``--model NAME=PATH``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import trio
 from transformers import Qwen3ForCausalLM
 
 from trillm.api.cli import several_models
-from trillm.api.model_set import model_specs
+from trillm.api.model_set import GiB, files_bytes, model_specs
 from trillm.api.settings import ServerConfig
 
 from tests.families import TINY_QWEN3, hf_greedy, tiny_qwen3
@@ -113,6 +114,56 @@ async def test_eviction_ttl_pin_and_the_admin_routes(model_parts, models_dir):
                 while (await _cards_async(http))["tiny-a"]["loaded"]:
                     await trio.sleep(0.25)
             assert (await _cards_async(http))["tiny-b"]["loaded"]  # pinned
+
+
+@pytest.mark.e2e
+async def test_the_memory_budget_evicts_the_least_recent_and_refuses_what_cannot_fit(model_parts, models_dir):
+    ask = {"prompt": "Hello", "max_tokens": 2}
+
+    async def loaded(http: httpx.AsyncClient) -> set[str]:
+        return {k for k, v in (await _cards_async(http)).items() if v["loaded"]}
+
+    # measured: each loaded model's weights and KV pool
+    async with running_server(model_parts, server=ServerConfig(models_dir=str(models_dir), models_memory=0)) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            assert (await http.post("/models/load", json={"model": "tiny-a"})).json()["loaded"]
+            cards = await _cards_async(http)
+    primary, tiny = cards[MODEL]["memory_bytes"], cards["tiny-a"]["memory_bytes"]
+    weights = files_bytes(str(models_dir / "tiny-a"))  # float32 safetensors: what its weights take loaded
+    assert weights < tiny < weights + 64 * 2**20 and primary > 64 * 2**20
+
+    # room for the primary and one tiny model: the next evicts the least recently used idle one
+    budget = (primary + 1.5 * tiny) / GiB
+    async with running_server(
+        model_parts, server=ServerConfig(models_dir=str(models_dir), models_memory=budget)
+    ) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            assert (await http.post("/v1/completions", json={"model": "tiny-a", **ask})).status_code == 200
+            assert await loaded(http) == {MODEL, "tiny-a"}
+            assert (await http.post("/v1/completions", json={"model": "tiny-b", **ask})).status_code == 200
+            assert await loaded(http) == {MODEL, "tiny-b"}
+            # tiny-b busy (a long stream open): tiny-a cannot take its place, and says why
+            async with http.stream(
+                "POST", "/v1/completions", json={"model": "tiny-b", **ask, "max_tokens": 400, "stream": True}
+            ) as stream:
+                await stream.aiter_lines().__anext__()
+                busy = await http.post("/v1/completions", json={"model": "tiny-a", **ask})
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "models_busy"
+            assert "--models-memory" in busy.json()["error"]["message"] and busy.headers["retry-after"] == "1"
+
+    # room for the files' size (the guess before a first load) but not for the KV pool beside it:
+    # measured once loaded, tiny-a goes again, and the request says it can never fit
+    budget = (primary + (weights + tiny) / 2) / GiB
+    async with running_server(
+        model_parts, server=ServerConfig(models_dir=str(models_dir), models_memory=budget)
+    ) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            refused = await http.post("/v1/completions", json={"model": "tiny-a", **ask})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_does_not_fit"
+            assert await loaded(http) == {MODEL}
+            again = await http.post("/models/load", json={"model": "tiny-a"})  # now known: refused before loading
+            assert again.status_code == 503 and again.json()["error"]["code"] == "model_does_not_fit"
+            assert (await http.post("/v1/completions", json={"model": MODEL, **ask})).status_code == 200
 
 
 def test_the_command_line_names_several_models(models_dir):

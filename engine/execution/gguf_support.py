@@ -66,7 +66,7 @@ def float32_bytes(header: GGUFHeader) -> int:
 def available_memory() -> int | None:
     """Bytes of memory this process can still take: MemAvailable of ``/proc/meminfo``, or less where
     a cgroup (a container) caps it lower (None where neither is known)."""
-    free = _meminfo("MemAvailable")
+    free = meminfo("MemAvailable")
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         used = int(Path("/sys/fs/cgroup/memory.current").read_text())
@@ -78,7 +78,7 @@ def available_memory() -> int | None:
     return free
 
 
-def _meminfo(key: str) -> int | None:
+def meminfo(key: str) -> int | None:
     """Bytes of ``key`` (MemAvailable, MemTotal) in ``/proc/meminfo``; None where it is not known."""
     try:
         with open("/proc/meminfo") as f:
@@ -131,7 +131,7 @@ def check_servable(header: GGUFHeader, available: int | None = None, native: boo
     if free is not None and native and need > free:
         # Mapped, the file's pages already in memory (another server on the same file) cost nothing
         # more; what the machine has in all still bounds it.
-        total = _meminfo("MemTotal")
+        total = meminfo("MemTotal")
         free = min(free + resident_file_bytes(path), total if total is not None else free)
     if free is not None and need > free:
         held = "in their blocks" if native else "dequantized to float32 (as the default model is converted)"

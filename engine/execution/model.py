@@ -45,6 +45,7 @@ from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
 from trillm.engine.execution.rope import cos_sin_table
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import StepMetadata
+from trillm.kernels.stacked import Stacked, nbytes
 
 
 def fingerprint(weights: dict[str, Any]) -> str:
@@ -197,6 +198,33 @@ class DecoderModel:
     def projections(self) -> list[Weight]:
         """Every matrix: the LM head and each layer's (the experts' included)."""
         return [self.lm_head, *(p for layer in self.layers for p in layer.projections())]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes the weights take, each storage once (a tied head, the experts' views of their
+        stack): with the KV pool, what loading this model costs (``Engine.footprint_bytes``)."""
+        seen: dict[object, int] = {}
+
+        def count(w: object) -> None:
+            if isinstance(w, torch.Tensor):
+                storage = w.untyped_storage()
+                seen[("storage", storage.data_ptr())] = storage.nbytes()
+            elif isinstance(w, Stacked):
+                for part in w.parts:
+                    count(part)
+            elif w is not None:
+                seen[id(w)] = nbytes(w)
+
+        for w in [self.embed, self.final_norm, *self.projections()]:
+            count(w)
+        for layer in self.layers:
+            values = attrs.astuple(layer, recurse=False)
+            if layer.moe is not None:
+                values += attrs.astuple(layer.moe, recurse=False)
+            for value in values:
+                if isinstance(value, torch.Tensor):
+                    count(value)
+        return sum(seen.values())
 
     @property
     def projection_bytes(self) -> int:

@@ -97,6 +97,7 @@ class _Replica:
         self.stats: EngineStats | None = None
         self.max_model_len = 0
         self.projection_bytes = 0
+        self.footprint_bytes = 0
         self.open: set[str] = set()
         self.calls: dict[str, tuple[str, ...]] = {}  # first id -> the ids of one submit_many
 
@@ -134,6 +135,11 @@ class ReplicaSet:
     @property
     def is_running(self) -> bool:
         return self._running
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Every live replica's weights and KV pool (``Engine.footprint_bytes``)."""
+        return sum(r.footprint_bytes for r in self.replicas if r.alive)
 
     def replica_stats(self) -> list[EngineStats | None]:
         """Each replica's last reported numbers (None: not yet, or dead)."""
@@ -296,6 +302,7 @@ class ReplicaSet:
                 if isinstance(message, Ready):
                     replica.alive = True
                     replica.max_model_len, replica.projection_bytes = message.max_model_len, message.projection_bytes
+                    replica.footprint_bytes = message.footprint_bytes
                     ready.set()
                 elif isinstance(message, Outputs):
                     self._deliver(replica, message)

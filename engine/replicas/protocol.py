@@ -49,6 +49,7 @@ class Ready:
 
     max_model_len: int
     projection_bytes: int
+    footprint_bytes: int  # its weights and KV pool (``Engine.footprint_bytes``)
 
 
 @attrs.frozen
