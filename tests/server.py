@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Any
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -25,6 +26,7 @@ class Server:
     url: str  # http://127.0.0.1:PORT
     port: int
     engine: Engine
+    app: Any = None  # the QuartTrio app: its AppState is ``app.extensions["trillm"]``
 
     @property
     def base_url(self) -> str:
@@ -62,7 +64,7 @@ async def running_server(
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
         url = binds[0]
-        yield Server(url, int(url.rsplit(":", 1)[1]), engine)
+        yield Server(url, int(url.rsplit(":", 1)[1]), engine, app)
         await wait_idle(engine)
         shutdown.set()
     assert not engine.is_running

@@ -166,6 +166,69 @@ async def test_the_memory_budget_evicts_the_least_recent_and_refuses_what_cannot
             assert (await http.post("/v1/completions", json={"model": MODEL, **ask})).status_code == 200
 
 
+@pytest.mark.e2e
+async def test_keys_priority_cancellation_and_drain_span_the_models(model_parts, models_dir):
+    """A key's limit counts its requests to every model; a second model's scheduler honours
+    priority; a cut stream frees that model's pages; a drain refuses every model's requests."""
+    settings = ServerConfig(
+        extra_model=(f"tiny={models_dir / 'tiny-a'}",), api_key=("k1", "k2", "k3"), max_concurrent_per_key=1
+    )
+    long = {"prompt": "Once", "max_tokens": 48, "ignore_eos": True}
+    async with running_server(model_parts, server=settings, scheduling_policy="priority", max_num_seqs=1) as srv:
+        state = srv.app.extensions["trillm"]
+        k1, k2, k3 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2", "k3"))
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            assert (await http.post("/models/load", json={"model": "tiny"}, headers=k1)).json()["loaded"]
+            tiny = state.models.entries["tiny"].served.engine
+            assert tiny.config.scheduling_policy == "priority" and tiny.config.max_num_seqs == 1
+            # k1 streams from tiny: its one slot is taken for the primary too; k2's is its own
+            async with http.stream(
+                "POST", "/v1/completions", json={"model": "tiny", **long, "stream": True}, headers=k1
+            ) as stream:
+                await stream.aiter_lines().__anext__()
+                limited = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}, headers=k1)
+                other = await http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=k2
+                )
+            assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+            assert other.status_code == 200
+            with trio.fail_after(30):  # the cut stream's request ends and its pages come back
+                while (stats := tiny.stats()).num_open_requests or stats.free_pages + stats.evictable_pages < (
+                    stats.total_pages
+                ):
+                    await trio.sleep(0.05)
+            assert tiny.stats().num_aborted >= 1
+
+            # one sequence at a time on tiny: of two waiting, the more urgent (lower) priority goes first
+            finished: list[str] = []
+
+            async def complete(name: str, priority: int, key: dict[str, str]) -> None:
+                body = {"model": "tiny", **long, "priority": priority}
+                reply = await http.post("/v1/completions", json=body, headers=key)
+                assert reply.status_code == 200, reply.text
+                finished.append(name)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(complete, "first", 5, k1)
+                while tiny.stats().num_running == 0:
+                    await trio.sleep(0.01)
+                nursery.start_soon(complete, "later", 5, k2)
+                while tiny.stats().num_waiting == 0:
+                    await trio.sleep(0.01)
+                nursery.start_soon(complete, "urgent", 0, k3)
+            assert finished.index("urgent") < finished.index("later"), finished
+            assert tiny.stats().num_preemptions >= 1  # it displaced the running one it outranks
+
+            # drain: every model's requests are refused (once the slots of those answered are given back)
+            with trio.fail_after(10):
+                while srv.app.extensions["trillm_limiter"].total():
+                    await trio.sleep(0.01)
+            state.drain.begin()
+            for name in ("tiny", MODEL):
+                refused = await http.post("/v1/completions", json={"model": name, "prompt": "Hi"}, headers=k2)
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining", refused.text
+
+
 def test_the_command_line_names_several_models(models_dir):
     argv = ["serve", "--model", "chat=/models/a", "--model=b=/models/b", "--model", "/models/c", "--port", "1"]
     assert several_models(argv) == [
