@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 import attrs
 import openai
