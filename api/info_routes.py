@@ -67,13 +67,20 @@ async def load_model() -> Response:
 
 @info_routes.post("/models/unload")
 async def unload_model() -> Response:
-    """An admin route (behind the API key): unload a model now (its streams end); its card."""
+    """An admin route (behind the API key): unload a model now (its streams end); its card.
+    ``"park": false`` lets its weights go even where ``--park-models`` would keep them."""
     state = app_state()
-    name = _admin_model(await state.json_body())
+    body = await state.json_body()
+    name = _admin_model(body)
+    park = body.get("park", True)
+    if not isinstance(park, bool):
+        raise ApiError("`park` must be true or false", param="park")
     entry = state.models.entry(name)
     if entry.config is None:
         raise ApiError(f"`{name}` is the server's own model (--model): it is never unloaded", param="model")
-    await state.models.unload(entry)
+    await state.models.unload(entry, park=park)
+    if not park:
+        state.models.drop_parked(entry)
     return json_response(state.model_card(name))
 
 

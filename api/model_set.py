@@ -9,9 +9,11 @@ waits for it, within its deadline. They stay while they fit: loading one more th
 (by default 90% of the device's memory), first unloads the least recently used idle ones;
 ``--model-ttl`` unloads one idle that long, and ``--pin`` keeps one loaded. A model's
 footprint is measured once it has loaded (``Engine.footprint_bytes``); before its first load
-it is guessed from its files' size, and checked again once measured. An unloaded model's engine
-is stopped (its streams end, its pages and weights are freed); a GGUF file reopens
-through its memory map when the model is asked for again.
+it is guessed from its files' size, and checked again once measured. With ``--park-models``
+(by default on a GPU) an unloaded model is parked: its weights kept in host memory, its KV
+pool freed (``ParkedModel``), and woken without reading its files again. An unloaded model's engine
+is stopped (its streams end, its pages and, unless parked, its weights are freed); a GGUF
+file reopens through its memory map when the model is asked for again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from functools import partial
 from pathlib import Path
 
 import attrs
+import torch
 import trio
 
 from trillm.api.embeddings import Embedder
@@ -33,12 +36,13 @@ from trillm.api.errors import ApiError, shown
 from trillm.api.metrics import PrometheusObserver, RequestMetrics
 from trillm.api.rerank import Scorer
 from trillm.api.settings import ServerConfig
-from trillm.engine import Engine, EngineConfig, ReplicaSet, device_memory
+from trillm.engine import Engine, EngineConfig, ParkedModel, ReplicaSet, device_memory
 
 log = logging.getLogger("trillm.api")
 
 GiB = 2**30
 DEFAULT_MEMORY_SHARE = 0.9  # of the device's memory, where --models-memory is not given
+DEFAULT_PARKED_ON_GPU = 2  # --park-models where it is not given, on a GPU (0 on a CPU)
 WEIGHT_FILES = ("*.safetensors", "*.gguf", "*.bin", "*.pt")
 
 
@@ -83,6 +87,7 @@ class Entry:
     loading: trio.Event | None = None  # set when a load in progress ends, loaded or not
     failure: str | None = None  # why its last load failed
     footprint: int | None = None  # bytes of weights and KV pool, measured at its last load
+    parked: ParkedModel | None = None  # unloaded with its weights kept on the host (--park-models)
 
     def expected_bytes(self) -> int:
         """What it takes loaded: measured, or (never loaded) its weight files' size; 0 where unknown."""
@@ -102,6 +107,14 @@ def files_bytes(model: str) -> int:
     if path.is_dir():
         return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in path.glob(pattern))
     return 0
+
+
+def park_limit(server: ServerConfig, config: EngineConfig) -> int:
+    """How many unloaded models stay parked (``--park-models``)."""
+    if server.park_models is not None:
+        return server.park_models
+    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return DEFAULT_PARKED_ON_GPU if on_gpu else 0
 
 
 def memory_budget(server: ServerConfig, config: EngineConfig) -> int | None:
@@ -146,6 +159,7 @@ class ModelSet:
         self._load = load or (lambda config: ReplicaSet(config) if config.dp > 1 else Engine.load(config))
         self.entries: dict[str, Entry] = {primary.name: Entry(primary.name, None, True, primary)}
         self.budget = memory_budget(server, primary.engine.config)
+        self.park_limit = park_limit(server, primary.engine.config)
         pinned = set(server.pin)
         for name, path in model_specs(server).items():
             if name in self.entries:
@@ -200,12 +214,18 @@ class ModelSet:
             return entry.served
         assert entry.config is not None and self.nursery is not None
         done = entry.loading = trio.Event()
+        parked, entry.parked = entry.parked, None  # not the parked one to drop while making room for it
         try:
-            await self._make_room(entry)
-            log.info("loading model %s (%s)", entry.name, entry.config.model)
-            started = time.perf_counter()
             try:
-                engine = await trio.to_thread.run_sync(partial(self._load, entry.config))
+                await self._make_room(entry)
+            except ApiError:
+                entry.parked = parked
+                raise
+            started = time.perf_counter()
+            log.info("%s model %s (%s)", "waking" if parked else "loading", entry.name, entry.config.model)
+            try:
+                load = parked.wake if parked is not None else partial(self._load, entry.config)
+                engine = await trio.to_thread.run_sync(load)
             except Exception as exc:
                 entry.failure = f"{type(exc).__name__}: {exc}"
                 log.error("model %s failed to load: %s", entry.name, entry.failure)
@@ -215,30 +235,59 @@ class ModelSet:
             entry.served, entry.failure = served, None
             entry.footprint = engine.footprint_bytes
             await self._fit(entry)
+            took = time.perf_counter() - started
             log.info(
-                "model %s loaded in %.1f s (%.2f GiB)", entry.name, time.perf_counter() - started, entry.footprint / GiB
+                "model %s %s in %.2f s (%.2f GiB)",
+                entry.name,
+                "woken" if parked else "loaded",
+                took,
+                entry.footprint / GiB,
             )
             return served
         finally:
             entry.loading = None
             done.set()
 
-    async def unload(self, entry: Entry) -> None:
-        """Stop its engine (its streams end, its pages and weights go); the primary stays."""
+    async def unload(self, entry: Entry, park: bool = True) -> None:
+        """Stop its engine (its streams end, its pages go) and park its weights (``--park-models``)
+        or let them go; the primary stays."""
         served = entry.served
         if served is None or entry.config is None:
             return
         entry.served = None
         await served.host.stop()
+        engine = served.engine
         del served
-        gc.collect()  # the engine's KV pool and weights, now unreferenced
-        log.info("model %s unloaded", entry.name)
+        if park and self.park_limit and isinstance(engine, Engine) and ParkedModel.can_park(engine):
+            parked = entry.parked = await trio.to_thread.run_sync(ParkedModel.of, engine)
+            log.info("model %s parked (%.2f GiB of weights on the host)", entry.name, parked.weight_bytes / GiB)
+            every = sorted((e for e in self.entries.values() if e.parked), key=lambda e: e.parked.parked_at)  # type: ignore[union-attr]
+            for oldest in every[: max(0, len(every) - self.park_limit)]:
+                self.drop_parked(oldest)
+        else:
+            log.info("model %s unloaded", entry.name)
+        del engine
+        gc.collect()  # the engine's KV pool (and weights, unless parked), now unreferenced
+
+    def drop_parked(self, entry: Entry) -> None:
+        """Let a parked model's weights go: its next load reads its files."""
+        if entry.parked is not None:
+            entry.parked = None
+            gc.collect()
+            log.info("model %s no longer parked", entry.name)
 
     def in_use(self, but: Entry | None = None) -> int:
-        """Bytes the loaded models take, and the loads in progress are expected to, less ``but``'s."""
-        return sum(
-            e.expected_bytes() for e in self.entries.values() if e is not but and (e.served or e.loading is not None)
-        )
+        """Bytes the loaded models take, and the loads in progress are expected to, and the models
+        parked in the same memory (a CPU's), less ``but``'s."""
+        others = [e for e in self.entries.values() if e is not but]
+        loaded = sum(e.expected_bytes() for e in others if e.served is not None or e.loading is not None)
+        parked = [e.parked.weight_bytes for e in self._parked_beside(but) if e.parked is not None]
+        return loaded + sum(parked)
+
+    def _parked_beside(self, but: Entry | None) -> list[Entry]:
+        """The parked models whose weights take the running models' memory, least recently parked first."""
+        found = [e for e in self.entries.values() if e is not but and e.parked and e.parked.holds_host_memory]
+        return sorted(found, key=lambda e: e.parked.parked_at)  # type: ignore[union-attr]
 
     def _victims(self, keep: Entry) -> list[Entry]:
         return [e for e in self.entries.values() if e is not keep and self._may_unload(e) and e.served.idle]  # type: ignore[union-attr]
@@ -260,6 +309,10 @@ class ModelSet:
     async def _make_room(self, coming: Entry) -> None:
         """Unload the least recently used idle, unpinned models until ``coming`` fits."""
         while (why := self._over(coming)) is not None:
+            parked = self._parked_beside(coming)
+            if parked and "--models-memory" in why:
+                self.drop_parked(parked[0])  # before any running model: its weights are cheaper to lose
+                continue
             victims = self._victims(coming)
             if not victims:
                 kept = sum(
@@ -282,7 +335,7 @@ class ModelSet:
         try:
             await self._make_room(loaded)
         except ApiError:
-            await self.unload(loaded)
+            await self.unload(loaded, park=False)
             raise
 
     def _may_unload(self, entry: Entry) -> bool:
@@ -320,7 +373,8 @@ class ModelSet:
     async def stop(self) -> None:
         """Stop every loaded model's engine but the primary's (the app stops that one)."""
         for entry in self.entries.values():
-            await self.unload(entry)
+            await self.unload(entry, park=False)
+            self.drop_parked(entry)
 
     def card(self, entry: Entry, created: int) -> dict[str, object]:
         served = entry.served
@@ -330,6 +384,7 @@ class ModelSet:
             "created": created,
             "owned_by": "trillm",
             "loaded": served is not None,
+            "parked": entry.parked is not None,
         }
         if served is not None:
             card["max_model_len"] = served.engine.max_model_len

@@ -61,6 +61,7 @@ _MODEL: dict[str, Any] = {
         "owned_by": {"type": "string"},
         "max_model_len": {"type": "integer"},
         "loaded": {"type": "boolean"},
+        "parked": {"type": "boolean"},  # unloaded, its weights kept in host memory (--park-models)
         "memory_bytes": {"type": "integer"},  # its weights and KV pool, while loaded
         "load_error": {"type": "string"},
     },

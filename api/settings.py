@@ -102,6 +102,14 @@ class ServerConfig:
         doc_default="90% of the memory of the device they run on",
         validator=_not_negative,
     )
+    park_models: int | None = setting(
+        None,
+        "unloaded models kept parked in host memory (weights kept, KV pool freed: vLLM's sleep mode), woken "
+        "without reading their files again; the least recently parked goes first; on a CPU their weights "
+        "count toward `--models-memory`; 0: none",
+        doc_default="2 on a GPU, 0 on a CPU (a GGUF file reopens through its memory map)",
+        validator=_not_negative,
+    )
     pin: tuple[str, ...] = setting(
         (), "models never unloaded by `--max-loaded-models`, `--models-memory` or `--model-ttl`"
     )

@@ -21,6 +21,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     # Running an engine: one process, or data-parallel replicas behind one front.
     "engine": ("Engine",),
     "replicas.front": ("ReplicaSet",),
+    "parking": ("ParkedModel",),  # an unloaded model's weights kept on the host (sleep mode)
     "config": ("EngineConfig",),
     "scheduling.telemetry": ("EngineObserver",),
     # What a request asks for and what it gets back.
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from trillm.engine.outputs import EngineStats as EngineStats
     from trillm.engine.outputs import RequestOutput as RequestOutput
     from trillm.engine.outputs import TokenLogprobs as TokenLogprobs
+    from trillm.engine.parking import ParkedModel as ParkedModel
     from trillm.engine.processes import free_port as free_port
     from trillm.engine.replicas.front import ReplicaSet as ReplicaSet
     from trillm.engine.sampling_params import MAX_PRIORITY as MAX_PRIORITY

@@ -83,6 +83,7 @@ class Engine:
         engine watches and stops with it. ``draft_model``: ``--draft-model``, loaded (``load``)."""
         self.config = config
         self.model = model
+        self.draft_model = draft_model  # kept for parking (``parking.py``)
         self.ranks = ranks
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids

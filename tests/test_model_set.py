@@ -229,6 +229,53 @@ async def test_keys_priority_cancellation_and_drain_span_the_models(model_parts,
                 assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_draining", refused.text
 
 
+@pytest.mark.e2e
+async def test_parked_models_wake_with_their_weights_and_the_parked_are_bounded(model_parts, models_dir):
+    """``--park-models``: an evicted model keeps its weights (the same tensors, not read again) and
+    frees its KV pool; woken, it answers as before; the least recently parked goes beyond the bound."""
+    settings = ServerConfig(
+        models_dir=str(models_dir),
+        extra_model=(f"tiny-c={models_dir / 'tiny-a'}",),
+        max_loaded_models=2,
+        park_models=1,
+        models_memory=0,
+    )
+    ask = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def state_of(http: httpx.AsyncClient) -> dict[str, tuple[bool, bool]]:
+        return {k: (v["loaded"], v["parked"]) for k, v in (await _cards_async(http)).items()}
+
+    async with running_server(model_parts, server=settings) as srv:
+        models = srv.app.extensions["trillm"].models
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            first = (await http.post("/v1/completions", json={"model": "tiny-a", **ask})).json()
+            weights = models.entries["tiny-a"].served.engine.model
+            assert (await http.post("/v1/completions", json={"model": "tiny-b", **ask})).status_code == 200
+            assert (await state_of(http))["tiny-a"] == (False, True)  # evicted, parked
+            again = (await http.post("/v1/completions", json={"model": "tiny-a", **ask})).json()
+            woken = models.entries["tiny-a"].served.engine
+            assert woken.model is weights and again["choices"][0]["text"] == first["choices"][0]["text"]
+            stats = woken.stats()
+            assert stats.free_pages + stats.evictable_pages == stats.total_pages
+            assert await state_of(http) == {
+                MODEL: (True, False),
+                "tiny-a": (True, False),
+                "tiny-b": (False, True),
+                "tiny-c": (False, False),
+            }
+            # tiny-c evicts tiny-a, parked in its turn: one parked at most, so tiny-b's weights go
+            assert (await http.post("/v1/completions", json={"model": "tiny-c", **ask})).status_code == 200
+            assert (await state_of(http))["tiny-a"] == (False, True) and (await state_of(http))["tiny-b"] == (
+                False,
+                False,
+            )
+            # the admin route can let the weights go too; a bad `park` is a 400
+            gone = await http.post("/models/unload", json={"model": "tiny-c", "park": False})
+            assert gone.json()["loaded"] is False and gone.json()["parked"] is False
+            bad = await http.post("/models/unload", json={"model": "tiny-c", "park": "yes"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "park"
+
+
 def test_the_command_line_names_several_models(models_dir):
     argv = ["serve", "--model", "chat=/models/a", "--model=b=/models/b", "--model", "/models/c", "--port", "1"]
     assert several_models(argv) == [
