@@ -68,13 +68,19 @@ class Embedder:
 
 
 def prompt_ids(engine: EngineHandle, body: EmbeddingsBody) -> list[list[int]]:
-    """Each input's token ids (in a worker thread: many long inputs cost seconds to tokenize)."""
+    """Each input's token ids (in a worker thread: many long inputs cost seconds to tokenize),
+    less what ``truncate_prompt_tokens`` cuts from the left."""
     items = body.texts_or_ids()
     if isinstance(items[0], str):
         texts = [str(text) for text in items]
         check_text(engine, texts, "input")
-        return [list(engine.tokenizer(text)["input_ids"]) for text in texts]
-    return [list(map(int, ids)) for ids in items]
+        prompts = [list(engine.tokenizer(text)["input_ids"]) for text in texts]
+    else:
+        prompts = [list(map(int, ids)) for ids in items]
+    keep = body.truncate_prompt_tokens
+    if keep == -1:
+        keep = engine.max_model_len - 1  # room for the one token its request samples
+    return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
 def params(body: EmbeddingsBody, pooling: Pooling) -> SamplingParams:

@@ -50,6 +50,7 @@ async def generation(endpoint: GenerationEndpoint) -> Response:
     served = await state.serve(body, deadline)  # the model the body names (loading it if need be)
     engine = served.engine
     req, prompts = await state.preparer.run(lambda: prepare(state, served, endpoint, body))
+    prompts = [req.common.truncated(ids, engine.max_model_len) for ids in prompts]
     for ids in prompts:
         check_prompt(engine, ids, endpoint.prompt_param(req), req.common)
     if req.common.grammar is not None:

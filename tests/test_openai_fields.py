@@ -5,6 +5,7 @@ would mislead (``modalities`` with audio, ``audio``, ``web_search_options``) are
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from trillm.api.errors import ApiError
@@ -77,3 +78,41 @@ async def test_reasoning_effort_none_turns_the_reasoning_split_off(model_parts):
         thinking, plain = await in_thread(run)
     assert thinking.choices[0].message.content is None
     assert plain.choices[0].message.content == thinking.choices[0].message.reasoning_content
+
+
+@pytest.mark.e2e
+async def test_truncate_prompt_tokens_keeps_the_last_tokens_of_each_prompt(model_parts, tokenizer):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens, as if only they were sent;
+    -1: as many as the context holds beside ``max_tokens``; on completions, chat and embeddings."""
+    text = "one two three four five six seven eight nine ten " * 60  # ~600 tokens: over the 256 of context
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > 256
+    async with running_server(model_parts, num_pages=16) as srv:  # 16 pages of 16: 256 tokens of context
+
+        def run():
+            c = client(srv)
+            ask = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+            cut = c.completions.create(prompt=text, **ask, extra_body={"truncate_prompt_tokens": 10})
+            tail = c.completions.create(prompt=ids[-10:], **ask)
+            fit = c.completions.create(prompt=text, **ask, extra_body={"truncate_prompt_tokens": -1})
+            chat = c.chat.completions.create(
+                messages=[{"role": "user", "content": text}], **ask, extra_body={"truncate_prompt_tokens": 50}
+            )
+            embed = {"model": MODEL, "encoding_format": "float"}
+            e_cut = c.embeddings.create(input=text, **embed, extra_body={"truncate_prompt_tokens": 10})
+            e_tail = c.embeddings.create(input=[ids[-10:]], **embed)
+            e_fit = c.embeddings.create(input=text, **embed, extra_body={"truncate_prompt_tokens": -1})
+            errors = [
+                httpx.post(srv.base_url + path, json={"model": MODEL, **body, "truncate_prompt_tokens": 0})
+                for path, body in (("/completions", {"prompt": "hi"}), ("/embeddings", {"input": "hi"}))
+            ]
+            whole = httpx.post(srv.base_url + "/completions", json={"model": MODEL, "prompt": text, "max_tokens": 4})
+            return cut, tail, fit, chat, e_cut, e_tail, e_fit, errors, whole
+
+        cut, tail, fit, chat, e_cut, e_tail, e_fit, errors, whole = await in_thread(run)
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == tail.choices[0].text
+    assert fit.usage.prompt_tokens == 256 - 4 and chat.usage.prompt_tokens == 50
+    assert e_cut.usage.prompt_tokens == 10 and e_fit.usage.prompt_tokens == 255
+    assert e_cut.data[0].embedding == pytest.approx(e_tail.data[0].embedding, abs=1e-5)
+    assert [(e.status_code, e.json()["error"]["param"]) for e in errors] == [(400, "truncate_prompt_tokens")] * 2
+    assert whole.status_code == 400 and whole.json()["error"]["code"] == "context_length_exceeded"  # not asked to cut

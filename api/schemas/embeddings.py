@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from trillm.api.schemas.base import RequestModel
 from trillm.api.schemas.describe import parse
@@ -42,10 +42,23 @@ class EmbeddingsBody(RequestModel):
         "config says it was trained for it (`is_matryoshka` / `matryoshka_dimensions`), else a 400 unless it is "
         "the model's own size",
     )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM's: embed only the last N tokens of each input (left truncation); -1: as many as the "
+        "context holds; 0 is refused",
+    )
     user: str | None = Field(None, description="accepted; nothing else")
     priority: int = Field(
         0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="trillm's extension, as on chat: lower is served first"
     )
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be -1 or at least 1")
+        return value
 
     def texts_or_ids(self) -> list[str] | list[list[int]]:
         value: Any = self.input

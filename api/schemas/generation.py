@@ -39,6 +39,15 @@ class CommonFields:
     grammar: tuple[GrammarSpec, str] | None = None  # the output constraint and the field that asked for it
     max_tokens_param: str = "max_tokens"  # the field a refused token budget is named by
     continuous_usage: bool = False  # every chunk carries its choice's usage so far (with include_usage)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: what the context holds)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """``ids`` less what ``truncate_prompt_tokens`` cuts from the left."""
+        keep = self.truncate_prompt_tokens
+        if keep == -1:
+            room = self.params.max_tokens if self.max_tokens_given and self.params.max_tokens else 1
+            keep = max(1, max_model_len - room)
+        return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
     def capped(self, cap: int | None) -> CommonFields:
         """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:
@@ -133,6 +142,12 @@ class GenerationBody(StructuredFields):
         "running request, which resumes later losing no tokens; aging (`--priority-aging-seconds`) bounds how "
         "long a low priority can wait. Under `fcfs` (the default) it is accepted and ignored",
     )
+    truncate_prompt_tokens: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM's: keep only the last N tokens of the prompt (left truncation, after the chat template); "
+        "-1: as many as the context holds beside `max_tokens` (or one token); 0 is refused",
+    )
     prompt_cache_key: str | None = Field(
         None,
         max_length=1024,
@@ -158,6 +173,8 @@ class GenerationBody(StructuredFields):
     def _check_common(self) -> GenerationBody:
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:  # choice j samples with seed + j
             raise invalid(f"must be at most {SEED_MAX - self.n + 1} with n = {self.n} (choice j uses seed + j)", "seed")
+        if self.truncate_prompt_tokens == 0:
+            raise invalid("must be -1 or at least 1", "truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise invalid("is only allowed when 'stream' is true", "stream_options")
         if "max_tokens" in self.model_fields_set and self.max_completion_tokens not in (None, self.max_tokens):
@@ -192,6 +209,7 @@ class GenerationBody(StructuredFields):
             given,
             self.grammar(),
             continuous_usage=options.include_usage and options.continuous_usage_stats,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 
