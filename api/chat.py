@@ -17,7 +17,7 @@ from trillm.api.endpoint import GenerationEndpoint, ServerContext
 from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.input_limits import check_text, message_texts
-from trillm.api.reasoning import THINKING, ChoiceSplitter, request_style
+from trillm.api.reasoning import END, START, THINKING, ChoiceSplitter, request_style
 from trillm.api.responses import new_completion_id, usage
 from trillm.api.schemas.chat import ChatCompletionBody, ChatRequest, parse_chat_request
 from trillm.api.submission import collect, submit_choices
@@ -31,6 +31,7 @@ IMITATION = Imitation()
 
 
 Req = TypeVar("Req", bound=ChatRequest)  # chat's, or a request served as chat (Responses, Messages)
+TAGGED = ("deepseek_r1", "qwen3")  # the reasoning styles whose thinking sits between <think> tags
 
 
 def bind(engine: EngineHandle, req: Req, ctx: ServerContext) -> Req:
@@ -60,10 +61,30 @@ def bind(engine: EngineHandle, req: Req, ctx: ServerContext) -> Req:
     if style == "gpt_oss":  # the harmony markers are special tokens: the parser reads them
         params = attrs.evolve(req.common.params, skip_special_tokens=False)
         req = attrs.evolve(req, common=attrs.evolve(req.common, params=params))
+    if style in TAGGED and req.thinking_budget is not None:
+        req = attrs.evolve(req, common=attrs.evolve(req.common, params=budgeted(engine, req, style)))
     if style is not None and req.common.grammar is not None:
         spec, param = req.common.grammar
         req = attrs.evolve(req, common=attrs.evolve(req.common, grammar=(spec.after_thinking(THINKING[style]), param)))
     return req
+
+
+def budgeted(engine: EngineHandle, req: Req, style: str) -> SamplingParams:
+    """The request's parameters with its thinking budget: counted from the first token (a template
+    that opens ``<think>`` itself, ``deepseek_r1``) or from the ``<think>`` the reply opens with
+    (``qwen3``); closed by ``</think>`` and the blank line templates put after it."""
+
+    def ids(text: str) -> tuple[int, ...]:
+        return tuple(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return attrs.evolve(
+        req.common.params,
+        thinking_budget=req.thinking_budget,
+        thinking_start_ids=ids(START) if style == "qwen3" else (),
+        thinking_end_ids=ids(END),
+        thinking_after_ids=ids("\n\n"),
+        speculative=False,
+    )
 
 
 def prompt_ids(engine: EngineHandle, req: ChatRequest) -> list[list[int]]:

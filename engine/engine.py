@@ -50,6 +50,7 @@ from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.telemetry import EngineObserver
 from trillm.engine.step import StepInputs
 from trillm.engine.structured import CompiledGrammar, GrammarCompiler, GrammarSpec, Matcher
+from trillm.engine.structured.thinking_budget import ThinkingBudget
 
 __all__ = [
     "Engine",
@@ -287,6 +288,8 @@ class Engine:
             seq.generator = torch.Generator().manual_seed(params.seed)
         if params.grammar is not None:
             seq.matcher = Matcher(params.grammar)
+        if params.thinking_budget is not None:
+            seq.thinking = ThinkingBudget(params)
         return seq
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:

@@ -71,6 +71,15 @@ class SamplingParams:
     # OpenAI's ``prompt_cache_key``: under ``--dp`` requests with the same key go to the same replica
     # (whose prefix cache holds what they share), as the prefix itself routes them otherwise.
     prompt_cache_key: str | None = None
+    # A thinking budget (Anthropic's ``thinking.budget_tokens``): after this many tokens of thinking
+    # the reply is made to close it, ``thinking_end_ids`` (the closing tag) then ``thinking_after_ids``
+    # (the blank line templates put after it) forced one by one (``ThinkingBudget``). Thinking opens
+    # at the first output token, or, given ``thinking_start_ids``, where the output opens with them;
+    # the closing tag written by the model ends it too. A request with a budget is not speculated on.
+    thinking_budget: int | None = None
+    thinking_start_ids: tuple[int, ...] = ()
+    thinking_end_ids: tuple[int, ...] = ()
+    thinking_after_ids: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         floats = (self.temperature, self.top_p, self.min_p, self.presence_penalty, self.frequency_penalty)
@@ -98,6 +107,8 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.thinking_budget is not None and (self.thinking_budget < 0 or not self.thinking_end_ids):
+            raise ValueError("a thinking budget is >= 0 and needs the tokens that end thinking")
         if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority must be in [-{MAX_PRIORITY}, {MAX_PRIORITY}]")
 

@@ -24,6 +24,7 @@ from trillm.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from trillm.engine.structured.matcher import Matcher
+    from trillm.engine.structured.thinking_budget import ThinkingBudget
 
 # An output token that a step in flight samples: scheduling runs one step ahead
 # of the sampled tokens, so the next step is built before this one's arrive.
@@ -62,6 +63,9 @@ class ScheduledSequence(Protocol):
 
     @property
     def matcher(self) -> Any: ...  # its grammar state (``structured.Matcher``), if any
+
+    @property
+    def thinking(self) -> Any: ...  # its thinking budget (``structured.ThinkingBudget``), if any
 
     @property
     def num_tokens(self) -> int: ...
@@ -155,6 +159,7 @@ class SampleRow:
     output_ids: tuple[int, ...] = ()
     banned_ids: tuple[int, ...] = ()  # EOS and stop ids while min_tokens is not reached
     matcher: Matcher | None = None  # the row's grammar state, when it has one
+    thinking: ThinkingBudget | None = None  # the row's thinking budget, when it has one
 
 
 @attrs.frozen

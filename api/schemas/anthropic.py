@@ -189,7 +189,8 @@ class CountTokensBody(RequestModel):
     thinking: ThinkingConfig | None = Field(
         None,
         description='`{"type": "enabled", "budget_tokens"}` (>= 1024, < `max_tokens`), `adaptive` or `between_tools`:'
-        " the template thinks, and under `--reasoning-parser` the thinking comes back as `thinking` blocks; "
+        " the template thinks, and under `--reasoning-parser` the thinking comes back as `thinking` blocks, "
+        "`budget_tokens` of it at most (then `</think>` is forced and the answer follows); "
         '`{"type": "disabled"}`: no thinking (`enable_thinking: false`). Absent: the template\'s default',
     )
     mcp_servers: (
@@ -353,6 +354,9 @@ class MessagesBody(CountTokensBody):
             tools=self.tool_set(),
             stop_sequences=params.stop,
             prefill=prefill,
+            thinking_budget=self.thinking.budget_tokens
+            if self.thinking is not None and self.thinking.type == "enabled"
+            else None,
         )
 
 

@@ -53,6 +53,7 @@ class ChatRequest:
     tools: ToolSet | None = None
     tool_format: ToolFormat | None = None  # decided by ``chat.bind`` from the template and the settings
     prediction: str | None = None  # Predicted Outputs' text, tokenized by ``chat.bind``
+    thinking_budget: int | None = None  # tokens of thinking before it is closed (``chat.bind``)
 
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
@@ -107,6 +108,13 @@ class ChatCompletionBody(GenerationBody, ToolFields):
         "thinking off (`enable_thinking: false`, as Qwen3's templates read it, passed as `low`); templates that "
         "read neither ignore it. `chat_template_kwargs` win where they set the same names",
     )
+    thinking_budget: int | None = Field(
+        None,
+        ge=0,
+        description="trillm's extension (Anthropic's `budget_tokens`, SGLang's thinking budget): under a "
+        "`--reasoning-parser` with `<think>` tags, after this many tokens of thinking the reply is made to close it "
+        "(`</think>` forced) and the answer follows. Such a request is not speculated on",
+    )
     verbosity: Literal["low", "medium", "high"] | None = Field(
         None,
         description="accepted, not honoured: no template here reads it (the reply is as long as the model makes it)",
@@ -156,7 +164,15 @@ class ChatCompletionBody(GenerationBody, ToolFields):
             raise ApiError("'tools' need 'messages' (a raw 'prompt' has no template)", param="tools")
         prediction = None if self.prediction is None else text_of(self.prediction.content)
         kwargs = with_effort(self.chat_template_kwargs, self.reasoning_effort)
-        return ChatRequest(common, messages, self.prompt, kwargs, tools, prediction=prediction or None)
+        return ChatRequest(
+            common,
+            messages,
+            self.prompt,
+            kwargs,
+            tools,
+            prediction=prediction or None,
+            thinking_budget=self.thinking_budget,
+        )
 
 
 def parse_chat_request(body: Any) -> ChatRequest:

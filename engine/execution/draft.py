@@ -84,6 +84,7 @@ class _Position:
     pending_sample: int = -1
     generator: Any = None
     matcher: Any = None
+    thinking: Any = None
     banned_ids: tuple[int, ...] = ()
     num_known_outputs: int = 0
 

@@ -46,6 +46,7 @@ from trillm.engine.step import (
     fill_pending,
 )
 from trillm.engine.structured.matcher import GrammarMasks, advance
+from trillm.engine.structured.thinking_budget import force_rows
 
 log = logging.getLogger("trillm.engine")
 
@@ -232,6 +233,12 @@ class ModelRunner:
         matchers = [row.matcher for row in plain_rows]  # a verification's masks are its own (``verify``)
         started = time.perf_counter()
         masks = GrammarMasks.fill(matchers, logits.shape[-1], self.num_threads)
+        budgets = [row.thinking for row in plain_rows]
+        forced = [(i, token) for i, b in enumerate(budgets) if b is not None and (token := b.next_forced()) is not None]
+        if forced:  # a spent thinking budget: the row may only close the thinking
+            masks = masks or GrammarMasks.empty(len(plain_rows), logits.shape[-1])
+            force_rows(masks.bitmask, forced)
+            masks.rows = sorted({*masks.rows, *(i for i, _ in forced)})
         mask_seconds = time.perf_counter() - started
         with torch.inference_mode():
             kernel = self.backend.sampling_kernel
@@ -239,6 +246,9 @@ class ModelRunner:
             if inputs.drafts:
                 sampled = with_verifications(sampled, logits, rows, inputs.drafts)
             prompt = prompt_logprobs(logits[n:], inputs.prompt_spans) if inputs.prompt_spans else ()
+        for budget, c in zip(budgets, plain):
+            if budget is not None:
+                budget.took(sampled.tokens[c])
         if masks is not None:
             started = time.perf_counter()
             advance(matchers, [sampled.tokens[c] for c in plain])

@@ -69,6 +69,11 @@ class SamplingParams:
     pooling: str | None = None  # "mean", "cls", "last": the result carries the pooled vector (``LLM.embed``)
     score_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # raw logprobs of these where it answers
     prompt_cache_key: str | None = None  # under dp: one replica per key
+    # a thinking budget: after so many tokens of thinking its closing tag (then the "after" ids) is forced
+    thinking_budget: int | None = None
+    thinking_start_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)  # (): thinking from the start
+    thinking_end_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    thinking_after_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         self.choices()  # every value checked now, by the engine's own rules (choice j's seed too)

@@ -45,6 +45,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     generator: Any = None  # the request's own torch.Generator when it has a seed
     matcher: Any = None  # its grammar state (``structured.Matcher``), advanced by the runner thread only
+    thinking: Any = None  # its thinking budget (``structured.ThinkingBudget``), the runner thread's too
     spec: Any = None  # its ``speculation.SequenceSpeculation`` while speculation is on
     verifying: bool = False  # a step in flight scores proposed tokens: its next tokens are unknown
     # Another choice of the same prompt: this one waits for its prefill and

@@ -239,6 +239,7 @@ class SpeculationControl:
         p = seq.params
         return (
             p.speculative
+            and p.thinking_budget is None  # its forced tokens are decided as the runner samples
             and seq.admitted
             and len(seq.output_ids) >= p.min_tokens
             and seq.num_tokens - seq.num_computed <= 1

@@ -115,6 +115,11 @@ class GrammarMasks:
     apply_seconds: float = 0.0
 
     @classmethod
+    def empty(cls, rows: int, vocab_size: int) -> GrammarMasks:
+        """Masks that allow every token and constrain no row (yet)."""
+        return cls(torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32), [])
+
+    @classmethod
     def fill(cls, matchers: Sequence[Matcher | None], vocab_size: int, threads: int = 1) -> GrammarMasks | None:
         """Masks for every row whose matcher is active; None when no row is constrained.
 

@@ -264,4 +264,5 @@ def sample_row(seq: ScheduledSequence, proposed: tuple[int, ...] = ()) -> Sample
         (*seq.output_ids, *proposed) if p.needs_history else (),
         seq.banned_ids,
         seq.matcher,
+        seq.thinking,
     )
