@@ -55,12 +55,12 @@ class Served:
     host: EngineHost
     observer: PrometheusObserver
     embedder: Embedder
-    scorer: Scorer
+    rerank_prompt: str  # --rerank-prompt
     last_used: float = attrs.Factory(time.monotonic)
+    _scorer: Scorer | None = None
 
     @classmethod
     def around(cls, name: str, engine: Engine | ReplicaSet, server: ServerConfig, metrics: RequestMetrics) -> Served:
-        classifier = getattr(engine.model, "classifier", None)
         observer = metrics.observer(name)
         return cls(
             name,
@@ -68,8 +68,18 @@ class Served:
             EngineHost(engine, observer),
             observer,
             Embedder(engine.config, engine.model.shape.hidden_size),
-            Scorer.for_model(server.rerank_prompt, engine.config.model, engine.tokenizer, classifier),
+            server.rerank_prompt,
         )
+
+    @property
+    def scorer(self) -> Scorer:
+        """How ``/v1/rerank`` scores with this model: made on first use, once the engine runs (``--dp``
+        replicas send their classifier head, if any, when they are ready)."""
+        if self._scorer is None:
+            classifier = getattr(self.engine.model, "classifier", None)
+            engine = self.engine
+            self._scorer = Scorer.for_model(self.rerank_prompt, engine.config.model, engine.tokenizer, classifier)
+        return self._scorer
 
     @property
     def idle(self) -> bool:

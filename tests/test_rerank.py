@@ -5,6 +5,11 @@ weights, and the default model through our yes/no prompt); the Cohere SDK, LangC
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import cohere
 import httpx
 import pytest
@@ -14,8 +19,10 @@ from langchain_core.documents import Document
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from trillm.api.rerank import Scorer
+from trillm.bench.run import wait_healthy
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.loading import load_model
+from trillm.engine.processes import free_port
 
 from tests.families import TINY_QWEN3, tiny_qwen3
 from tests.server import MODEL, in_thread, running_server
@@ -160,4 +167,29 @@ async def test_a_classification_head_scores_the_pairs(classifier_dir, tokenizer)
         ids = scorer.prompt(tokenizer, QUERY, document, None)
         with torch.inference_mode():
             want = float(torch.sigmoid(hf(torch.tensor([ids])).logits[0, 0]))
+        assert item["score"] == pytest.approx(want, abs=1e-4)
+
+
+def test_dp_replicas_score_with_their_classification_head(classifier_dir, tokenizer):
+    """Under ``--dp`` the head lives in the replicas' processes: they send it when ready, so the
+    front scores pairs with it (not with the yes/no prompt), as one engine does."""
+    from transformers import Qwen3ForSequenceClassification
+
+    hf = Qwen3ForSequenceClassification.from_pretrained(classifier_dir, dtype=torch.float32).eval()
+    scorer = Scorer.for_model("auto", str(classifier_dir), tokenizer, torch.zeros(1, TINY_QWEN3["hidden_size"]))
+    port = free_port()
+    command = [sys.executable, "-m", "trillm.api.cli", "serve", "--model", str(classifier_dir), "--dp", "2"]
+    command += ["--port", str(port), "--dtype", "float32", "--num-pages", "64", "--served-model-name", "cls"]
+    proc = subprocess.Popen(command, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=180)
+        reply = httpx.post(url + "/v1/score", json={"model": "cls", "text_1": QUERY, "text_2": DOCUMENTS}, timeout=60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    for item, document in zip(reply.json()["data"], DOCUMENTS):
+        with torch.inference_mode():
+            ids = torch.tensor([scorer.prompt(tokenizer, QUERY, document, None)])
+            want = float(torch.sigmoid(hf(ids).logits[0, 0]))
         assert item["score"] == pytest.approx(want, abs=1e-4)

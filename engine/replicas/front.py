@@ -72,7 +72,7 @@ class ModelInfo:
 
     shape: _Shape
     projection_bytes: int
-    classifier: Any = None  # a sequence classifier's head stays in the replicas (rerank reads P(yes) here)
+    classifier: Any = None  # a sequence classifier's head, as the first replica sends it (rerank applies it)
 
 
 @attrs.define
@@ -98,6 +98,7 @@ class _Replica:
         self.max_model_len = 0
         self.projection_bytes = 0
         self.footprint_bytes = 0
+        self.classifier: Any = None
         self.open: set[str] = set()
         self.calls: dict[str, tuple[str, ...]] = {}  # first id -> the ids of one submit_many
 
@@ -244,7 +245,10 @@ class ReplicaSet:
                     raise ReplicaDied("no replica started")
                 nursery.start_soon(self._fail_when_all_are_lost)
                 self.max_model_len = min(r.max_model_len for r in self.replicas if r.alive)
-                self.model = attrs.evolve(self.model, projection_bytes=self.replicas[0].projection_bytes)
+                first = next(r for r in self.replicas if r.alive)
+                self.model = attrs.evolve(
+                    self.model, projection_bytes=first.projection_bytes, classifier=first.classifier
+                )
                 self._running = True
                 task_status.started()
         finally:
@@ -303,6 +307,7 @@ class ReplicaSet:
                     replica.alive = True
                     replica.max_model_len, replica.projection_bytes = message.max_model_len, message.projection_bytes
                     replica.footprint_bytes = message.footprint_bytes
+                    replica.classifier = message.classifier
                     ready.set()
                 elif isinstance(message, Outputs):
                     self._deliver(replica, message)

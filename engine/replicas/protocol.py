@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from multiprocessing.connection import Connection
+from typing import Any
 
 import attrs
 
@@ -50,6 +51,7 @@ class Ready:
     max_model_len: int
     projection_bytes: int
     footprint_bytes: int  # its weights and KV pool (``Engine.footprint_bytes``)
+    classifier: Any = None  # a sequence classifier's head ([labels, hidden], float32, CPU): rerank reads it
 
 
 @attrs.frozen

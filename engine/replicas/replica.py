@@ -59,7 +59,11 @@ class Replica:
         log.info("serving as process %d", os.getpid())
         async with trio.open_nursery() as nursery:
             await nursery.start(engine.run)
-            self.writer.send(Ready(engine.max_model_len, engine.model.projection_bytes, engine.footprint_bytes))
+            self.writer.send(
+                Ready(
+                    engine.max_model_len, engine.model.projection_bytes, engine.footprint_bytes, engine.model.classifier
+                )
+            )
             nursery.start_soon(self._sender)
             nursery.start_soon(self._stats)
             await self._commands(nursery)
