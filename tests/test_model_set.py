@@ -13,7 +13,8 @@ import trio
 from transformers import Qwen3ForCausalLM
 
 from trillm.api.cli import several_models
-from trillm.api.model_set import GiB, files_bytes, model_specs
+from trillm.api.model_memory import GiB, files_bytes
+from trillm.api.model_set import model_specs
 from trillm.api.settings import ServerConfig
 
 from tests.families import TINY_QWEN3, hf_greedy, tiny_qwen3
