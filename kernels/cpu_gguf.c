@@ -44,31 +44,14 @@
 #endif
 
 #include "cpu_common.h" /* INLINE, MIN, tree_sum */
+#include "cpu_gguf_blocks.h" /* the type ids, Unpacked, u32: shared with the ISA section */
 
-/* ggml's type ids (GGMLQuantizationType) */
-enum { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
-       Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 enum { ACCUMULATE = 1, EXACT = 2, INT8 = 4 }; /* flags of trillm_gguf_matmul; EXACT: float activations, INT8: int8 ones */
 
 #define ROWS 8 /* weight rows decoded at once by the matmul */
 #define MAX_INT_ROWS 48 /* rows of x up to which activations go to int16 */
 #define PARALLEL_MIN_WORK (1 << 18)
 #define PREFETCH_ROWS 4 /* the integer path asks for the weight row this far ahead (measured: +3-5 % at one row) */
-#define GROUP 8 /* legacy blocks unpacked together: 256 values, as one k-quant block */
-
-/* A block's values are w = dl[s] * q - ml[s] for sub-block s (ml 0 where the type has no
- * minimum: x - 0 is x, so the rounding is the reference's; ``mins`` says whether any is kept).
- * Every type's quants fit int8. */
-typedef struct {
-    int subs, n, mins; /* sub-blocks, values in each (subs * n values); 1 if the type has minimums */
-    float dl[16], ml[16];
-    int8_t q[256];
-} Unpacked;
-
-INLINE uint32_t u32(const uint8_t *p)
-{
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
 
 /* The 6-bit scale and minimum of sub-block j (0..7) of Q4_K and Q5_K. */
 INLINE void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn)

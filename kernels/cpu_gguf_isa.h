@@ -1,5 +1,5 @@
-/* cpu_gguf.c's section that differs by instruction set, included once by it (not a header of
- * its own: it uses the types and helpers cpu_gguf.c defines before the #include).
+/* cpu_gguf.c's section that differs by instruction set, included once by it; what both read (the
+ * type ids, Unpacked, u32) is in cpu_gguf_blocks.h.
  *
  * AVX2 (+ FMA, F16C) and plain C: the helpers that unpack runs of 16 or 32 quants from a
  * block's bit fields (the same bytes on both paths, which the tests check value by value against
@@ -7,6 +7,8 @@
  * activations, and the kernels that read every k-quant's and Q5_0's and Q5_1's blocks directly.
  * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction).
  */
+
+#include "cpu_gguf_blocks.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_SIMD 1
