@@ -289,7 +289,9 @@ class Engine:
         if params.grammar is not None:
             seq.matcher = Matcher(params.grammar)
         if params.thinking_budget is not None:
-            seq.thinking = ThinkingBudget(params)
+            seq.thinking = ThinkingBudget(
+                params.thinking_budget, params.thinking_start_ids, params.thinking_end_ids, params.thinking_after_ids
+            )
         return seq
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:

@@ -24,10 +24,7 @@ END, AFTER = (7, 8), (9,)
 
 
 def _budget(budget: int, start: tuple[int, ...] = ()) -> ThinkingBudget:
-    params = SamplingParams(
-        thinking_budget=budget, thinking_start_ids=start, thinking_end_ids=END, thinking_after_ids=AFTER
-    )
-    return ThinkingBudget(params)
+    return ThinkingBudget(budget, start, END, AFTER)
 
 
 def _run(budget: ThinkingBudget, sampled: list[int]) -> list[int]:

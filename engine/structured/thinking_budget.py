@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from trillm.engine.sampling_params import SamplingParams
-
 
 class ThinkingBudget:
     """Where one reply stands in its thinking: opening, inside (counted), closing, or past it."""
 
-    def __init__(self, params: SamplingParams) -> None:
-        assert params.thinking_budget is not None
-        self.budget = params.thinking_budget
-        self.start_ids = params.thinking_start_ids
-        self.closer = params.thinking_end_ids  # what ends thinking when the model writes it
-        self.end_ids = (*params.thinking_end_ids, *params.thinking_after_ids)  # what is forced
+    def __init__(
+        self, budget: int, start_ids: tuple[int, ...], end_ids: tuple[int, ...], after_ids: tuple[int, ...]
+    ) -> None:
+        """As ``SamplingParams.thinking_*`` say: thinking opens at once, or where the output opens with
+        ``start_ids``; ``end_ids`` (the closing tag) end it, then ``after_ids`` are forced too."""
+        self.budget = budget
+        self.start_ids = start_ids
+        self.closer = end_ids  # what ends thinking when the model writes it
+        self.end_ids = (*end_ids, *after_ids)  # what is forced
         # An explicit start must open the output; else thinking starts at once.
         self.state = "opening" if self.start_ids else "inside"
         self.seen: list[int] = []  # the output so far, as far as the state needs it
