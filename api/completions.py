@@ -33,7 +33,10 @@ def prompt_ids(engine: EngineHandle, req: CompletionRequest) -> list[list[int]]:
 def _echo_texts(engine: EngineHandle, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
     if not req.echo:
         return [""] * len(prompts)
-    return [p if isinstance(p, str) else engine.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)]
+    cut = req.common.truncate_prompt_tokens is not None  # then the text the model saw: its last tokens
+    return [
+        p if isinstance(p, str) and not cut else engine.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)
+    ]
 
 
 def _finish(req: CompletionRequest, reason: str | None) -> str | None:

@@ -228,7 +228,13 @@ class ModelSet:
 
     async def unload(self, entry: Entry, park: bool = True) -> None:
         """Stop its engine (its streams end, its pages go) and park its weights (``--park-models``)
-        or let them go; the primary stays."""
+        or let them go; the primary stays. A load in progress is waited for, then undone."""
+        if entry.loading is not None:
+            await entry.loading.wait()
+        await self._stop(entry, park)
+
+    async def _stop(self, entry: Entry, park: bool) -> None:
+        """``unload`` of a model not loading (or, from ``_fit``, of the one this load brought)."""
         served = entry.served
         if served is None or entry.config is None:
             return
@@ -306,14 +312,14 @@ class ModelSet:
                     code="model_does_not_fit" if never else "models_busy",
                     headers={"Retry-After": "1"},
                 )
-            await self.unload(min(victims, key=lambda e: e.served.last_used))  # type: ignore[union-attr]
+            await self._stop(min(victims, key=lambda e: e.served.last_used), park=True)  # type: ignore[union-attr]
 
     async def _fit(self, loaded: Entry) -> None:
         """Once measured, ``loaded`` may take more than guessed: make room again, or unload it."""
         try:
             await self._make_room(loaded)
         except ApiError:
-            await self.unload(loaded, park=False)
+            await self._stop(loaded, park=False)
             raise
 
     def _may_unload(self, entry: Entry) -> bool:

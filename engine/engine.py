@@ -290,7 +290,11 @@ class Engine:
             seq.matcher = Matcher(params.grammar)
         if params.thinking_budget is not None:
             seq.thinking = ThinkingBudget(
-                params.thinking_budget, params.thinking_start_ids, params.thinking_end_ids, params.thinking_after_ids
+                params.thinking_budget,
+                params.thinking_start_ids,
+                params.thinking_end_ids,
+                params.thinking_after_ids,
+                params.max_tokens,
             )
         return seq
 

@@ -6,6 +6,8 @@ command line's ``--model NAME=PATH``."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import httpx
 import pytest
 import torch
@@ -270,6 +272,13 @@ async def test_parked_models_wake_with_their_weights_and_the_parked_are_bounded(
                 False,
                 False,
             )
+            # an unload while the model loads waits for the load, then undoes it
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(http.post, "/models/load", json={"model": "tiny-b"}))
+                while models.entries["tiny-b"].loading is None:
+                    await trio.sleep(0.001)
+                undone = await http.post("/models/unload", json={"model": "tiny-b", "park": False})
+            assert undone.json()["loaded"] is False and (await state_of(http))["tiny-b"] == (False, False)
             # the admin route can let the weights go too; a bad `park` is a 400
             gone = await http.post("/models/unload", json={"model": "tiny-c", "park": False})
             assert gone.json()["loaded"] is False and gone.json()["parked"] is False

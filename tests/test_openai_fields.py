@@ -94,6 +94,7 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens_of_each_prompt(model
             ask = {"model": MODEL, "max_tokens": 4, "temperature": 0}
             cut = c.completions.create(prompt=text, **ask, extra_body={"truncate_prompt_tokens": 10})
             tail = c.completions.create(prompt=ids[-10:], **ask)
+            echoed = c.completions.create(prompt=text, **ask, echo=True, extra_body={"truncate_prompt_tokens": 10})
             fit = c.completions.create(prompt=text, **ask, extra_body={"truncate_prompt_tokens": -1})
             chat = c.chat.completions.create(
                 messages=[{"role": "user", "content": text}], **ask, extra_body={"truncate_prompt_tokens": 50}
@@ -107,10 +108,11 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens_of_each_prompt(model
                 for path, body in (("/completions", {"prompt": "hi"}), ("/embeddings", {"input": "hi"}))
             ]
             whole = httpx.post(srv.base_url + "/completions", json={"model": MODEL, "prompt": text, "max_tokens": 4})
-            return cut, tail, fit, chat, e_cut, e_tail, e_fit, errors, whole
+            return cut, tail, echoed, fit, chat, e_cut, e_tail, e_fit, errors, whole
 
-        cut, tail, fit, chat, e_cut, e_tail, e_fit, errors, whole = await in_thread(run)
+        cut, tail, echoed, fit, chat, e_cut, e_tail, e_fit, errors, whole = await in_thread(run)
     assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == tail.choices[0].text
+    assert echoed.choices[0].text == tokenizer.decode(ids[-10:]) + cut.choices[0].text  # the prompt the model saw
     assert fit.usage.prompt_tokens == 256 - 4 and chat.usage.prompt_tokens == 50
     assert e_cut.usage.prompt_tokens == 10 and e_fit.usage.prompt_tokens == 255
     assert e_cut.data[0].embedding == pytest.approx(e_tail.data[0].embedding, abs=1e-5)

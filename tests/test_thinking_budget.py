@@ -23,8 +23,8 @@ from tests.server import MODEL, client, in_thread, running_server
 END, AFTER = (7, 8), (9,)
 
 
-def _budget(budget: int, start: tuple[int, ...] = ()) -> ThinkingBudget:
-    return ThinkingBudget(budget, start, END, AFTER)
+def _budget(budget: int, start: tuple[int, ...] = (), max_tokens: int | None = None) -> ThinkingBudget:
+    return ThinkingBudget(budget, start, END, AFTER, max_tokens)
 
 
 def _run(budget: ThinkingBudget, sampled: list[int]) -> list[int]:
@@ -45,6 +45,10 @@ def test_the_budget_forces_the_end_then_lets_the_reply_go():
     # an explicit start: counted from after it; a reply that does not open with it is left alone
     assert _run(_budget(2, start=(5, 6)), [5, 6, 1, 2, 3, 4, 4]) == [5, 6, 1, 2, 7, 8, 9]
     assert _run(_budget(1, start=(5, 6)), [5, 1, 2, 3, 4]) == [5, 1, 2, 3, 4]
+    # max_tokens: the closing tag starts early enough to fit whole (a cut never leaves a piece of it)
+    assert _run(_budget(3, max_tokens=4), [1, 2, 3, 4]) == [1, 2, 7, 8]
+    assert _run(_budget(3, max_tokens=5), [1, 2, 3, 4, 5]) == [1, 2, 3, 7, 8]
+    assert _run(_budget(3, max_tokens=6), [1, 2, 3, 4, 5, 6]) == [1, 2, 3, 7, 8, 9]
 
 
 async def _greedy(engine, ids: list[int], **params) -> list[int]:
@@ -103,13 +107,16 @@ async def test_chat_thinking_budget_ends_the_thinking_and_the_answer_follows(mod
                 **ask, max_tokens=20, temperature=0, stream=True, extra_body={"thinking_budget": 3}
             )
             pieces = [(d.choices[0].delta.model_extra or {}, d.choices[0].delta.content) for d in streamed if d.choices]
+            short = c.chat.completions.create(**ask, max_tokens=4, temperature=0, extra_body={"thinking_budget": 3})
             bad = httpx.post(srv.base_url + "/chat/completions", json={**ask, "thinking_budget": -1})
-            return free, kept, pieces, bad
+            return free, kept, pieces, short, bad
 
-        free, kept, pieces, bad = await in_thread(run)
+        free, kept, pieces, short, bad = await in_thread(run)
     assert free.choices[0].message.content is None  # all thinking, without a budget
     thought, answer = kept.choices[0].message.reasoning_content, kept.choices[0].message.content
     assert free.choices[0].message.reasoning_content.startswith(thought) and len(thought) < 20 and answer
     assert "".join(extra.get("reasoning_content") or "" for extra, _ in pieces) == thought
     assert "".join(content or "" for _, content in pieces) == answer
+    # max_tokens 4 leaves room for one token of thinking and the whole closing tag, never a piece of it
+    assert "<" not in short.choices[0].message.reasoning_content and short.choices[0].finish_reason == "length"
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_budget"

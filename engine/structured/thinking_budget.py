@@ -20,11 +20,20 @@ class ThinkingBudget:
     """Where one reply stands in its thinking: opening, inside (counted), closing, or past it."""
 
     def __init__(
-        self, budget: int, start_ids: tuple[int, ...], end_ids: tuple[int, ...], after_ids: tuple[int, ...]
+        self,
+        budget: int,
+        start_ids: tuple[int, ...],
+        end_ids: tuple[int, ...],
+        after_ids: tuple[int, ...],
+        max_tokens: int | None = None,
     ) -> None:
         """As ``SamplingParams.thinking_*`` say: thinking opens at once, or where the output opens with
-        ``start_ids``; ``end_ids`` (the closing tag) end it, then ``after_ids`` are forced too."""
+        ``start_ids``; ``end_ids`` (the closing tag) end it, then ``after_ids`` are forced too. With
+        ``max_tokens``, the closing starts early enough for the whole tag to fit: a reply cut by its
+        length never ends in a piece of it."""
         self.budget = budget
+        self.max_tokens = max_tokens
+        self.taken = 0  # output tokens so far
         self.start_ids = start_ids
         self.closer = end_ids  # what ends thinking when the model writes it
         self.end_ids = (*end_ids, *after_ids)  # what is forced
@@ -35,13 +44,19 @@ class ThinkingBudget:
         self.forced = 0  # end tokens forced so far
 
     def next_forced(self) -> int | None:
-        """The token the next row must be, if any."""
-        if self.state == "closing" or (self.state == "inside" and self.counted >= self.budget):
-            return self.end_ids[self.forced]
-        return None
+        """The token the next row must be, if any (asked once a row, before ``took``)."""
+        if self.state == "inside" and self._spent():
+            self.state = "closing"
+        return self.end_ids[self.forced] if self.state == "closing" else None
+
+    def _spent(self) -> bool:
+        """The budget is used up, or the room left (this row's on) holds just the closing tag."""
+        room = None if self.max_tokens is None else self.max_tokens - self.taken
+        return self.counted >= self.budget or (room is not None and room <= len(self.closer))
 
     def took(self, token: int) -> None:
         """The token the row sampled (forced or free)."""
+        self.taken += 1
         if self.state == "done":
             return
         self.seen.append(token)
@@ -53,8 +68,6 @@ class ThinkingBudget:
             else:
                 self.state = "done"  # the reply did not open with thinking: nothing to count
             return
-        if self.state == "inside" and self.counted >= self.budget:
-            self.state = "closing"
         if self.state == "closing":
             self.forced += 1
             if self.forced == len(self.end_ids):
