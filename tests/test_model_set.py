@@ -286,6 +286,32 @@ async def test_parked_models_wake_with_their_weights_and_the_parked_are_bounded(
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "park"
 
 
+@pytest.mark.e2e
+async def test_parked_weights_on_a_cpu_count_toward_the_budget_and_go_first(model_parts, models_dir):
+    ask = {"prompt": "Hello", "max_tokens": 2}
+    async with running_server(model_parts, server=ServerConfig(models_dir=str(models_dir), models_memory=0)) as srv:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+            assert (await http.post("/models/load", json={"model": "tiny-a"})).json()["loaded"]
+            cards = await _cards_async(http)
+    primary, tiny = cards[MODEL]["memory_bytes"], cards["tiny-a"]["memory_bytes"]
+    # tiny-b evicts tiny-a (one loaded at most), which is parked; whether its weights may stay parked
+    # beside tiny-b depends on the budget: the parked go before any running model
+    for room, stays_parked in ((1.5, False), (2.5, True)):
+        settings = ServerConfig(
+            models_dir=str(models_dir),
+            max_loaded_models=2,
+            park_models=2,
+            models_memory=(primary + room * tiny) / GiB,
+        )
+        async with running_server(model_parts, server=settings) as srv:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as http:
+                for name in ("tiny-a", "tiny-b"):
+                    assert (await http.post("/v1/completions", json={"model": name, **ask})).status_code == 200
+                cards = await _cards_async(http)
+        assert cards["tiny-b"]["loaded"] and not cards["tiny-a"]["loaded"]
+        assert cards["tiny-a"]["parked"] is stays_parked, room
+
+
 def test_the_command_line_names_several_models(models_dir):
     argv = ["serve", "--model", "chat=/models/a", "--model=b=/models/b", "--model", "/models/c", "--port", "1"]
     assert several_models(argv) == [
