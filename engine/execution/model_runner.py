@@ -249,7 +249,7 @@ class ModelRunner:
         for budget, c in zip(budgets, plain):
             if budget is not None:
                 budget.took(sampled.tokens[c])
-        if masks is not None:
+        if masks is not None and any(m is not None for m in matchers):  # a grammar's cost (not a budget's)
             started = time.perf_counter()
             advance(matchers, [sampled.tokens[c] for c in plain])
             self.mask_stats.add(mask_seconds + masks.apply_seconds + time.perf_counter() - started)
