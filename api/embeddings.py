@@ -79,7 +79,7 @@ def prompt_ids(engine: EngineHandle, body: EmbeddingsBody) -> list[list[int]]:
         prompts = [list(map(int, ids)) for ids in items]
     keep = body.truncate_prompt_tokens
     if keep == -1:
-        keep = engine.max_model_len - 1  # room for the one token its request samples
+        keep = max(1, engine.max_model_len - 1)  # room for the one token its request samples
     return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
