@@ -3,16 +3,18 @@
     python -m trillm.bench.speculation [--model M] [--modes off,auto,ngram] [--concurrency 1,8] [--rounds 5]
     python -m trillm.bench.speculation --server trillm-off=URL --server trillm-auto=URL --server llama-ngram=URL ...
 
-Three workloads, greedy (so every mode emits the same tokens, and tokens/s compare):
-``chat`` (open questions: little to propose), ``repeat`` (lists and text asked back: prompt lookup
-finds the answer in the prompt) and ``edit`` (a code file to change, with the file itself as
-OpenAI's predicted output). Offline (the default): one engine per mode in this process. With
-``--server``: OpenAI-compatible servers driven over HTTP, streaming chat completions (any server:
-trillm, or a peer such as ``llama-server --spec-type ngram-mod``), which adds the time to first
-token and the inter-token latency. The modes (or servers) take turns request batch by request
-batch, ``--rounds`` times, and the median of each is printed with its ratio to the first one
-(this VM's timings move by 15-30 % from minute to minute: taking turns keeps that out of the
-ratios).
+Five workloads, greedy (so every mode emits the same tokens, and tokens/s compare; offline, each
+turn's outputs are checked equal across the modes and the table says so): ``chat`` (open
+questions: little to propose), ``repeat`` (lists and text asked back: prompt lookup finds the
+answer in the prompt), ``edit`` (a code file to change, with the file itself as OpenAI's
+predicted output), ``agent`` (a multi-turn conversation whose next turn repeats parts of earlier
+ones: a plan of tool calls written again, changed) and ``rag`` (an answer quoted from retrieved
+passages). Offline (the default): one engine per mode in this process. With ``--server``:
+OpenAI-compatible servers driven over HTTP, streaming chat completions (any server: trillm, or a
+peer such as ``llama-server --spec-type ngram-mod``), which adds the time to first token and the
+inter-token latency. The modes (or servers) take turns request batch by request batch,
+``--rounds`` times, and the median of each is printed with its ratio to the first one (this VM's
+timings move by 15-30 % from minute to minute: taking turns keeps that out of the ratios).
 """
 
 from __future__ import annotations
@@ -41,7 +43,34 @@ def cheapest(items):
     return best
 """
 
-WORKLOADS: dict[str, list[tuple[str, str | None]]] = {
+PASSAGES = (
+    "[1] The Eiffel Tower was completed in 1889 for the World's Fair in Paris. It is 330 metres tall and was "
+    "the tallest man-made structure in the world until 1930.\n"
+    "[2] The Statue of Liberty was a gift from France to the United States, dedicated on October 28, 1886. "
+    "It was designed by Frederic Auguste Bartholdi, and its metal framework was built by Gustave Eiffel.\n"
+    "[3] The Golden Gate Bridge opened in 1937. Its main span is 1,280 metres long, and it was the longest "
+    "suspension bridge main span in the world until 1964."
+)
+PLAN = (
+    '{"steps": [{"id": 1, "tool": "search", "query": "flights from Paris to Rome on May 3"}, '
+    '{"id": 2, "tool": "search", "query": "hotels near the Colosseum for May 3 to May 6"}, '
+    '{"id": 3, "tool": "book", "item": "cheapest direct flight"}]}'
+)
+
+
+def _agent(change: str) -> list[dict[str, str]]:
+    """A few turns of an agent's work: the user asks again for the plan, changed."""
+    return [
+        {"role": "system", "content": "You are a travel agent. You answer with a JSON plan of tool calls."},
+        {"role": "user", "content": "Plan my trip from Paris to Rome on May 3, three nights."},
+        {"role": "assistant", "content": PLAN},
+        {"role": "user", "content": f"Tool results: 12 flights, 40 hotels. Write the whole plan again, {change}."},
+    ]
+
+
+# (a user's message, or a whole conversation; the predicted output, if any)
+Item = tuple[str | list[dict[str, str]], str | None]
+WORKLOADS: dict[str, list[Item]] = {
     # a question never asked before in the run: what earlier requests wrote is no help (suffix)
     "chat": [
         (f"{ask} {topic}.", None)
@@ -79,18 +108,35 @@ WORKLOADS: dict[str, list[tuple[str, str | None]]] = {
         ),
         (f"Add a docstring to each function in this code and return the full code:\n\n```python\n{CODE}```", CODE),
     ],
+    "agent": [
+        (_agent("with May 4 instead of May 3"), None),
+        (_agent("adding a step 4 that books the hotel"), None),
+        (_agent("unchanged"), None),
+    ],
+    "rag": [
+        (f"Passages:\n{PASSAGES}\n\nQuote the passage that says {question}, word for word, then cite it.", None)
+        for question in (
+            "who built the frame of the Statue of Liberty",
+            "how tall the Eiffel Tower is",
+            "when the Golden Gate Bridge opened",
+        )
+    ],
 }
 
 
 MAX_TOKENS = 160
 
 
-def _items(workload: str, concurrency: int, turn: int) -> list[tuple[str, str | None]]:
+def _items(workload: str, concurrency: int, turn: int) -> list[Item]:
     """The requests of one turn: ``chat`` never repeats a question (its 48 go round), the others
     do (a repeated request is what they are about)."""
     items = WORKLOADS[workload]
     first = turn * concurrency if workload == "chat" else 0
     return [items[(first + i) % len(items)] for i in range(concurrency)]
+
+
+def _messages(item: str | list[dict[str, str]]) -> list[dict[str, str]]:
+    return [{"role": "user", "content": item}] if isinstance(item, str) else item
 
 
 @attrs.frozen
@@ -102,6 +148,7 @@ class Turn:
     tokens: int
     ttfts: tuple[float, ...] = ()
     gaps: tuple[float, ...] = ()
+    outputs: tuple[tuple[int, ...], ...] = ()  # offline: each request's tokens, for the greedy check
 
 
 class OfflineTarget:
@@ -119,7 +166,7 @@ class OfflineTarget:
         tok = self.llm.get_tokenizer()
         requests = []
         for text, prediction in _items(workload, concurrency, turn):
-            chat = [{"role": "user", "content": text}]
+            chat = _messages(text)
             ids = tok(
                 tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), add_special_tokens=False
             )
@@ -129,7 +176,8 @@ class OfflineTarget:
             )
         start = time.perf_counter()
         results = self.llm.generate([ids for ids, _ in requests], [p for _, p in requests], use_tqdm=False)
-        return Turn(time.perf_counter() - start, sum(len(r.outputs[0].token_ids) for r in results))
+        outputs = tuple(tuple(r.outputs[0].token_ids) for r in results)
+        return Turn(time.perf_counter() - start, sum(map(len, outputs)), outputs=outputs)
 
     def kept(self) -> tuple[int, int] | None:
         """(proposed, kept) tokens so far, over every method."""
@@ -161,10 +209,10 @@ class ServerTarget:
         results: list[tuple[float, list[float], int]] = []
         async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
 
-            async def one(text: str, prediction: str | None) -> None:
+            async def one(text: str | list[dict[str, str]], prediction: str | None) -> None:
                 body: dict[str, Any] = {
                     "model": self.model,
-                    "messages": [{"role": "user", "content": text}],
+                    "messages": _messages(text),
                     "max_tokens": MAX_TOKENS,
                     "temperature": 0,
                     "stream": True,
@@ -207,7 +255,7 @@ def main() -> None:
     parser.add_argument("--modes", default="off,auto,ngram", help="offline: the engines' --speculative values")
     parser.add_argument("--server", action="append", default=[], help="NAME=URL of a server (instead of --modes)")
     parser.add_argument("--concurrency", default="1,8")
-    parser.add_argument("--workloads", default="chat,repeat,edit")
+    parser.add_argument("--workloads", default="chat,repeat,edit,agent,rag")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     args = parser.parse_args()
@@ -219,8 +267,8 @@ def main() -> None:
     print(
         f"tokens/s, median of {args.rounds} turns (ratio to {names[0]})" + ("; ITL p50 ms; TTFT p50 s" if http else "")
     )
-    print(f"| workload | streams | {' | '.join(names)} |" + ("" if http else " proposed tokens kept |"))
-    print(f"|---|---:|{'---:|' * len(names)}" + ("" if http else "---:|"))
+    print(f"| workload | streams | {' | '.join(names)} |" + ("" if http else " proposed tokens kept | greedy equal |"))
+    print(f"|---|---:|{'---:|' * len(names)}" + ("" if http else "---:|---|"))
     for workload in args.workloads.split(","):
         for concurrency in map(int, args.concurrency.split(",")):
             turns: dict[str, list[Turn]] = {n: [] for n in names}
@@ -246,7 +294,8 @@ def main() -> None:
                     k, b = target.kept(), before[target.name]
                     if k and b and k[0] > b[0]:
                         rates.append(f"{target.name}: {(k[1] - b[1]) / (k[0] - b[0]):.0%}")
-                line += f" {', '.join(rates) or '-'} |"
+                same = all(t.outputs == turns[names[0]][i].outputs for n in names for i, t in enumerate(turns[n]))
+                line += f" {', '.join(rates) or '-'} | {'yes' if same else 'NO'} |"
             print(line, flush=True)
     for target in targets:
         target.close()
