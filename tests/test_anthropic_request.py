@@ -210,6 +210,33 @@ def test_tool_choices_and_thinking():
         ({"messages": [{"role": "user", "content": "hi"}], "mcp_servers": [{"url": "x"}]}, "mcp_servers", "MCP"),
         ({"messages": []}, "messages", ""),
         ({"messages": [{"role": "system", "content": "hi"}]}, "messages[0].role", ""),
+        ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content", "must not be empty"),
+        ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "must not be empty"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+            "messages[0].content",
+            "must not be empty",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                ]
+            },
+            "messages[0].content",
+            "belong to assistant turns",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]},
+                    {"role": "user", "content": "go on"},
+                ]
+            },
+            "messages[1].content",
+            "belong to user turns",
+        ),
     ],
 )
 def test_bad_requests_are_400s_naming_the_field(body, param, words):

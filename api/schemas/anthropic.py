@@ -205,6 +205,8 @@ class CountTokensBody(RequestModel):
 
     @model_validator(mode="after")
     def _check_messages(self) -> CountTokensBody:
+        for i, message in enumerate(self.messages):
+            _check_turn(message, f"messages[{i}].content")
         self.tool_set()
         self.chat_messages()
         return self
@@ -250,6 +252,20 @@ class CountTokensBody(RequestModel):
         if not any(m["role"] in ("user", "tool") for m in out):
             raise invalid("needs a user turn (a last assistant turn is a prefill the reply continues)", "messages")
         return tuple(out), prefill
+
+
+def _check_turn(message: AnthropicMessage, param: str) -> None:
+    """What Anthropic refuses in a turn: a user turn with nothing in it, an empty text block there,
+    a ``tool_use`` block outside an assistant turn and a ``tool_result`` outside a user turn."""
+    content = message.content
+    blocks = [] if isinstance(content, str) else content
+    if message.role == "user":
+        if not content or any(isinstance(b, TextBlock) and not b.text for b in blocks):
+            raise invalid("a user turn's content and its text blocks must not be empty", param)
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            raise invalid("`tool_use` blocks belong to assistant turns (their results go in user turns)", param)
+    elif any(isinstance(b, ToolResultBlock) for b in blocks):
+        raise invalid("`tool_result` blocks belong to user turns", param)
 
 
 def _turn(role: str, blocks: list[Any], before: dict[str, Any] | None) -> list[dict[str, Any]]:
