@@ -20,11 +20,12 @@ from trillm.api.errors import ApiError
 from trillm.api.gateway import EngineHandle
 from trillm.api.input_limits import check_text
 from trillm.api.schemas.embeddings import EmbeddingsBody
+from trillm.api.schemas.generation import left_truncated
 from trillm.api.submission import check_prefill_prompt, collect, submit_choices
 from trillm.engine import EngineConfig, Pooling, SamplingParams, pooling_for
 
 
-@attrs.frozen
+@attrs.define
 class Embedder:
     """What the route needs of the served model: its pooling and its hidden size. The pooling is
     read from the model's files on the first embeddings request (in its worker thread: a GGUF
@@ -32,13 +33,13 @@ class Embedder:
 
     config: EngineConfig
     hidden_size: int
-    _pooling: list[Pooling] = attrs.field(factory=list, eq=False, repr=False)  # once read
+    _pooling: Pooling | None = attrs.field(default=None, eq=False, repr=False)  # once read
 
     @property
     def pooling(self) -> Pooling:
-        if not self._pooling:
-            self._pooling.append(pooling_for(self.config))
-        return self._pooling[0]
+        if self._pooling is None:
+            self._pooling = pooling_for(self.config)
+        return self._pooling
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """A 400 for a ``dimensions`` this model cannot give (called in the request's worker thread,
@@ -77,10 +78,8 @@ def prompt_ids(engine: EngineHandle, body: EmbeddingsBody) -> list[list[int]]:
         prompts = [list(engine.tokenizer(text)["input_ids"]) for text in texts]
     else:
         prompts = [list(map(int, ids)) for ids in items]
-    keep = body.truncate_prompt_tokens
-    if keep == -1:
-        keep = max(1, engine.max_model_len - 1)  # room for the one token its request samples
-    return prompts if keep is None else [ids[-keep:] for ids in prompts]
+    # room for the one token its request samples
+    return [left_truncated(ids, body.truncate_prompt_tokens, engine.max_model_len) for ids in prompts]
 
 
 def params(body: EmbeddingsBody, pooling: Pooling) -> SamplingParams:

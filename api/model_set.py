@@ -242,7 +242,7 @@ class ModelSet:
         await served.host.stop()
         engine = served.engine
         del served
-        if park and self.park_limit and isinstance(engine, Engine) and ParkedModel.can_park(engine):
+        if park and self.park_limit and ParkedModel.can_park(engine):
             parked = entry.parked = await trio.to_thread.run_sync(ParkedModel.of, engine)
             log.info("model %s parked (%.2f GiB of weights on the host)", entry.name, parked.weight_bytes / GiB)
             every = sorted((e for e in self.entries.values() if e.parked), key=lambda e: e.parked.parked_at)  # type: ignore[union-attr]

@@ -83,37 +83,22 @@ def _envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _chat_choice(key: str) -> dict[str, Any]:
+    """A chat choice: its ``message`` (a reply) or its ``delta`` (a streamed chunk)."""
+    return {
+        "type": "object",
+        "properties": {
+            "index": {"type": "integer"},
+            "finish_reason": _FINISH,
+            "logprobs": _CHAT_LOGPROBS,
+            key: {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}},
+        },
+    }
+
+
 RESPONSE_SCHEMAS: dict[str, Any] = {
-    "ChatCompletion": _envelope(
-        "chat.completion",
-        {
-            "type": "object",
-            "properties": {
-                "index": {"type": "integer"},
-                "finish_reason": _FINISH,
-                "logprobs": _CHAT_LOGPROBS,
-                "message": {
-                    "type": "object",
-                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-                },
-            },
-        },
-    ),
-    "ChatCompletionChunk": _envelope(
-        "chat.completion.chunk",
-        {
-            "type": "object",
-            "properties": {
-                "index": {"type": "integer"},
-                "finish_reason": _FINISH,
-                "logprobs": _CHAT_LOGPROBS,
-                "delta": {
-                    "type": "object",
-                    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
-                },
-            },
-        },
-    ),
+    "ChatCompletion": _envelope("chat.completion", _chat_choice("message")),
+    "ChatCompletionChunk": _envelope("chat.completion.chunk", _chat_choice("delta")),
     "Completion": _envelope(
         "text_completion",
         {

@@ -13,8 +13,7 @@ their own and are not parked.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import torch
@@ -91,7 +90,7 @@ class ParkedModel:
     parked_at: float = attrs.Factory(time.monotonic)
 
     @staticmethod
-    def can_park(engine: object) -> bool:
+    def can_park(engine: object) -> TypeGuard[Engine]:
         """One engine in this process (not tensor-parallel ranks, not replicas), stopped."""
         return isinstance(engine, Engine) and engine.ranks is None and not engine.is_running
 
@@ -117,16 +116,12 @@ class ParkedModel:
             torch.cuda.empty_cache()  # the device's memory back for other models, not held by torch
         return parked
 
-    def wake(self, on_woken: Callable[[float], None] | None = None) -> Engine:
+    def wake(self) -> Engine:
         """A new engine around the parked weights, moved back (call from a thread)."""
-        started = time.perf_counter()
         for model in (self.model, self.draft_model):
             if model is not None:
                 relocate(model, self.device)
-        engine = Engine(self.config, self.model, self.tokenizer, self.eos_ids, draft_model=self.draft_model)
-        if on_woken is not None:
-            on_woken(time.perf_counter() - started)
-        return engine
+        return Engine(self.config, self.model, self.tokenizer, self.eos_ids, draft_model=self.draft_model)
 
     @property
     def holds_host_memory(self) -> bool:

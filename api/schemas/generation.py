@@ -26,6 +26,14 @@ _TokenKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
 _Stop = Annotated[str, Field(max_length=MAX_STOP_LENGTH)]
 
 
+def left_truncated(ids: list[int], keep: int | None, max_model_len: int, room: int = 1) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``keep`` tokens of ``ids`` (all for None); -1: as
+    many as the context holds beside ``room`` tokens to generate (at least one)."""
+    if keep == -1:
+        keep = max(1, max_model_len - room)
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
 @attrs.frozen
 class CommonFields:
     """What the handlers need of the shared fields, in engine terms."""
@@ -43,11 +51,8 @@ class CommonFields:
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """``ids`` less what ``truncate_prompt_tokens`` cuts from the left."""
-        keep = self.truncate_prompt_tokens
-        if keep == -1:
-            room = self.params.max_tokens if self.max_tokens_given and self.params.max_tokens else 1
-            keep = max(1, max_model_len - room)
-        return ids if keep is None or len(ids) <= keep else ids[-keep:]
+        room = self.params.max_tokens if self.max_tokens_given and self.params.max_tokens else 1
+        return left_truncated(ids, self.truncate_prompt_tokens, max_model_len, room)
 
     def capped(self, cap: int | None) -> CommonFields:
         """The server's cap (``--default-max-tokens``) on the default of a request that set no limit:

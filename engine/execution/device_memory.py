@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.execution.gguf_support import meminfo
+from trillm.engine.execution.gguf_support import cgroup_memory_limit, meminfo
 from trillm.engine.execution.loading import choose_device
 
 
@@ -17,11 +15,5 @@ def device_memory(config: EngineConfig) -> int | None:
     device = choose_device(config)
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    total = meminfo("MemTotal")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-    except OSError:
-        return total
-    if limit.isdigit():
-        total = int(limit) if total is None else min(total, int(limit))
-    return total
+    known = [n for n in (meminfo("MemTotal"), cgroup_memory_limit()) if n is not None]
+    return min(known) if known else None

@@ -67,15 +67,24 @@ def available_memory() -> int | None:
     """Bytes of memory this process can still take: MemAvailable of ``/proc/meminfo``, or less where
     a cgroup (a container) caps it lower (None where neither is known)."""
     free = meminfo("MemAvailable")
+    limit = cgroup_memory_limit()
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         used = int(Path("/sys/fs/cgroup/memory.current").read_text())
     except (OSError, ValueError):
         return free
-    if limit.isdigit():
-        room = max(0, int(limit) - used)
+    if limit is not None:
+        room = max(0, limit - used)
         free = room if free is None else min(free, room)
     return free
+
+
+def cgroup_memory_limit() -> int | None:
+    """Bytes this process's cgroup (a container) may use; None where it sets no limit."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return None
+    return int(limit) if limit.isdigit() else None
 
 
 def meminfo(key: str) -> int | None:

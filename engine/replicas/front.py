@@ -95,10 +95,7 @@ class _Replica:
         self.writer = PipeWriter(conn, f"trillm-replica-{index}-writer")  # never blocks the loop
         self.alive = False  # ready and not dead
         self.stats: EngineStats | None = None
-        self.max_model_len = 0
-        self.projection_bytes = 0
-        self.footprint_bytes = 0
-        self.classifier: Any = None
+        self.ready: Ready | None = None  # what it said when it had loaded its model
         self.open: set[str] = set()
         self.calls: dict[str, tuple[str, ...]] = {}  # first id -> the ids of one submit_many
 
@@ -140,7 +137,7 @@ class ReplicaSet:
     @property
     def footprint_bytes(self) -> int:
         """Every live replica's weights and KV pool (``Engine.footprint_bytes``)."""
-        return sum(r.footprint_bytes for r in self.replicas if r.alive)
+        return sum(r.ready.footprint_bytes for r in self.replicas if r.alive and r.ready is not None)
 
     def replica_stats(self) -> list[EngineStats | None]:
         """Each replica's last reported numbers (None: not yet, or dead)."""
@@ -244,10 +241,10 @@ class ReplicaSet:
                 if not any(r.alive for r in self.replicas):
                     raise ReplicaDied("no replica started")
                 nursery.start_soon(self._fail_when_all_are_lost)
-                self.max_model_len = min(r.max_model_len for r in self.replicas if r.alive)
-                first = next(r for r in self.replicas if r.alive)
+                said = [r.ready for r in self.replicas if r.alive and r.ready is not None]
+                self.max_model_len = min(r.max_model_len for r in said)
                 self.model = attrs.evolve(
-                    self.model, projection_bytes=first.projection_bytes, classifier=first.classifier
+                    self.model, projection_bytes=said[0].projection_bytes, classifier=said[0].classifier
                 )
                 self._running = True
                 task_status.started()
@@ -305,9 +302,7 @@ class ReplicaSet:
                     break
                 if isinstance(message, Ready):
                     replica.alive = True
-                    replica.max_model_len, replica.projection_bytes = message.max_model_len, message.projection_bytes
-                    replica.footprint_bytes = message.footprint_bytes
-                    replica.classifier = message.classifier
+                    replica.ready = message
                     ready.set()
                 elif isinstance(message, Outputs):
                     self._deliver(replica, message)
