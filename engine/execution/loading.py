@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from trillm.engine.config import EngineConfig
-from trillm.engine.execution.backends import Backend, create_backend
+from trillm.engine.execution.backends import Backend, CpuBackend, create_backend
 from trillm.engine.execution.dtype_choice import DtypeChoice, block_weights_wanted, choose_dtype
 from trillm.engine.execution.file_checks import check_gguf
 from trillm.engine.execution.gguf_header import GGUFHeader
@@ -25,7 +25,7 @@ from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resol
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.topology import check_same_model
 from trillm.engine.execution.shape import language_config
-from trillm.kernels import cpu_build, cpu_matmul
+from trillm.kernels import bf16_panels, cpu_build, cpu_matmul
 
 log = logging.getLogger("trillm.engine")
 
@@ -176,6 +176,14 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     return LoadPlan(config, folder, model_config, device, dtype_choice, gguf)
 
 
+def prefill_in_bf16(config: EngineConfig) -> bool:
+    """Whether a CPU model served in float32 runs its prefill GEMMs and attention in bfloat16
+    (``--prefill-dtype``; ``kernels/bf16_panels``)."""
+    if config.prefill_dtype != "auto":
+        return config.prefill_dtype == "bfloat16"
+    return config.dtype == "auto" and bf16_panels.amx_bf16()
+
+
 def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderModel, Any, frozenset[int]]:
     """Weights, tokenizer and EOS ids of ``plan``: the whole model, or with ``tp`` (a group already
     joined, ``launch.py``) this rank's shard, checked to be the same model on every rank. The
@@ -185,6 +193,8 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
     dtype = plan.dtype.dtype
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     backend = create_backend(config.kernels, device, dtype)
+    if isinstance(backend, CpuBackend) and backend.c_kernels:
+        backend.prefill_bf16 = prefill_in_bf16(config)
     blocks = _use_block_weights(config, backend, plan.gguf is not None)
     if config.load_format == "dummy":
         model = DecoderModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
@@ -218,6 +228,13 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
             f"projections of {config.model} are in blocks (exact Q4_1/Q8_0 blocks or a GGUF file's own)"
         )
     tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
+    if isinstance(backend, CpuBackend) and backend.prefill_bf16:
+        log.info(
+            "prefill steps (%d rows or more): GEMMs and attention in bfloat16 (%s); decode steps in float32%s",
+            bf16_panels.ROWS,
+            "AMX-BF16 tiles through oneDNN" if bf16_panels.amx_bf16() else "no AMX-BF16 here: slower than float32",
+            "" if config.prefill_dtype == "bfloat16" else " (--prefill-dtype float32 keeps prefill in float32)",
+        )
     log.info(
         "loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s",
         config.model,

@@ -43,7 +43,7 @@ from trillm.engine.execution.layers import (
 )
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
-from trillm.kernels import cpu_decode, cpu_forward, cpu_matmul, cpu_ops
+from trillm.kernels import bf16_panels, cpu_decode, cpu_forward, cpu_matmul, cpu_ops
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked
 
@@ -66,6 +66,10 @@ class CpuBackend(Backend):
         # Decode-only steps take the C layer loop where ``bind`` could make one; read each
         # step, so tests may switch it off to compare.
         self.fuse_decode = self.c_ops and cpu_forward.available()
+        # Steps of at least ``bf16_panels.ROWS`` rows (prefill chunks) multiply and attend in
+        # bfloat16 (AMX tiles) when set: ``--prefill-dtype``, resolved at load.
+        self.prefill_bf16 = False
+        self.scratch = bf16_panels.Scratch()  # their panels, reused by every step (steps run one at a time)
 
     @property
     def supports_block_weights(self) -> bool:
@@ -218,6 +222,30 @@ class CpuBackend(Backend):
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         reduce = model.tp.all_reduce if model.tp.size > 1 else None
+        wide = self.prefill_bf16 and h.shape[0] >= bf16_panels.ROWS
+        low = torch.bfloat16 if wide else None
+
+        outputs: dict[int, torch.Tensor] = {}  # width -> this step's output of that width, reused by every layer
+
+        def proj(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+            """x @ W (+ bias). A wide step writes into one buffer per width for all its layers (each
+            layer's output is dead when the next one's is made): fresh multi-MiB tensors are new pages
+            each time, and faulting them in cost a third of a prefill chunk's GEMMs."""
+            if not wide:
+                return project(x, w, bias)
+            width = w.shape[1] if isinstance(w, torch.Tensor) else w.shape[0]
+            out = outputs.get(width)
+            if out is None:
+                out = outputs[width] = torch.empty(x.shape[0], width)
+            bf16_panels.matmul(x, w, out=out, scratch=self.scratch)
+            return out if bias is None else out.add_(bias)
+
+        def proj_add(h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
+            if not wide:
+                return project_add(h, x, w, reduce)
+            if reduce is not None:
+                return h.add_(reduce(proj(x, w)))
+            return bf16_panels.matmul(x, w, out=h, accumulate=True, scratch=self.scratch)
 
         def act(gate_up: torch.Tensor) -> torch.Tensor:  # the gated MLP's act(gate) * up
             if self.c_ops and s.activation in cpu_ops.GATED:
@@ -236,7 +264,7 @@ class CpuBackend(Backend):
 
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
             x = norm(h, layer.input_norm, s.rms_norm_eps)
-            qkv = project(x, layer.qkv, layer.qkv_bias)
+            qkv = proj(x, layer.qkv, layer.qkv_bias)
             # Q and K sit side by side in the fused projection: one rotary pass for both.
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
             qk_norm_(qk, s.num_heads, layer, s.rms_norm_eps, norm)  # Qwen3, Gemma 3
@@ -248,22 +276,22 @@ class CpuBackend(Backend):
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             cap = s.attn_logit_softcap or 0.0
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks, cap)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks, cap, low)
             if layer.attn_out_norm is None and layer.o_bias is None:  # the residual add rides on the GEMM
-                h = project_add(h, attn.reshape(-1, q_size), layer.o_proj, reduce)
+                h = proj_add(h, attn.reshape(-1, q_size), layer.o_proj)
             else:
-                h = add_block(h, project(attn.reshape(-1, q_size), layer.o_proj), layer.o_bias, layer.attn_out_norm)
+                h = add_block(h, proj(attn.reshape(-1, q_size), layer.o_proj), layer.o_bias, layer.attn_out_norm)
             x = norm(h, layer.post_norm, s.rms_norm_eps)
             if layer.moe is not None:  # a mixture all-reduces and adds its experts' biases itself
                 out = moe_mlp(x, layer.moe, act, reduce)
                 h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
                 continue
             assert layer.gate_up is not None and layer.down is not None
-            gated = act(project(x, layer.gate_up))
+            gated = act(proj(x, layer.gate_up))
             if layer.mlp_out_norm is None:
-                h = project_add(h, gated, layer.down, reduce)
+                h = proj_add(h, gated, layer.down)
             else:
-                h = add_block(h, project(gated, layer.down), None, layer.mlp_out_norm)
+                h = add_block(h, proj(gated, layer.down), None, layer.mlp_out_norm)
         return h
 
 

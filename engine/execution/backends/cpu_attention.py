@@ -134,10 +134,12 @@ def paged_attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
+    prefill_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend every row to its context (with ``window``
     > 0, each row only its last ``window`` tokens: a sliding-window layer; ``sinks`` [H], gpt-oss's
-    logit per head in each softmax's denominator; ``softcap`` > 0, Gemma 2's cap of the scores)."""
+    logit per head in each softmax's denominator; ``softcap`` > 0, Gemma 2's cap of the scores;
+    ``prefill_dtype``: the prefill spans attend in it, bfloat16 for AMX tiles, the cache unchanged)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -163,9 +165,53 @@ def paged_attention(
         out.index_copy_(0, group.rows, od.squeeze(2))
 
     for span in meta.prefills:
+        if prefill_dtype is not None:
+            op = _padded_attention(q, k_cache, v_cache, span, window, prefill_dtype, scale, gqa, sinks, softcap)
+            out[span.start : span.end] = op
+            continue
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = _gather(k_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
         vp = _gather(v_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
         op = _attention(qp, kp, vp, span.window_mask(window), scale, gqa, sinks, softcap)
         out[span.start : span.end] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+PAD = 64  # a low-precision prefill's keys are padded to a multiple of this, its rows to a power of two (at least this)
+
+
+def _padded_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    span: PrefillSpan,
+    window: int,
+    dtype: torch.dtype,
+    scale: float,
+    gqa: bool,
+    sinks: torch.Tensor | None,
+    softcap: float,
+) -> torch.Tensor:
+    """One prefill span attended in ``dtype`` (bfloat16: AMX tiles), its rows and keys padded (``PAD``)
+    and masked: torch's flash kernel builds and keeps a oneDNN kernel for each leftover size, and
+    unpadded, every new prompt length added some (resident memory rising for many rounds of the
+    memory soak). Returns [n, H, D] in q's dtype."""
+    n, length = span.end - span.start, span.context_len
+    rows, keys = max(PAD, 1 << (n - 1).bit_length()), -(-length // PAD) * PAD
+    heads, kv_heads, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    qp = torch.zeros(1, heads, rows, head_dim, dtype=dtype)
+    qp[0, :, :n] = q[span.start : span.end].transpose(0, 1)
+    kv = []
+    for cache in (k_cache, v_cache):
+        gathered = _gather(cache, span.context_pages)[:length]
+        padded = torch.zeros(1, kv_heads, keys, head_dim, dtype=dtype)
+        padded[0, :, :length] = gathered.transpose(0, 1)
+        kv.append(padded)
+    mask = span.window_mask(window)
+    if mask is None:
+        mask = torch.ones(n, length, dtype=torch.bool).tril(length - n)
+    full = torch.zeros(rows, keys, dtype=torch.bool)
+    full[:n, :length] = mask
+    full[n:, 0] = True  # a padding row sees one key: no row of the softmax is all -inf
+    op = _attention(qp, kv[0], kv[1], full, scale, gqa, sinks, softcap)
+    return op[0, :, :n].transpose(0, 1).to(q.dtype)
