@@ -120,13 +120,13 @@ class EngineConfig:
         "the blocks per second on AVX2; within 5e-3)",
         choices=("8", "16"),
     )
-    prefill_dtype: str = setting(
+    gemm_dtype: str = setting(
         "auto",
-        "on CPUs serving in float32: the dtype of the GEMMs and attention of steps of 64 rows or more "
-        "outside the fused decode loop (prefill chunks); `bfloat16` decodes each weight panel to bfloat16 "
-        "and multiplies on AMX tiles through oneDNN (3-5x float32 there, within bfloat16 rounding of it), "
-        "decode steps keep their float32 kernels; `auto`: bfloat16 where `--dtype auto` chose float32 and "
-        "the CPU has AMX-BF16, else float32; the start-up log says which",
+        "on CPUs serving in float32: the dtype of the matrix products of wide steps (from 49-80 rows by the "
+        "weight's form: prefill chunks) and of prefill attention (steps of 64 rows or more); `bfloat16` decodes "
+        "each weight panel to bfloat16 and multiplies on AMX tiles through oneDNN (3-5x float32 there, within "
+        "bfloat16 rounding of it), decode steps keep their float32 kernels; `auto`: bfloat16 where `--dtype "
+        "auto` chose float32 and the CPU has AMX-BF16, else float32; the start-up log says which",
         choices=DTYPES,
     )
     prefault: bool = setting(
@@ -245,7 +245,7 @@ class EngineConfig:
             raise ValueError("max_waiting must be >= 0")
         for name, allowed in (
             ("dtype", DTYPES),
-            ("prefill_dtype", DTYPES),
+            ("gemm_dtype", DTYPES),
             ("device", DEVICES),
             ("kernels", KERNELS),
             ("load_format", LOAD_FORMATS),

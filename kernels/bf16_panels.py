@@ -11,7 +11,7 @@ bfloat16 by oneDNN, lands in the float32 output. The weights stay in their block
 decoded is kept.
 
 ``amx_bf16()`` says whether this CPU has the tiles (Linux: ``/proc/cpuinfo``); elsewhere
-bfloat16 GEMMs are slower than float32 ones, so ``--prefill-dtype auto`` keeps float32 there.
+bfloat16 GEMMs are slower than float32 ones, so ``--gemm-dtype auto`` keeps float32 there.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked, out_features
 
 MIN_PADDED = 64  # x's rows are padded to a power of two, at least this
-ROWS = 64  # rows of x from which a bfloat16 prefill runs its GEMMs here (below: the integer/float32 paths)
+ROWS = 64  # rows of a step from which its prefill spans attend in bfloat16
+# Rows of x from which a weight multiplies here rather than in its float32 kernel: where that kernel
+# would decode panels for a float32 GEMM itself (a file's blocks, ``cpu_gguf``), and for repacked Q4_1/Q8_0
+# and dense float32, whose register-decoding and MKL kernels are as fast up to ~80 and ~60 rows (two
+# Sapphire Rapids cores). Below these, decode steps keep their float32 kernels and the fused loop: a
+# bfloat16 product at 32 rows decodes every panel of the model each step, measured slower there.
+CROSSOVER = {"BF16": cpu_gguf.FLOAT_GEMM_ROWS, "GGUF": cpu_gguf.GEMM_ROWS, "REPACKED": 80, "DENSE": 64}
 PANEL_VALUES = 1 << 21  # weight values per GEMM (4 MiB of bfloat16): most of a small model's weights are one
 DECODE_FLOATS = 1 << 17  # decoded to float32 at a time (512 KiB, in L2), then rounded into the panel
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -57,6 +63,15 @@ def amx_bf16() -> bool:
     except OSError:
         return False
     return any(line.startswith("flags") and " amx_bf16" in line for line in text.splitlines())
+
+
+def crossover(weight: object) -> int:
+    """Rows of x from which ``matmul`` beats the float32 path for ``weight`` (``CROSSOVER``)."""
+    if isinstance(weight, GGUFWeight):
+        return CROSSOVER["BF16" if weight.kind.name == "BF16" else "GGUF"]
+    if isinstance(weight, Stacked):
+        return max(crossover(part) for part in weight.parts)
+    return CROSSOVER["DENSE" if isinstance(weight, torch.Tensor) else "REPACKED"]
 
 
 def _decode(weight: GGUFWeight | BlockWeight, start: int, stop: int, panel: torch.Tensor) -> torch.Tensor:
@@ -141,6 +156,8 @@ def _matmul(x: torch.Tensor, weight: object, out: torch.Tensor, accumulate: bool
             stop = start + out_features(part)
             _matmul(x, part, out[:, start:stop], accumulate, scratch)
             start = stop
+    elif isinstance(weight, GGUFWeight) and weight.kind.name == "BF16":  # the file's rows as they are
+        _into(out, torch.mm(x, weight.data.view(_BF16).t())[: out.shape[0]], accumulate)
     elif isinstance(weight, (GGUFWeight, Q4_1Weight, Q8_0Weight)):
         _blocks(x, weight, out, accumulate, scratch)
     else:

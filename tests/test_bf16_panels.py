@@ -1,4 +1,4 @@
-"""Prefill GEMMs and attention in bfloat16 (``--prefill-dtype``): within bfloat16 rounding of float32.
+"""Prefill GEMMs and attention in bfloat16 (``--gemm-dtype``): within bfloat16 rounding of float32.
 
 ``kernels/bf16_panels`` decodes block weights panel by panel to bfloat16 and multiplies with torch's
 oneDNN (AMX tiles where the CPU has them; any CPU runs it, slower). Each weight form the CPU backend
@@ -16,7 +16,7 @@ import torch
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends.cpu_attention import CpuMetadata, PrefillSpan, paged_attention
 from trillm.engine.execution.layers import fuse, transposed
-from trillm.engine.execution.loading import prefill_in_bf16
+from trillm.engine.execution.loading import gemms_in_bf16
 from trillm.kernels import bf16_panels, cpu_gguf, cpu_matmul
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight
 from trillm.kernels.block_weights import dequantize as dequantize_blocks
@@ -32,7 +32,7 @@ BF16_STEP = 2.0**-8  # one bfloat16 rounding: at most half of this, relative
 def _weights() -> dict[str, tuple[object, torch.Tensor]]:
     """Each form, with its float32 matrix [N, K]."""
     forms: dict[str, tuple[object, torch.Tensor]] = {}
-    for name in ("Q4_K", "Q6_K", "Q5_0", "Q8_0", "F16"):
+    for name in ("Q4_K", "Q6_K", "Q5_0", "Q8_0", "F16", "BF16"):
         w = random_weight(name, 200, 256, seed=len(forms))
         forms[name] = (w, reference_dequantize(w))
     legacy = repacked(random_weight("Q4_1", 96, 256, 7))
@@ -81,6 +81,14 @@ def test_the_scratch_is_reused_and_bounded_by_the_largest_step():
     bf16_panels.matmul(torch.randn(70, 256), weight, scratch=scratch)  # smaller: nothing new
     assert {name: (t.data_ptr(), t.numel()) for name, t in scratch.buffers.items()} == sizes
     assert sizes["x"][1] == 512 * 256  # 300 rows padded to the next power of two
+
+
+def test_each_form_leaves_its_float32_kernel_where_its_panels_would_be_decoded_anyway():
+    assert bf16_panels.crossover(WEIGHTS["Q4_K"][0]) == cpu_gguf.GEMM_ROWS
+    assert bf16_panels.crossover(WEIGHTS["BF16"][0]) == cpu_gguf.FLOAT_GEMM_ROWS
+    assert bf16_panels.crossover(WEIGHTS["Stacked"][0]) == cpu_gguf.GEMM_ROWS
+    assert bf16_panels.crossover(WEIGHTS["Q4_1 (repacked)"][0]) == bf16_panels.CROSSOVER["REPACKED"]
+    assert bf16_panels.crossover(WEIGHTS["dense"][0]) == bf16_panels.CROSSOVER["DENSE"]
 
 
 def test_bad_arguments_are_refused():
@@ -133,19 +141,19 @@ def test_a_prefill_attends_in_bfloat16_within_rounding_of_float32(window, sinks,
 def test_auto_takes_bfloat16_only_for_dtype_auto_on_a_cpu_with_amx(monkeypatch, caplog):
     for amx in (True, False):
         monkeypatch.setattr(bf16_panels, "amx_bf16", lambda amx=amx: amx)
-        assert prefill_in_bf16(EngineConfig()) is amx
-        assert prefill_in_bf16(EngineConfig(dtype="float32")) is False  # asked for float32: float32 everywhere
-        assert prefill_in_bf16(EngineConfig(prefill_dtype="bfloat16", dtype="float32")) is True
-        assert prefill_in_bf16(EngineConfig(prefill_dtype="float32")) is False
-    with pytest.raises(ValueError, match="prefill_dtype"):
-        EngineConfig(prefill_dtype="float16")
+        assert gemms_in_bf16(EngineConfig()) is amx
+        assert gemms_in_bf16(EngineConfig(dtype="float32")) is False  # asked for float32: float32 everywhere
+        assert gemms_in_bf16(EngineConfig(gemm_dtype="bfloat16", dtype="float32")) is True
+        assert gemms_in_bf16(EngineConfig(gemm_dtype="float32")) is False
+    with pytest.raises(ValueError, match="gemm_dtype"):
+        EngineConfig(gemm_dtype="float16")
 
 
 def test_the_start_up_log_says_prefill_runs_in_bfloat16(caplog):
     from trillm.engine.engine import load_model
 
     with caplog.at_level(logging.INFO, logger="trillm.engine"):
-        model = load_model(EngineConfig(prefill_dtype="bfloat16", dtype="float32"))[0]
-    assert model.backend.prefill_bf16  # type: ignore[attr-defined]
+        model = load_model(EngineConfig(gemm_dtype="bfloat16", dtype="float32"))[0]
+    assert model.backend.gemm_bf16  # type: ignore[attr-defined]
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("prefill steps"))
-    assert "bfloat16" in line and f"{bf16_panels.ROWS} rows" in line
+    assert "bfloat16" in line and f"from {bf16_panels.ROWS} rows" in line

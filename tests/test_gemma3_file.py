@@ -64,14 +64,14 @@ def test_teacher_forced_it_agrees_with_transformers(gemma_file, hf_gemma, parts)
         theirs = hf_gemma(torch.tensor([ids])).logits[0]
     # one prefill (float32 activations); a token a step (int16 activations); the same in int8
     # (--activation-bits 8, llama.cpp's: measured 96.6 % / 0.045, the bar 95 % / 0.05); a
-    # prefill in bfloat16 (--prefill-dtype bfloat16, the bar)
+    # prefill in bfloat16 (--gemm-dtype bfloat16, the bar)
     for chunk, bits, bf16, bar in (
         (256, 16, False, (0.99, 0.01)),
         (1, 16, False, (0.99, 0.01)),
         (1, 8, False, (0.95, 0.05)),
         (256, 16, True, (0.95, 0.05)),
     ):
-        cpu.prefill_bf16 = bf16
+        cpu.gemm_bf16 = bf16
         model = DecoderModel.from_gguf(
             header, gguf_config(header), torch.float32, 1024, backend=cpu, block_weights=True, activation_bits=bits
         )

@@ -9,7 +9,7 @@ Teacher-forced over a few hundred tokens of text, the next-token argmax must agr
 of positions and the true token's log-probability differ by <= 0.01 on average where the
 activations are float32 (prefill: the same values, only the summation order differs), and where
 they are int16 (decode steps); >= 95 % and <= 0.05, the issue's bar for a path that rounds, where a
-prefill multiplies and attends in bfloat16 (``--prefill-dtype bfloat16``, ``kernels/bf16_panels``).
+prefill multiplies and attends in bfloat16 (``--gemm-dtype bfloat16``, ``kernels/bf16_panels``).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_a_file_of_every_type_agrees_with_transformers_reading_it(tokenizer, tmp
         theirs = hf(torch.tensor([ids])).logits[0]
     exact = _agreement(_all_logits(ours, ids, 4096), theirs, ids)  # float32 activations: the same values
     integer = _agreement(_all_logits(ours, ids, 4), theirs, ids)  # 4 rows a step: int16 activations
-    cpu.prefill_bf16 = True  # --prefill-dtype bfloat16: the panels' GEMMs and the attention round to bfloat16
+    cpu.gemm_bf16 = True  # --gemm-dtype bfloat16: the panels' GEMMs and the attention round to bfloat16
     rounded = _agreement(_all_logits(ours, ids, 96), theirs, ids)  # 96 rows a step: from bf16_panels.ROWS on
     print(
         f"{sorted(kinds)}: float32 path {exact[0]:.4f} / {exact[1]:.5f}, int16 path {integer[0]:.4f} / "

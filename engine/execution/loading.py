@@ -176,11 +176,11 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     return LoadPlan(config, folder, model_config, device, dtype_choice, gguf)
 
 
-def prefill_in_bf16(config: EngineConfig) -> bool:
+def gemms_in_bf16(config: EngineConfig) -> bool:
     """Whether a CPU model served in float32 runs its prefill GEMMs and attention in bfloat16
-    (``--prefill-dtype``; ``kernels/bf16_panels``)."""
-    if config.prefill_dtype != "auto":
-        return config.prefill_dtype == "bfloat16"
+    (``--gemm-dtype``; ``kernels/bf16_panels``)."""
+    if config.gemm_dtype != "auto":
+        return config.gemm_dtype == "bfloat16"
     return config.dtype == "auto" and bf16_panels.amx_bf16()
 
 
@@ -194,7 +194,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
     max_len = config.max_model_len or model_config.get("max_position_embeddings", 2048)
     backend = create_backend(config.kernels, device, dtype)
     if isinstance(backend, CpuBackend) and backend.c_kernels:
-        backend.prefill_bf16 = prefill_in_bf16(config)
+        backend.gemm_bf16 = gemms_in_bf16(config)
     blocks = _use_block_weights(config, backend, plan.gguf is not None)
     if config.load_format == "dummy":
         model = DecoderModel.dummy(model_config, dtype, max_len, device, backend=backend, tp=tp)
@@ -228,12 +228,15 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
             f"projections of {config.model} are in blocks (exact Q4_1/Q8_0 blocks or a GGUF file's own)"
         )
     tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
-    if isinstance(backend, CpuBackend) and backend.prefill_bf16:
+    if isinstance(backend, CpuBackend) and backend.gemm_bf16:
         log.info(
-            "prefill steps (%d rows or more): GEMMs and attention in bfloat16 (%s); decode steps in float32%s",
+            "prefill steps: GEMMs (from %d-%d rows by the weight's form) and attention (from %d rows) in "
+            "bfloat16 (%s); decode steps in float32%s",
+            min(bf16_panels.CROSSOVER.values()),
+            max(bf16_panels.CROSSOVER.values()),
             bf16_panels.ROWS,
             "AMX-BF16 tiles through oneDNN" if bf16_panels.amx_bf16() else "no AMX-BF16 here: slower than float32",
-            "" if config.prefill_dtype == "bfloat16" else " (--prefill-dtype float32 keeps prefill in float32)",
+            "" if config.gemm_dtype == "bfloat16" else " (--gemm-dtype float32 keeps them in float32)",
         )
     log.info(
         "loaded %s (%s, %s, %s kernels, %d of %d projections in blocks) from %s",

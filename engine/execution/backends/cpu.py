@@ -66,9 +66,10 @@ class CpuBackend(Backend):
         # Decode-only steps take the C layer loop where ``bind`` could make one; read each
         # step, so tests may switch it off to compare.
         self.fuse_decode = self.c_ops and cpu_forward.available()
-        # Steps of at least ``bf16_panels.ROWS`` rows (prefill chunks) multiply and attend in
-        # bfloat16 (AMX tiles) when set: ``--prefill-dtype``, resolved at load.
-        self.prefill_bf16 = False
+        # When set (``--gemm-dtype``, resolved at load), a projection multiplies in bfloat16 (AMX
+        # tiles) from the rows where that beats its float32 kernel (``bf16_panels.crossover``), and
+        # the prefill spans of steps of ``bf16_panels.ROWS`` rows or more attend in bfloat16.
+        self.gemm_bf16 = False
         self.scratch = bf16_panels.Scratch()  # their panels, reused by every step (steps run one at a time)
 
     @property
@@ -210,6 +211,9 @@ class CpuBackend(Backend):
             h = self._layers(model, h, rope, kv_cache, meta)
         return norm(h.index_select(0, logits_rows), model.final_norm, s.rms_norm_eps)
 
+    def _in_bf16(self, w: Weight, rows: int) -> bool:
+        return self.gemm_bf16 and rows >= bf16_panels.crossover(w)
+
     def _layers(
         self,
         model: ModelWeights,
@@ -222,8 +226,8 @@ class CpuBackend(Backend):
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         norm = cpu_ops.rms_norm if self.c_ops else rms_norm
         reduce = model.tp.all_reduce if model.tp.size > 1 else None
-        wide = self.prefill_bf16 and h.shape[0] >= bf16_panels.ROWS
-        low = torch.bfloat16 if wide else None
+        rows = h.shape[0]
+        low = torch.bfloat16 if self.gemm_bf16 and rows >= bf16_panels.ROWS else None
 
         outputs: dict[int, torch.Tensor] = {}  # width -> this step's output of that width, reused by every layer
 
@@ -231,7 +235,7 @@ class CpuBackend(Backend):
             """x @ W (+ bias). A wide step writes into one buffer per width for all its layers (each
             layer's output is dead when the next one's is made): fresh multi-MiB tensors are new pages
             each time, and faulting them in cost a third of a prefill chunk's GEMMs."""
-            if not wide:
+            if not self._in_bf16(w, rows):
                 return project(x, w, bias)
             width = w.shape[1] if isinstance(w, torch.Tensor) else w.shape[0]
             out = outputs.get(width)
@@ -241,7 +245,7 @@ class CpuBackend(Backend):
             return out if bias is None else out.add_(bias)
 
         def proj_add(h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
-            if not wide:
+            if not self._in_bf16(w, rows):
                 return project_add(h, x, w, reduce)
             if reduce is not None:
                 return h.add_(reduce(proj(x, w)))
