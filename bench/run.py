@@ -210,6 +210,7 @@ def run_bench(args: argparse.Namespace) -> None:
         converted_default,
         default_gguf,
         from_env,
+        gemms_in_bf16,
         gguf_file,
         load_tokenizer,
         overrides_from,
@@ -283,7 +284,9 @@ def run_bench(args: argparse.Namespace) -> None:
             # Bench's own sizing (a seat and pages for every client) unless the flags said otherwise.
             sized = {"max_num_seqs": max(levels) + 1, "kv_cache_bytes": kv_mb * 2**20} | given
             run = dict(weight_format=weight_format, overlap_schedule=overlap == "on", tp=tp, dp=dp)
-            server = attrs.evolve(base, **{**sized, **run, "dtype": dtype_name})
+            # The dtype is pinned to the baseline's; the wide steps' GEMMs as `serve` with these flags would run them.
+            gemm = "bfloat16" if gemms_in_bf16(base) else "float32"
+            server = attrs.evolve(base, **{**sized, **run, "dtype": dtype_name, "gemm_dtype": gemm})
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trillm.api.cli", "serve", "--port", str(args.port)],
                 env={**os.environ, **server_environment(server)},

@@ -37,7 +37,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     # Model files: where a model comes from, its shape, its dtype, loading it.
     "execution.model_source": ("DEFAULT_ALIAS", "resolve_model", "default_gguf", "gguf_file", "converted_default"),
     "execution.shape": ("ModelShape",),
-    "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of"),
+    "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of", "gemms_in_bf16"),
     "execution.pooling": ("Pooling", "pooling_for"),  # how embeddings are pooled
     "execution.device_memory": ("device_memory",),  # the ceiling of --models-memory's default
     # Settings declared once: flags, variables, --help and the README's table derive from them.
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from trillm.engine.execution.launch import serve_node as serve_node
     from trillm.engine.execution.loading import choose_model_dtype as choose_model_dtype
     from trillm.engine.execution.loading import eos_ids_of as eos_ids_of
+    from trillm.engine.execution.loading import gemms_in_bf16 as gemms_in_bf16
     from trillm.engine.execution.loading import load_model as load_model
     from trillm.engine.execution.loading import load_tokenizer as load_tokenizer
     from trillm.engine.execution.model_source import DEFAULT_ALIAS as DEFAULT_ALIAS

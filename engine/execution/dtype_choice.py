@@ -9,7 +9,8 @@ the whole block path away (7x slower decode on the default model). So the choice
 made in two steps, and the start-up log says which and why:
 
 1. where the float32 block path applies, probe the first layer's projections: if
-   their blocks read fewer bytes than bfloat16 would, float32 (blocks) wins;
+   their blocks, or a bfloat16 / float16 checkpoint's rows kept as they are, read no
+   more bytes than bfloat16 would, float32 (blocks, the fused C decode loop) wins;
 2. else (dense weights: every decode step reads a matrix), time a decode-shaped
    matmul on the model's own widths in both dtypes; bfloat16 only when clearly
    faster (``BF16_MARGIN``): float32 is the exact reference and has the C kernels
@@ -94,10 +95,12 @@ def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
                 key = keys.get(f"model.layers.0.{name}.weight")
                 if key is None:
                     continue
-                w = f.get_tensor(key).float()
-                packed = pack_exact(w)
-                block_bytes += packed.nbytes if packed is not None else w.numel() * 4
-                weights += w.numel()
+                raw = f.get_tensor(key)
+                packed = pack_exact(raw.float())
+                # float32 keeps a bfloat16 / float16 checkpoint's rows as they are (``layers.half_rows``)
+                width = 2 if raw.dtype in (torch.bfloat16, torch.float16) else 4
+                block_bytes += packed.nbytes if packed is not None else raw.numel() * width
+                weights += raw.numel()
     return (block_bytes, weights) if weights else None
 
 
@@ -129,15 +132,15 @@ def choose_dtype(
     gguf = isinstance(folder, GGUFHeader)
     if folder is not None and _block_path_applies(config, device, gguf):
         probed = gguf_first_layer_bytes(folder) if isinstance(folder, GGUFHeader) else first_layer_bytes(folder)
-        if probed is not None and probed[0] < 2 * probed[1]:
+        if probed is not None and probed[0] <= 2 * probed[1]:
             block_bytes, weights = probed
-            held = "the GGUF file's" if gguf else "exact GGUF"
+            held = "the GGUF file's blocks" if gguf else "exact GGUF blocks or bfloat16/float16 rows"
             return DtypeChoice(
                 torch.float32,
-                f"auto: the projections are {held} blocks "
+                f"auto: the projections are {held} "
                 f"({block_bytes / weights:.2f} bytes a weight "
-                "in layer 0, against 2 in bfloat16): float32 keeps them for decode "
-                "(--dtype bfloat16 trades them for faster prefill where this CPU has AMX)",
+                "in layer 0, against 2 in bfloat16): float32 keeps them for the fused decode loop "
+                "(--gemm-dtype multiplies wide steps in bfloat16 where this CPU has AMX)",
             )
     hidden = int(model_config.get("hidden_size", 576))
     inter = int(model_config.get("intermediate_size", 4 * hidden))

@@ -8,8 +8,9 @@ or several of these side by side (``Stacked``: Q, K and V of different block typ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import attrs
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from trillm.kernels import cpu_gguf, cpu_matmul
 from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight, pack_exact
 from trillm.kernels.block_weights import dequantize as dequantize_blocks
-from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight
 from trillm.kernels.stacked import Stacked, nbytes, out_features
 
 # A projection: dense and transposed, [in, out]; blocks, [out, in]; or several side by side.
@@ -109,15 +110,46 @@ def transposed(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous()
 
 
+HALF_KINDS = {torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def half_rows(weight: torch.Tensor) -> GGUFWeight:
+    """A bfloat16 or float16 matrix [out, in] as a GGUF file's BF16 / F16 rows: served in float32 by
+    ``cpu_gguf`` (2 bytes a weight for decode, in the fused loop) and ``bf16_panels`` (AMX prefill)."""
+    N, K = weight.shape
+    data = weight.contiguous().view(torch.uint8).view(N, 2 * K)
+    return GGUFWeight(BLOCK_TYPES[HALF_KINDS[weight.dtype]], data, K)
+
+
+_HALF_KEPT = re.compile(
+    r"model\.(embed_tokens|layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj))\.weight|lm_head\.weight"
+)
+
+
+def kept_half(name: str, tensor: Any) -> bool:
+    """Whether ``name`` is a bfloat16 / float16 matrix a float32 CPU model keeps as it is (``half_rows``):
+    the embedding, the LM head and the dense layers' projections (not routers, experts or norms)."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dtype in HALF_KINDS
+        and tensor.dim() == 2
+        and _HALF_KEPT.fullmatch(name) is not None
+    )
+
+
 def make_weight(weight: torch.Tensor, blocks: bool) -> Weight:
-    """``weight`` [out, in] in exact blocks when asked and possible, else transposed.
+    """``weight`` [out, in] in exact blocks when asked and possible, else (a bfloat16 or float16
+    checkpoint's, with blocks asked) its 2-byte rows as they are, else transposed.
 
     Blocks hold the same values in 6 (Q4_1) or 9 (Q8_0) bits instead of 32 (float32
     scales included), so a decode step, which reads every weight once, moves 3.5-5.3x
-    fewer bytes.
+    fewer bytes; 2-byte rows move 2x fewer than float32, as bfloat16 does, and keep the C loop.
     """
-    packed = pack_exact(weight) if blocks else None
-    return packed if packed is not None else transposed(weight)
+    half = weight.dtype in HALF_KINDS
+    packed = pack_exact(weight.float() if half else weight) if blocks else None
+    if packed is not None:
+        return packed
+    return half_rows(weight) if half and blocks and cpu_gguf.available() else transposed(weight)
 
 
 def weight_bytes(w: Weight) -> int:

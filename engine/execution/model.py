@@ -34,6 +34,8 @@ from trillm.engine.execution.layers import (
     Weight,
     embed_rows,
     fuse,
+    half_rows,
+    kept_half,
     make_weight,
     project,
     soft_cap,
@@ -95,12 +97,19 @@ class DecoderModel:
             )
         if block_weights and not self.backend.supports_block_weights:
             raise ValueError("block weights run on the CPU fast path in float32 only")
-        # Tensors move to the device and dtype; weights a GGUF file keeps in blocks stay as they are.
-        w = {k: v.to(self.device, dtype) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+        # Tensors move to the device and dtype; weights a GGUF file keeps in blocks stay as they are, and so
+        # do a bfloat16 / float16 checkpoint's matrices where blocks are asked, in one process
+        # (``layers.half_rows``; a rank's shard of the embedding is looked up by the group instead).
+        keep_half = block_weights and tp.size == 1 and self.device.type == "cpu"
+        w = {
+            k: v.to(self.device, dtype) if isinstance(v, torch.Tensor) and not (keep_half and kept_half(k, v)) else v
+            for k, v in weights.items()
+        }
         if shape.norm_plus_one:  # Gemma's checkpoints store w - 1: the norms multiply by 1 + w
             for key in [k for k in w if k.endswith("norm.weight")]:
                 w[key] = (1.0 + w[key].float()).to(dtype)
-        self.embed = w["model.embed_tokens.weight"]
+        embed = w["model.embed_tokens.weight"]
+        self.embed = half_rows(embed) if keep_half and kept_half("model.embed_tokens.weight", embed) else embed
         head = self.embed if shape.tie_word_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
         self.lm_head = make_weight(head, block_weights) if isinstance(head, torch.Tensor) else head
         self.final_norm = w["model.norm.weight"]
