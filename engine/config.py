@@ -42,9 +42,10 @@ class EngineConfig:
     )
     dtype: str = setting(
         "auto",
-        "`auto`: bfloat16 on CUDA; on CPUs float32 where the projections are exact GGUF "
-        "blocks (they stay blocks for decode), else bfloat16 only where a decode-shaped "
-        "matmul runs clearly faster in it; the start-up log says which and why",
+        "`auto`: bfloat16 on CUDA; on CPUs float32 where the projections are GGUF blocks or a "
+        "bfloat16/float16 checkpoint's rows (kept as they are, for the fused C decode loop), else "
+        "bfloat16 only where a decode-shaped matmul runs clearly faster in it; the start-up log says "
+        "which and why",
         choices=DTYPES,
     )
     page_size: int = setting(16, "tokens per KV page", validator=attrs.validators.ge(1))

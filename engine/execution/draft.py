@@ -23,6 +23,7 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.model import DecoderModel
+from trillm.engine.execution.native_memory import lazy_zeros
 from trillm.engine.execution.verify import chunk_rows
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.step import PENDING, Batch, ScheduledChunk, ScheduledSequence, StepInputs, fill_pending
@@ -104,7 +105,7 @@ class DraftModel:
         self.page_size = page_size
         s = model.shape
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+        zeros = lambda: lazy_zeros(shape, model.dtype, model.device)  # noqa: E731  (resident as written)
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self.bound = model.backend.bind(model, self.kv_cache)
 

@@ -25,6 +25,7 @@ import torch
 from trillm.engine.execution.cuda_graphs import Capture, DecodeGraphs, cuda_capture, eager_capture
 from trillm.engine.execution.draft import DraftModel
 from trillm.engine.execution.model import DecoderModel
+from trillm.engine.execution.native_memory import lazy_zeros
 from trillm.engine.execution.parallel.channel import StepChannel
 from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.execution.sampler import sample_with_logprobs
@@ -127,7 +128,7 @@ class ModelRunner:
         self.page_size = page_size
         s = model.shape
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
-        zeros = lambda: torch.zeros(shape, dtype=model.dtype, device=model.device)  # noqa: E731
+        zeros = lambda: lazy_zeros(shape, model.dtype, model.device)  # noqa: E731  (resident as written)
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self._bound: Any = self.backend.bind(model, self.kv_cache)  # the backend's state over this cache
         self._last_sampled: list[int] | None = None  # the tokens of the step that ran last

@@ -26,6 +26,7 @@ import logging
 import os
 
 import numpy as np
+import torch
 
 log = logging.getLogger("trillm.engine")
 
@@ -102,3 +103,16 @@ def resident_file_bytes(path: os.PathLike[str] | str) -> int:
             libc.munmap(address, size)
     finally:
         os.close(fd)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose pages are not resident until written, on the CPU: the KV pool. ``torch.zeros``
+    writes every page (a 512 MiB pool was resident from the start, however little of it a load
+    used); ``calloc`` (numpy's zeros) maps fresh zero pages the kernel backs as they are touched, as
+    llama.cpp's buffers are. Elsewhere, ``torch.zeros``."""
+    if device.type != "cpu" or dtype.itemsize not in _UNSIGNED:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=_UNSIGNED[dtype.itemsize])).view(dtype)
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
