@@ -1,14 +1,14 @@
-"""Prefill GEMMs in bfloat16 over float32-served block weights: AMX tiles through oneDNN.
+"""Wide steps' GEMMs in bfloat16 over float32-served weights: AMX tiles through oneDNN.
 
 A decode step reads every weight once and is bound by memory, so float32 activations against
 the weights' blocks (``cpu_gguf``, ``cpu_matmul``) are what it wants. A prefill chunk multiplies
 hundreds of rows by each weight and is bound by arithmetic: float32 FMAs peak at ~300 GFLOP/s
 on two Sapphire Rapids cores, AMX bfloat16 tiles at 1-2.7 TFLOP/s (measured through torch's
-oneDNN on the prefill shapes of SmolLM2). So from ``ROWS`` rows on, each weight is decoded
+oneDNN on the prefill shapes of SmolLM2). So from a weight's ``crossover`` rows on, it is decoded
 panel by panel (as the float32 GEMM path does), rounded to bfloat16 and multiplied with x in
 bfloat16; the products are summed in float32 by the tiles and the result, rounded once to
 bfloat16 by oneDNN, lands in the float32 output. The weights stay in their blocks: nothing
-decoded is kept.
+decoded is kept (a file's BF16 rows are multiplied as they are).
 
 ``amx_bf16()`` says whether this CPU has the tiles (Linux: ``/proc/cpuinfo``); elsewhere
 bfloat16 GEMMs are slower than float32 ones, so ``--gemm-dtype auto`` keeps float32 there.
