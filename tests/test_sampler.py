@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trillm.engine.execution.sampler import sample_with_logprobs
+from trillm.engine.execution.sampler import greedy, sample_with_logprobs
 from trillm.engine.sampling_params import SamplingParams
 
 
@@ -22,3 +22,14 @@ def test_tiny_temperatures_are_greedy_never_a_nan_draw(temperature):
     sampled = sample_with_logprobs(logits.clone(), rows)
     assert sampled.tokens == logits.argmax(dim=-1).tolist()
     assert sampled.logprobs[1] is not None and sampled.logprobs[1].logprob > -1e9
+
+
+def test_greedy_is_argmax_ties_and_infinities_included():
+    """``greedy`` takes ``max``'s indices for speed: the same first index of equal maxima as argmax."""
+    logits = torch.randn(33, 1000)
+    logits[3, [7, 500]] = 100.0  # a tie: the first
+    logits[4] = float("-inf")  # all masked: index 0
+    logits[4, 999] = 0.0
+    logits[5, :] = 1.0  # all equal
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    assert greedy(logits)[3] == 7 and greedy(logits)[4] == 999 and greedy(logits)[5] == 0

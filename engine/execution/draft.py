@@ -24,6 +24,7 @@ import torch
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.model import DecoderModel
 from trillm.engine.execution.native_memory import lazy_zeros
+from trillm.engine.execution.sampler import greedy
 from trillm.engine.execution.verify import chunk_rows
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.step import PENDING, Batch, ScheduledChunk, ScheduledSequence, StepInputs, fill_pending
@@ -145,14 +146,14 @@ class DraftModel:
         proposals: list[list[int]] = [[] for _ in draft.chunks]
         with torch.inference_mode():
             logits = self._forward(draft.first)
-            best = logits.argmax(dim=-1).tolist()
+            best = greedy(logits).tolist()
             for i, (sample, _, _) in enumerate(draft.chunks):
                 proposals[i].append(best[sample])
             for j, step in enumerate(draft.passes, start=1):
                 for i, (_, _, rows) in enumerate(draft.chunks):
                     if len(rows) > j:
                         step.input_ids[rows[j]] = proposals[i][j - 1]
-                best = self._forward(step).argmax(dim=-1).tolist()
+                best = greedy(self._forward(step)).tolist()
                 for i, (_, _, rows) in enumerate(draft.chunks):
                     if len(rows) > j + 1:  # rows: the first pass's, then one per proposal
                         proposals[i].append(best[rows[j]])

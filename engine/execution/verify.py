@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from trillm.engine.execution.sampler import adjust, draw, token_logprobs, truncate, uniform
+from trillm.engine.execution.sampler import adjust, draw, greedy, token_logprobs, truncate, uniform
 from trillm.engine.outputs import TokenLogprobs
 from trillm.engine.step import Sampled, SampleRow
 
@@ -51,7 +51,7 @@ def _decide(
     params = rows[0].params
     k = len(draft)
     if params.greedy:
-        targets = adjusted.argmax(dim=-1).tolist()
+        targets = greedy(adjusted).tolist()
         kept = 0
         while kept < k and targets[kept] == draft[kept]:
             kept += 1
