@@ -99,3 +99,22 @@ def test_a_float32_checkpoint_is_still_probed_as_before(model_dir):
     assert probed is not None and probed[0] < 2 * probed[1]  # its values are exact Q4_1/Q8_0 blocks
     choice = dtype_choice.choose_dtype(config, torch.device("cpu"), model_dir, {}, lambda *a: 1.0)
     assert choice.dtype == torch.float32 and "exact GGUF blocks" in choice.reason
+
+
+def test_a_tensor_parallel_rank_converts_its_shard_so_the_probe_decides_as_before(bf16_dir):
+    from tests.test_dtype_choice import amx_like
+
+    config = EngineConfig(model=str(bf16_dir), tp=2)
+    model_config = json.loads((bf16_dir / "config.json").read_text())
+    choice = dtype_choice.choose_dtype(config, torch.device("cpu"), bf16_dir, model_config, amx_like)
+    assert choice.dtype == torch.bfloat16 and "dense weights" in choice.reason  # 4 bytes a weight in float32
+
+
+def test_a_half_matrix_not_kept_is_converted_to_float32():
+    from trillm.engine.execution.layers import make_weight
+
+    w = torch.randn(32, 64).bfloat16()
+    dense = make_weight(w, blocks=False)
+    assert isinstance(dense, torch.Tensor) and dense.dtype is torch.float32 and dense.shape == (64, 32)
+    kept = make_weight(w, blocks=True)
+    assert isinstance(kept, GGUFWeight) and kept.kind.name == "BF16" and kept.data.data_ptr() == w.data_ptr()

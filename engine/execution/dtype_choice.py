@@ -82,9 +82,11 @@ def _block_path_applies(config: EngineConfig, device: torch.device, gguf: bool) 
     return block_weights_wanted(config, possible, gguf)
 
 
-def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
+def first_layer_bytes(folder: Path, keep_half: bool = True) -> tuple[int, int] | None:
     """(bytes the first layer's projections take as exact blocks or float32, weights in them), or
-    None where the checkpoint has none of them. Reads only those tensors (memory-mapped)."""
+    None where the checkpoint has none of them. Reads only those tensors (memory-mapped).
+    ``keep_half``: a bfloat16 / float16 matrix counts its 2 bytes (one process keeps it as it is;
+    a tensor-parallel rank's shard is converted)."""
     from safetensors import safe_open
 
     block_bytes = weights = 0
@@ -98,7 +100,7 @@ def first_layer_bytes(folder: Path) -> tuple[int, int] | None:
                 raw = f.get_tensor(key)
                 packed = pack_exact(raw.float())
                 # float32 keeps a bfloat16 / float16 checkpoint's rows as they are (``layers.half_rows``)
-                width = 2 if raw.dtype in (torch.bfloat16, torch.float16) else 4
+                width = 2 if keep_half and raw.dtype in (torch.bfloat16, torch.float16) else 4
                 block_bytes += packed.nbytes if packed is not None else raw.numel() * width
                 weights += raw.numel()
     return (block_bytes, weights) if weights else None
@@ -131,7 +133,11 @@ def choose_dtype(
         return DtypeChoice(torch.bfloat16, "auto on CUDA")
     gguf = isinstance(folder, GGUFHeader)
     if folder is not None and _block_path_applies(config, device, gguf):
-        probed = gguf_first_layer_bytes(folder) if isinstance(folder, GGUFHeader) else first_layer_bytes(folder)
+        probed = (
+            gguf_first_layer_bytes(folder)
+            if isinstance(folder, GGUFHeader)
+            else first_layer_bytes(folder, keep_half=config.tp == 1)
+        )
         if probed is not None and probed[0] <= 2 * probed[1]:
             block_bytes, weights = probed
             held = "the GGUF file's blocks" if gguf else "exact GGUF blocks or bfloat16/float16 rows"

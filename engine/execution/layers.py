@@ -134,6 +134,7 @@ def kept_half(name: str, tensor: Any) -> bool:
         and tensor.dtype in HALF_KINDS
         and tensor.dim() == 2
         and _HALF_KEPT.fullmatch(name) is not None
+        and cpu_gguf.available()  # what runs them
     )
 
 
@@ -149,7 +150,9 @@ def make_weight(weight: torch.Tensor, blocks: bool) -> Weight:
     packed = pack_exact(weight.float() if half else weight) if blocks else None
     if packed is not None:
         return packed
-    return half_rows(weight) if half and blocks and cpu_gguf.available() else transposed(weight)
+    if half and blocks and cpu_gguf.available():
+        return half_rows(weight)
+    return transposed(weight.float() if half else weight)  # half only where a float32 model kept it
 
 
 def weight_bytes(w: Weight) -> int:
