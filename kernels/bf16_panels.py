@@ -123,12 +123,9 @@ def matmul(
     if x.dtype not in (_BF16, _F32) or x.dim() != 2:
         raise ValueError(f"x must be float32 or bfloat16 [M, K], got {x.dtype} {tuple(x.shape)}")
     M, K = x.shape
-    if isinstance(weight, torch.Tensor):
-        N = weight.shape[1]
-    elif isinstance(weight, (Stacked, GGUFWeight, Q4_1Weight, Q8_0Weight)):
-        N = weight.shape[0]
-    else:
+    if not isinstance(weight, (torch.Tensor, Stacked, GGUFWeight, Q4_1Weight, Q8_0Weight)):
         raise TypeError(f"no bfloat16 GEMM for a {type(weight).__name__}")
+    N = out_features(weight)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True adds into out, so out must be given")

@@ -174,30 +174,28 @@ def _matmul(
     return out
 
 
-def dequantize_rows(weight: BlockWeight, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows ``start:stop`` decoded into ``out`` (float32 [rows, K], contiguous): a panel for a GEMM
-    in another dtype (``kernels/bf16_panels``), decoded by the SIMD decoder where it is built."""
+def dequantize_rows(
+    weight: BlockWeight, start: int, stop: int, out: torch.Tensor, path: int | None = None
+) -> torch.Tensor:
+    """Rows ``start:stop`` decoded into ``out`` (float32 [rows, K], contiguous) by a C decoder: path 0
+    the plain-C one, 1 the SIMD one (AVX-512 or AVX2) that both fast paths use; None the one
+    ``matmul`` uses here. A panel for a GEMM in another dtype (``kernels/bf16_panels``)."""
+    if path is None:
+        path = 0 if simd() == "plain" else 1
     N, K, _ = _layout(weight)
     if not 0 <= start <= stop <= N:
         raise ValueError(f"rows {start}:{stop} of a weight of {N}")
     if out.dtype is not _F32 or out.shape != (stop - start, K) or not out.is_contiguous():
         raise ValueError(f"out must be contiguous float32 [{stop - start}, {K}]")
-    tensors = _layouts[id(weight)][5]
-    rows = [t[start:stop] for t in tensors]
+    rows = [t[start:stop] for t in _layouts[id(weight)][5]]
     part = _Layout(*(t.data_ptr() for t in rows), *((None,) if len(rows) == 2 else ()), stop - start, K)
-    if stop > start and K and _functions()[1](ctypes.addressof(part), out.data_ptr(), 0 if simd() == "plain" else 1):
-        raise ValueError("the SIMD decoder is not built here")
+    if stop > start and K and _functions()[1](ctypes.addressof(part), out.data_ptr(), path) != 0:
+        raise ValueError(f"decoder path {path} is not built here")
     return out
 
 
 def dequantize_c(weight: BlockWeight, path: int | None = None) -> torch.Tensor:
-    """The float32 [N, K] matrix as a C decoder computes it (a test hook): path 0 the plain-C
-    one, 1 the SIMD one (AVX-512 or AVX2) that both fast paths use; None the one ``matmul``
-    uses here."""
-    if path is None:
-        path = 0 if simd() == "plain" else 1
-    N, K, layout = _layout(weight)
-    out = torch.empty(N, K, dtype=_F32, device=_CPU)
-    if N and K and _functions()[1](layout, out.data_ptr(), path) != 0:
-        raise ValueError(f"decoder path {path} is not built here")
-    return out
+    """The float32 [N, K] matrix as a C decoder computes it (a test hook; ``dequantize_rows``'
+    ``path``)."""
+    N, K, _ = _layout(weight)
+    return dequantize_rows(weight, 0, N, torch.empty(N, K, dtype=_F32, device=_CPU), path)

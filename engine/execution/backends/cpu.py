@@ -45,7 +45,7 @@ from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import bf16_panels, cpu_decode, cpu_forward, cpu_matmul, cpu_ops
 from trillm.kernels.gguf_blocks import GGUFWeight
-from trillm.kernels.stacked import Stacked
+from trillm.kernels.stacked import Stacked, out_features
 
 
 class CpuBackend(Backend):
@@ -237,7 +237,7 @@ class CpuBackend(Backend):
             each time, and faulting them in cost a third of a prefill chunk's GEMMs."""
             if not self._in_bf16(w, rows):
                 return project(x, w, bias)
-            width = w.shape[1] if isinstance(w, torch.Tensor) else w.shape[0]
+            width = out_features(w)
             out = outputs.get(width)
             if out is None:
                 out = outputs[width] = torch.empty(x.shape[0], width)
