@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from trillm.kernels import cpu_gguf, cpu_matmul
+from trillm.kernels import amx_tiles, cpu_gguf, cpu_matmul
 from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked, out_features
@@ -66,7 +66,10 @@ def amx_bf16() -> bool:
 
 
 def crossover(weight: object) -> int:
-    """Rows of x from which ``matmul`` beats the float32 path for ``weight`` (``CROSSOVER``)."""
+    """Rows of x from which ``matmul`` beats the float32 path for ``weight`` (``CROSSOVER``, or where
+    ``amx_tiles`` runs, its ``min_rows``)."""
+    if amx_tiles.handles(weight) and amx_tiles.available():
+        return amx_tiles.min_rows(weight)
     if isinstance(weight, GGUFWeight):
         return CROSSOVER["BF16" if weight.kind.name == "BF16" else "GGUF"]
     if isinstance(weight, Stacked):
@@ -132,6 +135,10 @@ def matmul(
         out = torch.empty(M, N, dtype=_F32)
     elif out.dtype is not _F32 or out.shape != (M, N):
         raise ValueError(f"out must be float32 [{M}, {N}]")
+    parts = weight.parts if isinstance(weight, Stacked) else (weight,)
+    if M < amx_tiles.MAX_ROWS and all(amx_tiles.handles(p) for p in parts) and amx_tiles.available():
+        _on_tiles(x.float(), parts, out, accumulate)  # x rounded to bfloat16 in C
+        return out
     # x's rows rounded up to a power of two (the extra rows' products are not read): oneDNN builds and
     # keeps a kernel per shape, and a prefill chunk's rows vary with every prompt. Measured over random
     # prompt lengths: resident memory rose ~10 MiB before levelling off with the rows as they came,
@@ -142,6 +149,15 @@ def matmul(
     x16[M:].zero_()
     _matmul(x16, weight, out, accumulate, scratch)
     return out
+
+
+def _on_tiles(x: torch.Tensor, parts: tuple, out: torch.Tensor, accumulate: bool) -> None:
+    """Below ``amx_tiles.MAX_ROWS`` rows: panels decoded in L2 onto AMX tiles, same rounding."""
+    start = 0
+    for part in parts:
+        stop = start + out_features(part)
+        amx_tiles.matmul(x, part, out=out[:, start:stop], accumulate=accumulate)
+        start = stop
 
 
 def _matmul(x: torch.Tensor, weight: object, out: torch.Tensor, accumulate: bool, scratch: Scratch) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trillm.kernels import cpu_build, cpu_decode, cpu_gguf, cpu_matmul, cpu_ops
+from trillm.kernels import amx_tiles, cpu_build, cpu_decode, cpu_gguf, cpu_matmul, cpu_ops
 from trillm.kernels.block_weights import BlockWeight
 from trillm.kernels.cpu_forward_structs import (
     MAX_PARTS,
@@ -73,6 +73,8 @@ class DecodeLayers:
     batches to torch's GEMM, which the C loop cannot call). ``activation``: of the gated MLP,
     silu or gelu_tanh; ``rotary_dim``: the rotated part of each head (None: all of it);
     ``softcap`` > 0: the attention scores' soft cap (Gemma 2); ``swiglu``: gpt-oss's (alpha, limit).
+    ``tiles``: the projections run on AMX bfloat16 tiles from ``amx_tiles.min_rows`` rows on (where
+    ``amx_tiles`` is available; ``--gemm-dtype`` bfloat16), which take any number of rows.
     """
 
     def __init__(
@@ -86,8 +88,10 @@ class DecodeLayers:
         rotary_dim: int | None = None,
         softcap: float = 0.0,
         swiglu: tuple[float, float] = (1.702, 7.0),
+        tiles: bool = False,
     ) -> None:
         k0 = kv_cache[0][0]
+        self.tiles = tiles and amx_tiles.available()
         num_pages, page_size, kv_heads, head_dim = k0.shape
         hidden = layers[0].input_norm.shape[0]
         dense = [la for la in layers if la.moe is None]
@@ -253,7 +257,11 @@ class DecodeLayers:
         projection = _Projection(len(parts))
         col0 = 0
         for i, part in enumerate(parts):
-            if isinstance(part, GGUFWeight):
+            if self.tiles and amx_tiles.handles(part):
+                amx = amx_tiles.layout(part, amx_tiles.min_rows(part))
+                self._structs.append(amx)
+                projection.part[i] = _Part(amx_tiles.layout_matmul_address(), amx.address, col0)
+            elif isinstance(part, GGUFWeight):
                 layout: Any = cpu_gguf.layout(part)
                 self._structs.append(layout)
                 projection.part[i] = _Part(cpu_gguf.layout_matmul_address(), ctypes.addressof(layout), col0)

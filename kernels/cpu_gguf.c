@@ -504,6 +504,19 @@ int trillm_gguf_layout_matmul(const float *x, int64_t ldx, const void *layout, f
     return rc ? 2 : 0;
 }
 
+/* Values k0 .. k0 + count (whole blocks) of row n of a weight, decoded: the reader that cpu_amx.c's
+ * tiles decode panels with. */
+int trillm_gguf_decode_range(const void *layout, int64_t n, int64_t k0, int64_t count, float *out)
+{
+    const GGUFLayout *L = layout;
+    const BlockType bt = block_type((int)L->type);
+    if (!known((int)L->type, bt))
+        return 2;
+    const int64_t offset = bt.unpack ? k0 / bt.values * bt.bytes : 2 * k0; /* F16, BF16: 2 bytes a value */
+    decode_row((int)L->type, bt, L->w + n * L->row_bytes + offset, count, out);
+    return 0;
+}
+
 /* out[i] = row ids[i] of W, decoded (an embedding lookup; ids checked by the caller). */
 int trillm_gguf_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t count,
                      float *out, int num_threads)

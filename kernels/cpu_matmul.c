@@ -548,6 +548,30 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
     return failed ? 2 : 0;
 }
 
+/* Values k0 .. k0 + count (whole blocks of 32) of row n of W, as decode_row decodes them: the reader
+ * that cpu_amx.c's tiles decode panels with. */
+int trillm_decode_range(const WeightLayout *layout, int64_t n, int64_t k0, int64_t count, float *out)
+{
+    const Weight W = weight(layout);
+    const uint8_t *q = W.qs + n * W.row_bytes;
+    const float *d = W.d + n * W.nb, *m = W.m ? W.m + n * W.nb : NULL;
+    const int64_t qb = W.m ? 16 : 32; /* bytes of qs per block */
+    for (int64_t b = k0 / 32; b < (k0 + count) / 32; b++, out += 32) {
+#if SIMD
+        vec w[BV];
+        decode_block(q + qb * b, d[b], m ? m[b] : 0.0f, !m, w);
+        for (int v = 0; v < BV; v++)
+            vstoreu(out + VL * v, w[v]);
+#else
+        for (int j = 0; j < 32; j++) {
+            const int8_t v = m ? (int8_t)((q[16 * b + j % 16] >> (j < 16 ? 0 : 4)) & 15) : (int8_t)q[32 * b + j];
+            out[j] = m ? d[b] * (float)v + m[b] : d[b] * (float)v; /* two roundings (no contraction) */
+        }
+#endif
+    }
+    return 0;
+}
+
 /* out[N, K] = W as decoded by decode_row (path 0) or by decode_block (path 1, used by both
  * SIMD paths), for the bit-exactness tests. Returns 1 if that path is not built. */
 int trillm_dequantize(const WeightLayout *layout, float *out, int path)

@@ -34,6 +34,7 @@ _SIGNATURES = {
     "trillm_dequantize": [_P, _P, _INT],
     "trillm_has_avx512": [],
     "trillm_simd": [],
+    "trillm_decode_range": [_P, _I64, _I64, _I64, _P],
 }
 # d * q + m must round twice, as dequantize does: no fused multiply-add for the decode.
 _EXTRA_FLAGS = ("-ffp-contract=off",)
@@ -52,7 +53,7 @@ _layouts: dict[int, tuple] = {}
 
 
 _KERNEL = cpu_build.CKernel("cpu_matmul", _SIGNATURES, ctypes.c_int, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512, simd)
+_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512, simd, decode_range)
 available = _KERNEL.available
 _SIMD_NAMES = ("plain", "avx2", "avx512")  # by trillm_simd's value
 

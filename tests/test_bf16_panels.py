@@ -17,7 +17,7 @@ from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends.cpu_attention import CpuMetadata, PrefillSpan, paged_attention
 from trillm.engine.execution.layers import fuse, transposed
 from trillm.engine.execution.loading import gemms_in_bf16
-from trillm.kernels import bf16_panels, cpu_gguf, cpu_matmul
+from trillm.kernels import amx_tiles, bf16_panels, cpu_gguf, cpu_matmul
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight
 from trillm.kernels.block_weights import dequantize as dequantize_blocks
 from trillm.kernels.gguf_blocks import reference_dequantize, repacked
@@ -52,7 +52,7 @@ WEIGHTS = _weights()
 
 
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
-@pytest.mark.parametrize("M", [64, 100, 300])
+@pytest.mark.parametrize("M", [64, 100, 300, 600])  # from amx_tiles.MAX_ROWS on, oneDNN where there are tiles
 def test_each_form_is_the_float32_product_within_bfloat16_rounding(name, M):
     weight, dense = WEIGHTS[name]
     x = torch.randn(M, dense.shape[1])
@@ -76,14 +76,15 @@ def test_each_form_is_the_float32_product_within_bfloat16_rounding(name, M):
 def test_the_scratch_is_reused_and_bounded_by_the_largest_step():
     weight, dense = WEIGHTS["Q4_K"]
     scratch = bf16_panels.Scratch()
-    bf16_panels.matmul(torch.randn(300, 256), weight, scratch=scratch)
+    bf16_panels.matmul(torch.randn(600, 256), weight, scratch=scratch)  # past the AMX tiles' rows: oneDNN
     sizes = {name: (t.data_ptr(), t.numel()) for name, t in scratch.buffers.items()}
-    bf16_panels.matmul(torch.randn(70, 256), weight, scratch=scratch)  # smaller: nothing new
+    bf16_panels.matmul(torch.randn(520, 256), weight, scratch=scratch)  # smaller: nothing new
     assert {name: (t.data_ptr(), t.numel()) for name, t in scratch.buffers.items()} == sizes
-    assert sizes["x"][1] == 512 * 256  # 300 rows padded to the next power of two
+    assert sizes["x"][1] == 1024 * 256  # 600 rows padded to the next power of two
 
 
-def test_each_form_leaves_its_float32_kernel_where_its_panels_would_be_decoded_anyway():
+def test_each_form_leaves_its_float32_kernel_where_its_panels_would_be_decoded_anyway(monkeypatch):
+    monkeypatch.setattr(amx_tiles, "available", lambda: False)  # where the tiles run: tests/test_amx_tiles.py
     assert bf16_panels.crossover(WEIGHTS["Q4_K"][0]) == cpu_gguf.GEMM_ROWS
     assert bf16_panels.crossover(WEIGHTS["BF16"][0]) == cpu_gguf.FLOAT_GEMM_ROWS
     assert bf16_panels.crossover(WEIGHTS["Stacked"][0]) == cpu_gguf.GEMM_ROWS

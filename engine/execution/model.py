@@ -37,7 +37,6 @@ from trillm.engine.execution.layers import (
     half_rows,
     kept_half,
     make_weight,
-    project,
     soft_cap,
     transposed,
     weight_bytes,
@@ -391,6 +390,8 @@ class DecoderModel:
         rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
         h = self.backend.run_layers(self, self._embed(input_ids), positions, kv_cache, meta, rows, bound)
         sampled = logits_rows.shape[0]
-        logits = self.tp.gather_vocab(project(h[:sampled] if hidden_rows is not None else h, self.lm_head).float())
+        logits = self.tp.gather_vocab(
+            self.backend.head(h[:sampled] if hidden_rows is not None else h, self.lm_head).float()
+        )
         hidden = h[sampled:].float() if hidden_rows is not None else None
         return soft_cap(logits, self.shape.final_logit_softcap), hidden

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 import attrs
 import torch
 
-from trillm.engine.execution.layers import LayerWeights
+from trillm.engine.execution.layers import LayerWeights, project
 from trillm.engine.execution.sampler import SamplingKernel
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import (
@@ -211,6 +211,10 @@ class Backend(ABC):
     ) -> torch.Tensor:
         """Every decoder layer on the embedded batch ``h`` [T, hidden], storing this step's
         K/V; returns the final-normed hidden states of ``logits_rows`` [S, hidden]."""
+
+    def head(self, h: torch.Tensor, lm_head: Any) -> torch.Tensor:
+        """``h @ lm_head``: the logits' projection (a backend may run it in another precision)."""
+        return project(h, lm_head)
 
     def bind(self, model: ModelWeights, kv_cache: KVCache) -> Any:
         """Per-cache state ``run_layers`` may reuse as ``bound`` (made once by the runner that

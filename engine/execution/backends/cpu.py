@@ -12,7 +12,7 @@ bfloat16, the same layers run in torch: gather + SDPA for attention.
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import attrs
 import torch
@@ -136,6 +136,7 @@ class CpuBackend(Backend):
             s.rope_dim,
             s.attn_logit_softcap or 0.0,
             (s.swiglu_alpha, s.swiglu_limit),
+            tiles=self.gemm_bf16,
         )
 
     def prepare(self, batch: Batch[ScheduledSequence], page_size: int) -> StepInputs:
@@ -210,6 +211,12 @@ class CpuBackend(Backend):
         else:
             h = self._layers(model, h, rope, kv_cache, meta)
         return norm(h.index_select(0, logits_rows), model.final_norm, s.rms_norm_eps)
+
+    def head(self, h: torch.Tensor, lm_head: Any) -> torch.Tensor:
+        """The LM head in bfloat16 from its crossover on, as the layers' projections."""
+        if not self._in_bf16(lm_head, h.shape[0]):
+            return project(h, lm_head)
+        return bf16_panels.matmul(h, lm_head, scratch=self.scratch)
 
     def _in_bf16(self, w: Weight, rows: int) -> bool:
         return self.gemm_bf16 and rows >= bf16_panels.crossover(w)

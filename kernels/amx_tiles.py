@@ -1,0 +1,174 @@
+"""Matmuls on AMX bfloat16 tiles over weights kept in their blocks: ``cpu_amx.c`` via ctypes.
+
+``matmul(x, w)`` is ``x @ W.T`` with W's rows decoded (exactly as the weight's own kernels decode
+them), rounded to bfloat16, and multiplied with x rounded to bfloat16, products summed in float32:
+the rounding of ``bf16_panels``, without its panels in memory. A thread decodes 32 weight rows at a
+time into L2 and runs every row of x past them on the tiles, so a batched decode step pays one
+decode of the model per step instead of one per row of x; measured on two Sapphire Rapids cores
+(``bench/gguf_kernels.py``) it is what makes 8-48-row steps several times faster than the integer
+kernels. The fused decode loop calls it through ``layout`` (``trillm_amx_layout_matmul``), which
+hands steps below ``min_rows`` to the weight's own matmul.
+
+Where the CPU, the compiler or the kernel has no AMX-BF16 (``available()`` False) nothing here
+runs and the callers keep their float32 paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any
+
+import torch
+
+from trillm.kernels import cpu_build, cpu_gguf, cpu_matmul
+from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight
+from trillm.kernels.gguf_blocks import GGUFWeight
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "trillm_amx_available": [],
+    "trillm_amx_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
+    "trillm_amx_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
+}
+_KERNEL = cpu_build.CKernel("cpu_amx", _SIGNATURES, ctypes.c_int)
+_ACCUMULATE = 1
+_F32 = torch.float32
+# Rows of x from which the tiles beat a weight's own float32 kernel (two Sapphire Rapids cores,
+# ``bench/gguf_kernels.py --tiles``): a file's blocks from ~10 (their int16 kernels take one row of
+# x at a time), repacked Q4_1/Q8_0 from ~16 (their register-decoding kernels take 12 at a time).
+MIN_ROWS = {"GGUF": 12, "REPACKED": 16}
+# From these rows on, oneDNN's GEMM over decoded panels (bf16_panels) is as fast on small weights.
+MAX_ROWS = 512
+
+
+class _Layout(ctypes.Structure):
+    """``AmxLayout`` in cpu_amx.c."""
+
+    _fields_ = [
+        ("decode", _P),
+        ("weight", _P),
+        ("N", _I64),
+        ("K", _I64),
+        ("below", _P),
+        ("below_layout", _P),
+        ("min_rows", _I64),
+    ]
+
+
+def available() -> bool:
+    """Whether the tiles run here: built with AMX-BF16 and granted by the kernel (Linux)."""
+    return _KERNEL.available() and _KERNEL.functions()[0]() == 1
+
+
+def handles(weight: object) -> bool:
+    """Whether the tiles take ``weight``: a file's blocks (not its BF16 rows, which oneDNN multiplies
+    as they are) and repacked Q4_1 / Q8_0."""
+    if isinstance(weight, GGUFWeight):
+        return weight.kind.name != "BF16"
+    return isinstance(weight, (Q4_1Weight, Q8_0Weight))
+
+
+def min_rows(weight: object) -> int:
+    """``MIN_ROWS`` of ``weight``'s form (it must be one ``handles`` takes)."""
+    return MIN_ROWS["GGUF" if isinstance(weight, GGUFWeight) else "REPACKED"]
+
+
+def _address(function: Any) -> int:
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
+class AmxWeight:
+    """A weight's ``_Layout`` and everything it points into, kept alive together."""
+
+    def __init__(self, weight: GGUFWeight | BlockWeight, min_rows: int) -> None:
+        N, K = weight.shape
+        if isinstance(weight, GGUFWeight):
+            inner: object = cpu_gguf.layout(weight)
+            inner_address = ctypes.addressof(inner)  # type: ignore[arg-type]
+            decode, below = cpu_gguf._KERNEL.functions()[6], cpu_gguf.layout_matmul_address()
+        elif isinstance(weight, (Q4_1Weight, Q8_0Weight)):
+            inner = weight
+            inner_address = cpu_matmul._layout(weight)[2]
+            decode, below = cpu_matmul._functions()[4], _address(cpu_matmul._functions()[0])
+        else:
+            raise TypeError(f"no AMX tiles for a {type(weight).__name__}")
+        self.inner = inner
+        self.weight = weight
+        self.shape = (N, K)
+        self.layout = _Layout(_address(decode), inner_address, N, K, below, inner_address, min_rows)
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.layout)
+
+
+_cache: dict[int, tuple[weakref.ref, AmxWeight]] = {}
+
+
+def layout(weight: GGUFWeight | BlockWeight, min_rows: int = 0) -> AmxWeight:
+    """``weight`` for ``trillm_amx_layout_matmul`` (the fused loop's matmul signature): from
+    ``min_rows`` rows on the tiles, below them the weight's own kernel. The caller keeps the
+    returned object alive as long as the address is used."""
+    return AmxWeight(weight, min_rows)
+
+
+def layout_matmul_address() -> int:
+    """The address of ``trillm_amx_layout_matmul`` (cpu_matmul's matmul signature)."""
+    return _address(_KERNEL.functions()[2])
+
+
+def _cached(weight: GGUFWeight | BlockWeight) -> AmxWeight:
+    key = id(weight)
+    entry = _cache.get(key)
+    if entry is None or entry[0]() is not weight:
+        cache = _cache  # the callback may run at exit, after the module's globals are gone
+
+        def forget(_: object) -> None:
+            cache.pop(key, None)
+
+        entry = (weakref.ref(weight, forget), AmxWeight(weight, 0))
+        _cache[key] = entry
+    return entry[1]
+
+
+def matmul(
+    x: torch.Tensor,
+    weight: GGUFWeight | BlockWeight,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """out[M, N] (float32) = x @ W.T on the tiles, or += with ``accumulate``; x float32 [M, K]
+    with unit column stride."""
+    amx = _cached(weight)
+    N, K = amx.shape
+    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != K or (K > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be float32 [M, {K}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    M = x.shape[0]
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True adds into out, so out must be given")
+        out = torch.empty(M, N, dtype=_F32)
+    elif out.dtype is not _F32 or out.shape != (M, N) or (N > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be float32 [{M}, {N}] with unit column stride")
+    threads = max(1, num_threads if num_threads is not None else torch.get_num_threads())
+    rc = _KERNEL.functions()[1](
+        x.data_ptr(),
+        x.stride(0),
+        amx.address,
+        out.data_ptr(),
+        out.stride(0),
+        M,
+        _ACCUMULATE if accumulate else 0,
+        threads,
+    )
+    if rc == 3:
+        raise RuntimeError("no AMX-BF16 tiles here (amx_tiles.available() is False)")
+    if rc:
+        raise (
+            MemoryError("the AMX kernel could not allocate its buffers")
+            if rc == 1
+            else ValueError("the weight's decoder failed")
+        )
+    return out

@@ -1,0 +1,287 @@
+/* out[M, N] (+)= x[M, K] . W[N, K]^T on AMX bfloat16 tiles, W decoded a panel at a time from the
+ * form it is kept in, for kernels/amx_tiles.py (ctypes).
+ *
+ * Why: a batched decode step (8 to a few hundred rows) is bound neither by the weights' bytes, as
+ * one row is, nor by anything a float32 FMA can hide: the integer kernels take one row of x at a
+ * time, and the oneDNN path (bf16_panels) writes every decoded panel to memory and reads it back.
+ * Here a thread decodes 32 of its weight rows over up to KC values of K with the weight form's own
+ * decoder (a function pointer: cpu_gguf's blocks or cpu_matmul's repacked ones, exactly the floats
+ * they decode), rounds them to bfloat16 (nearest even, as torch rounds) into the tiles' layout of
+ * K pairs, and multiplies that panel, still in L2, with every row of x (rounded to bfloat16 once)
+ * on the tiles; products are summed in float32, and nothing decoded outlives the call.
+ *
+ * Tiles: C (float32 16 x 16) 0-3 for 32 rows of x by 32 weight rows, A (x: 16 rows x 32 values)
+ * 4-5, B (16 pairs x 16 weight rows) 6-7. Built where the compiler and CPU have AMX-BF16
+ * (-march=native); elsewhere trillm_amx_available() answers 0 and the callers keep their paths.
+ * Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX 0
+#endif
+
+#define NB 32     /* weight rows per panel: two B tiles */
+#define KSTEP 32  /* values of K per tile product: 16 pairs */
+#define KC 4096   /* values of K per panel, a multiple of 256 (whole blocks of every type): 256 KiB */
+#define X_BLOCK_BYTES (1 << 20) /* rows of x per pass: their bfloat16 stays in L2 (each pass decodes W again) */
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+enum { ACCUMULATE = 1 };
+
+/* Values k0 .. k0 + count of weight row n (whole blocks) as float32: cpu_gguf's and cpu_matmul's. */
+typedef int (*RowDecoder)(const void *weight, int64_t n, int64_t k0, int64_t count, float *out);
+/* A weight form's own matmul (cpu_forward.c's MatmulFn), for steps below min_rows. */
+typedef int (*MatmulFn)(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
+                        int flags, int num_threads);
+
+typedef struct {           /* _Layout in amx_tiles.py */
+    RowDecoder decode;
+    const void *weight;    /* the decoder's layout of W */
+    int64_t N, K;
+    MatmulFn below;        /* the form's own matmul and layout, for fewer than min_rows rows */
+    const void *below_layout;
+    int64_t min_rows;
+} AmxLayout;
+
+/* A per-thread buffer kept between calls (slot 0: the caller's x, slot 1: a worker's panel), grown
+ * to the largest call: a fresh one would be an mmap with page faults every call. */
+static void *grown(int slot, size_t bytes)
+{
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = 0;
+        if (posix_memalign(&buf[slot], 64, bytes))
+            return buf[slot] = NULL;
+        cap[slot] = bytes;
+    }
+    return buf[slot];
+}
+
+#if AMX
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static void configure(void)
+{
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* dst[0..n) = bfloat16(src[0..n)), nearest even; n a multiple of 16. */
+static void to_bf16(const float *src, int64_t n, uint16_t *dst)
+{
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+}
+
+/* Weight rows n0 .. n0 + NB over k0 .. k0 + kc (kc a multiple of KSTEP) as bfloat16, row after
+ * row: A tiles read them as they are. Rows past N and values past K are zero. Nonzero if the
+ * decoder failed. */
+static int decode_panel(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, float *row, uint16_t *panel)
+{
+    const int64_t valid = MIN(kc, L->K - k0);
+    for (int c = 0; c < NB; c++) {
+        const int64_t n = n0 + c;
+        if (n < L->N && valid > 0) {
+            if (L->decode(L->weight, n, k0, valid, row))
+                return 1;
+            memset(row + valid, 0, sizeof(float) * (size_t)(kc - valid));
+        } else {
+            memset(row, 0, sizeof(float) * (size_t)kc);
+        }
+        to_bf16(row, kc, panel + c * kc);
+    }
+    return 0;
+}
+
+/* acc[NB, Mp] (+)= panel[NB, kc] . x[k0 .. k0 + kc, Mp] with x in B tiles' layout (xp: u32 pair p
+ * of row m at [p][m]): the weights are the A operand, so the panel needs no reordering and the
+ * result comes out transposed (the caller turns it). 32 rows of x (two B tiles) at a time. */
+static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, const uint16_t *panel, float *acc,
+                     int first)
+{
+    const int64_t as = kc * 2, bs = Mp * 4; /* strides in bytes: A's and B's and C's rows */
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        const int two = m0 + 32 <= Mp;
+        float *c0 = acc + m0, *c1 = acc + 16 * Mp + m0; /* weight rows 0-15 and 16-31 */
+        if (first) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        } else {
+            _tile_loadd(0, c0, bs);
+            _tile_loadd(1, c1, bs);
+            if (two) {
+                _tile_loadd(2, c0 + 16, bs);
+                _tile_loadd(3, c1 + 16, bs);
+            }
+        }
+        const uint32_t *b = xp + (k0 / 2) * Mp + m0;
+        for (int64_t s = 0; s < kc / KSTEP; s++) {
+            _tile_loadd(4, panel + s * KSTEP, as);
+            _tile_loadd(5, panel + 16 * kc + s * KSTEP, as);
+            _tile_loadd(6, b + s * 16 * Mp, bs);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            if (two) {
+                _tile_loadd(7, b + s * 16 * Mp + 16, bs);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c0, bs);
+        _tile_stored(1, c1, bs);
+        if (two) {
+            _tile_stored(2, c0 + 16, bs);
+            _tile_stored(3, c1 + 16, bs);
+        }
+    }
+}
+
+/* Weight rows of groups g0 .. g1 (NB each): decode a panel, multiply, and after the last panel of K
+ * write (or add) the rows' results into out. */
+static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M, int64_t Mp, float *out,
+                  int64_t ldo, int accumulate, int64_t g0, int64_t g1)
+{
+    const int64_t kc_max = MIN(KC, Kp);
+    /* row: kc_max floats; panel: NB x kc_max bfloat16; acc: NB x Mp floats */
+    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (size_t)Mp * NB;
+    float *row = grown(1, words * 4);
+    if (!row)
+        return 1;
+    uint16_t *panel = (uint16_t *)(row + kc_max);
+    float *acc = row + kc_max + kc_max / 2 * NB;
+    configure();
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t n0 = g * NB;
+        for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+            const int64_t kc = MIN(KC, Kp - k0);
+            if (decode_panel(L, n0, k0, kc, row, panel)) {
+                _tile_release();
+                return 2;
+            }
+            multiply(xp, Mp, k0, kc, panel, acc, k0 == 0);
+        }
+        const int64_t cols = MIN(NB, L->N - n0);
+        for (int64_t m = 0; m < M; m++) {
+            float *o = out + m * ldo + n0;
+            if (accumulate)
+                for (int64_t c = 0; c < cols; c++)
+                    o[c] += acc[c * Mp + m];
+            else
+                for (int64_t c = 0; c < cols; c++)
+                    o[c] = acc[c * Mp + m];
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+/* out[M, N] (+)= x . W^T on the tiles. 0; 1 when a buffer could not be had; 2 when the decoder failed. */
+static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M, int flags,
+                      int num_threads)
+{
+    const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = (M + 15) / 16 * 16;
+    uint32_t *xp = grown(0, (size_t)(Mp * Kp) * 2);
+    float *row = grown(1, (size_t)Kp * 6); /* a row of x padded to Kp, then in bfloat16 */
+    if (!xp || !row)
+        return 1;
+    uint16_t *row16 = (uint16_t *)(row + Kp);
+    memset(xp, 0, (size_t)(Mp * Kp) * 2);
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(row, x + m * ldx, sizeof(float) * (size_t)K);
+        memset(row + K, 0, sizeof(float) * (size_t)(Kp - K));
+        to_bf16(row, Kp, row16);
+        const uint32_t *pairs = (const uint32_t *)row16;
+        for (int64_t p = 0; p < Kp / 2; p++)
+            xp[p * Mp + m] = pairs[p];
+    }
+    const int64_t G = (L->N + NB - 1) / NB;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (G > 1)
+    {
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
+        const int rc = g1 > g0 ? groups(L, xp, Kp, M, Mp, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
+        if (rc)
+#pragma omp atomic write
+            failed = rc;
+    }
+    return failed;
+}
+
+#endif
+
+/* 1 where this build has the tiles and the kernel has them from Linux, else 0. */
+int trillm_amx_available(void)
+{
+#if AMX
+    static int state = -1;
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+#else
+    return 0;
+#endif
+}
+
+/* out[M, N] (+)= x . W^T on the tiles, whatever M. 0; 1 no buffer; 2 the decoder failed; 3 no tiles here. */
+int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M, int flags,
+                      int num_threads)
+{
+    const AmxLayout *L = layout;
+    if (M <= 0 || L->N <= 0)
+        return 0;
+#if AMX
+    if (!trillm_amx_available())
+        return 3;
+    const int64_t Kp = (L->K + KSTEP - 1) / KSTEP * KSTEP;
+    const int64_t rows = MIN(256, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, MIN(rows, M - m0), flags, num_threads);
+        if (rc)
+            return rc;
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)out, (void)ldo, (void)flags, (void)num_threads;
+    return 3;
+#endif
+}
+
+/* cpu_forward.c's MatmulFn: from min_rows rows on the tiles, below them the weight's own matmul. */
+int trillm_amx_layout_matmul(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
+                             int flags, int num_threads)
+{
+    const AmxLayout *L = layout;
+    if (M < L->min_rows)
+        return L->below(x, ldx, L->below_layout, out, ldo, M, flags, num_threads);
+    const int rc = trillm_amx_matmul(x, ldx, layout, out, ldo, M, flags, num_threads);
+    return rc ? 2 : 0; /* the loop's code for a kernel that could not run */
+}

@@ -1,0 +1,180 @@
+"""Batched steps on AMX bfloat16 tiles (``kernels/amx_tiles``, ``cpu_amx.c``): the weights' own
+decoders, rounded to bfloat16, multiplied with x rounded to bfloat16, summed in float32.
+
+Each form the tiles take is checked against the float32 product of the same rounded matrices (the
+only difference is the order of the float32 additions), at row counts around the tiles' blocks of
+16 and 32, K longer than one panel and K not a multiple of 32; below ``min_rows`` the fused loop's
+entry is the weight's own kernel, bit for bit; and decode steps of many rows in the C loop equal the
+Python loop's and stay within bfloat16 rounding of the float32 ones. The numerical tests need a CPU
+with AMX-BF16 (Sapphire Rapids and later); everywhere the tiles' absence must leave the float32
+paths in charge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from trillm.engine.execution.model_runner import ModelRunner
+from trillm.engine.sampling_params import SamplingParams
+from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.sequence import Sequence
+from trillm.kernels import amx_tiles, bf16_panels, cpu_gguf, cpu_matmul
+from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight
+from trillm.kernels.block_weights import dequantize as dequantize_blocks
+from trillm.kernels.gguf_blocks import reference_dequantize, repacked
+
+from tests.test_gguf_kernels import random_weight
+
+needs_tiles = pytest.mark.skipif(not amx_tiles.available(), reason="this CPU has no AMX-BF16 tiles")
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(line.startswith("flags") and " amx_bf16" in line for line in text.splitlines())
+
+
+def test_the_tiles_run_exactly_where_the_cpu_has_them():
+    """Built with -march=native: available where /proc/cpuinfo lists amx_bf16 (and a compiler), never
+    elsewhere; where absent, every form keeps its float32 kernel up to its oneDNN crossover."""
+    if not cpu_gguf.available():
+        assert not amx_tiles.available()
+        return
+    assert amx_tiles.available() == _cpu_has_amx()
+    q4k = random_weight("Q4_K", 64, 256)
+    if amx_tiles.available():
+        assert bf16_panels.crossover(q4k) == amx_tiles.MIN_ROWS["GGUF"]
+    else:
+        assert bf16_panels.crossover(q4k) == cpu_gguf.GEMM_ROWS
+        with pytest.raises(RuntimeError, match="no AMX"):
+            amx_tiles.matmul(torch.randn(16, 256), q4k)
+    bf16 = random_weight("BF16", 64, 256)
+    assert not amx_tiles.handles(bf16)  # oneDNN multiplies a file's BF16 rows as they are
+    assert bf16_panels.crossover(bf16) == cpu_gguf.FLOAT_GEMM_ROWS
+
+
+def _forms() -> dict[str, tuple[object, torch.Tensor]]:
+    forms: dict[str, tuple[object, torch.Tensor]] = {}
+    for name in ("Q4_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"):
+        w = random_weight(name, 72, 512, seed=len(forms))
+        forms[name] = (w, reference_dequantize(w))
+    f16 = random_weight("F16", 40, 100, seed=20)  # K not a multiple of 32: padded with zeros
+    forms["F16 K=100"] = (f16, reference_dequantize(f16))
+    long = random_weight("Q4_K", 40, 4096 + 512, seed=21)  # two panels of K
+    forms["Q4_K K=4608"] = (long, reference_dequantize(long))
+    q41 = repacked(random_weight("Q4_1", 50, 256, seed=22))
+    assert isinstance(q41, Q4_1Weight)
+    forms["Q4_1 (repacked)"] = (q41, dequantize_blocks(q41))
+    q80 = repacked(random_weight("Q8_0", 33, 576, seed=23))
+    assert isinstance(q80, Q8_0Weight)
+    forms["Q8_0 (repacked)"] = (q80, dequantize_blocks(q80))
+    return forms
+
+
+FORMS = _forms() if cpu_gguf.available() and cpu_matmul.available() else {}
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", sorted(FORMS))
+@pytest.mark.parametrize("M", [1, 13, 16, 33, 70])
+def test_each_form_is_the_product_of_the_rounded_matrices(name, M):
+    weight, dense = FORMS[name]
+    x = torch.randn(M, dense.shape[1])
+    rounded = x.bfloat16().double() @ dense.bfloat16().double().T  # exact sums of the rounded products
+    got = amx_tiles.matmul(x, weight)
+    assert got.dtype is torch.float32 and got.shape == rounded.shape
+    # float32 sums of float32-exact products: rounding only in the additions
+    scale = x.abs().double() @ dense.abs().double().T
+    assert ((got.double() - rounded).abs() <= 1e-6 * scale + 1e-30).all()
+    # added into a column slice of a wider output (a part of a fused projection, the residual)
+    wide = torch.randn(M, dense.shape[0] + 6)
+    before = wide.clone()
+    amx_tiles.matmul(x, weight, out=wide[:, 3 : 3 + dense.shape[0]], accumulate=True)
+    torch.testing.assert_close(wide[:, 3:-3], before[:, 3:-3] + got, atol=1e-5, rtol=1e-5)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, -3:], before[:, -3:])
+
+
+@needs_tiles
+def test_the_fused_loops_entry_hands_small_steps_to_the_weights_own_kernel():
+    weight, dense = FORMS["Q4_K"]
+    amx = amx_tiles.layout(weight, min_rows=12)
+    entry = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        *(ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+        + (ctypes.c_int64, ctypes.c_int, ctypes.c_int),
+    )(amx_tiles.layout_matmul_address())
+    for M in (5, 12):
+        x = torch.randn(M, dense.shape[1])
+        out = torch.empty(M, dense.shape[0])
+        assert entry(x.data_ptr(), x.stride(0), amx.address, out.data_ptr(), out.stride(0), M, 0, 2) == 0
+        own = cpu_gguf.matmul(x, weight)
+        if M < 12:
+            assert torch.equal(out, own)  # the int16 kernel, bit for bit
+        else:
+            assert torch.equal(out, amx_tiles.matmul(x, weight))
+
+
+@needs_tiles
+def test_bad_arguments_are_refused():
+    weight, dense = FORMS["Q5_0"]
+    with pytest.raises(ValueError, match="x must be"):
+        amx_tiles.matmul(torch.randn(4, 7), weight)
+    with pytest.raises(ValueError, match="out must be"):
+        amx_tiles.matmul(torch.randn(4, dense.shape[1]), weight, out=torch.empty(4, 3))
+    with pytest.raises(ValueError, match="accumulate"):
+        amx_tiles.matmul(torch.randn(4, dense.shape[1]), weight, accumulate=True)
+    with pytest.raises(TypeError, match="no AMX"):
+        amx_tiles.layout(torch.randn(4, 4))  # type: ignore[arg-type]
+
+
+def _runner(model, tiles: bool) -> ModelRunner:
+    model.backend.gemm_bf16 = tiles  # read by bind: the C loop's projections on tiles or not
+    runner = ModelRunner(model, 80, 16)
+    assert runner._bound is not None and runner._bound.tiles == tiles
+    return runner
+
+
+@needs_tiles
+def test_wide_decode_steps_on_tiles_are_the_python_loops_and_near_float32(model_parts):
+    """Twenty sequences decoding together (steps of 20 rows down to a few), fed the float32 path's
+    greedy tokens: on tiles the C loop's logits are the Python loop's bit for bit, and within
+    bfloat16 rounding of float32, mostly with the same greedy token."""
+    model = model_parts[0]
+    try:
+        fused, plain, float32 = _runner(model, True), _runner(model, True), _runner(model, False)
+        sched = Scheduler(PageAllocator(80), 16, 32, 512)
+        for i in range(20):
+            prompt = list(range(200 + 11 * i, 200 + 11 * i + 4 + 3 * i))
+            params = SamplingParams(max_tokens=6 + i % 4, temperature=0, ignore_eos=True)
+            sched.add(Sequence(f"s{i}", prompt, params, 10_000, frozenset()))
+        agree = total = 0
+        while sched.has_work:
+            batch = sched.schedule()
+            logits = {}
+            for name, runner, tiles, fuse in (
+                ("fused", fused, True, True),
+                ("plain", plain, True, False),
+                ("float32", float32, False, True),
+            ):
+                model.backend.gemm_bf16, model.backend.fuse_decode = tiles, fuse
+                with torch.inference_mode():
+                    logits[name] = runner.execute_logits(runner.prepare(batch))
+            assert torch.equal(logits["fused"], logits["plain"])
+            if all(c.length == 1 for c in batch.chunks) and len(batch.chunks) >= 16:
+                a, b = logits["fused"], logits["float32"]
+                assert (a - b).abs().max() < 0.05 * b.abs().max()  # bfloat16 rounding, not another model
+                agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+                total += a.shape[0]
+            sched.complete(batch, logits["float32"].argmax(-1).tolist())
+        assert total >= 32, "some decode steps should have had 16 rows or more"
+        assert agree / total >= 0.9
+    finally:
+        model.backend.gemm_bf16 = False
+        model.backend.fuse_decode = True
