@@ -149,3 +149,89 @@ void trillm_apply_bitmask(float *logits, int64_t logits_stride, const int32_t *r
         }
     }
 }
+
+/* ---- sampling: one draw per row from softmax(logits / temperature) ---- */
+
+#define DRAW_BLOCK 1024 /* values per block sum: the draw finds its block, then its value in it */
+
+/* sum of expf((x[i] - m) / t) over n values, 16 partial sums (vector expf where glibc has one) */
+INLINE float exp_sum(const float *restrict x, int64_t n, float m, float t)
+{
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++)
+            part[l] += expf((x[i + l] - m) / t);
+    for (; i < n; i++)
+        part[0] += expf((x[i] - m) / t);
+    return tree_sum(part, 16);
+}
+
+/* The first index of the largest value m (0 if none equals it, as when m is NaN). */
+static int64_t first_of(const float *x, int64_t V, float m)
+{
+    for (int64_t i = 0; i < V; i++)
+        if (x[i] == m)
+            return i;
+    return 0;
+}
+
+/* The index drawn from softmax(x / t) with uniform u in [0, 1): the CDF of the unnormalised
+ * weights expf((x - max) / t) inverted at u times their total, as sampler.draw does: block sums
+ * pick the block, a running sum in it the value, never one of weight 0. (x - max) / t rather than
+ * x / t - max / t: a tiny t sends every value but the largest to -inf, not to inf - inf. */
+static int64_t draw_row(const float *restrict x, int64_t V, float t, double u, float *restrict sums)
+{
+    float part[16];
+    for (int l = 0; l < 16; l++)
+        part[l] = -INFINITY;
+    int64_t i0 = 0;
+    for (; i0 + 16 <= V; i0 += 16) /* vectorised: 16 running maxima */
+        for (int l = 0; l < 16; l++)
+            part[l] = x[i0 + l] > part[l] ? x[i0 + l] : part[l];
+    for (; i0 < V; i0++)
+        part[0] = x[i0] > part[0] ? x[i0] : part[0];
+    const float m = tree_max(part, 16);
+    if (!(m > -INFINITY) || m == INFINITY)
+        return first_of(x, V, m); /* everything masked, or an infinite logit: nothing to weigh */
+    const int64_t blocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    double total = 0.0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n = MIN(DRAW_BLOCK, V - b * DRAW_BLOCK);
+        sums[b] = exp_sum(x + b * DRAW_BLOCK, n, m, t);
+        total += sums[b];
+    }
+    const double target = u * total;
+    double before = 0.0;
+    int64_t b = 0;
+    while (b < blocks - 1 && before + sums[b] <= target)
+        before += sums[b++];
+    int64_t last = -1;
+    double run = before;
+    for (int64_t i = b * DRAW_BLOCK; i < MIN(V, (b + 1) * DRAW_BLOCK); i++) {
+        const float w = expf((x[i] - m) / t);
+        if (w > 0.0f) {
+            last = i;
+            run += w;
+            if (run > target)
+                return i;
+        }
+    }
+    return last >= 0 ? last : first_of(x, V, m); /* rounding stepped past the block's last weight */
+}
+
+/* out[r] = a draw from softmax(logits[r] / temperature[r]) with uniform u[r], r < R; rows of V
+ * logits, `stride` floats apart. Temperatures must be > 0. */
+void trillm_sample_rows(const float *logits, int64_t stride, int64_t R, int64_t V, const float *temperature,
+                        const double *u, int64_t *out, int num_threads)
+{
+    const int64_t blocks = (V + DRAW_BLOCK - 1) / DRAW_BLOCK;
+#pragma omp parallel num_threads(num_threads) if (R > 1 && R * V >= PARALLEL_MIN_WORK)
+    {
+        float *sums = malloc(sizeof(float) * (size_t)(blocks > 0 ? blocks : 1));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++)
+            out[r] = sums ? draw_row(logits + r * stride, V, temperature[r], u[r], sums) : -1;
+        free(sums);
+    }
+}

@@ -1,7 +1,9 @@
 """Elementwise ops of the CPU forward in C (``cpu_ops.c``), loaded with ctypes.
 
 RMSNorm, rotary embedding (in place), SiLU- and GELU(tanh)-and-multiply, each one C call in
-place of several small torch ops whose per-op overhead dominates at decode batch sizes.
+place of several small torch ops whose per-op overhead dominates at decode batch sizes; and the
+sampler's draw from softmax(logits / temperature), which in torch made a fresh copy of every
+step's logits (32 x 262,144 floats for Gemma 3: page faults, then four passes).
 Float32 CPU tensors only (ValueError otherwise); results match the torch versions
 (``F.rms_norm``, ``trillm.engine.execution.rope.apply_rotary``, ``F.silu(g) * u``,
 ``F.gelu(g, approximate="tanh") * u``) up to rounding.
@@ -23,13 +25,14 @@ _SIGNATURES = {
     "trillm_silu_mul": [_P, _I64, _P, _I64, _I64, _INT],
     "trillm_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
     "trillm_gelu_tanh_mul": [_P, _I64, _P, _I64, _I64, _INT],
+    "trillm_sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _INT],
 }
 # Lets GCC call glibc's vector expf in silu_mul (errno is never read); not -ffast-math.
 _EXTRA_FLAGS = ("-fno-math-errno",)
 _F32, _CPU = torch.float32, torch.device("cpu")
 
 _KERNEL = cpu_build.CKernel("cpu_ops", _SIGNATURES, None, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask, gelu_tanh_mul)
+_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask, gelu_tanh_mul, sample_rows)
 available = _KERNEL.available
 
 
@@ -143,3 +146,33 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
         len(rows),
         vocab,
     )
+
+
+def sample_rows(logits: torch.Tensor, temperatures: list[float], uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``logits`` [R, V] from softmax(row / temperature), by inverting its CDF at
+    ``uniforms`` [R] (float64 in [0, 1)): ``sampler.draw``'s method without a copy of the logits.
+    Temperatures must be > 0. Returns int64 [R]."""
+    if logits.dtype is not _F32 or not logits.is_cpu or logits.dim() != 2 or logits.stride()[1] != 1:
+        raise ValueError("cpu_ops.sample_rows takes float32 CPU logits [R, V] with unit column stride")
+    R, V = logits.shape
+    if len(temperatures) != R or uniforms.shape != (R,) or uniforms.dtype is not torch.float64:
+        raise ValueError(f"one temperature and one float64 uniform per row ({R})")
+    if any(not t > 0 for t in temperatures):
+        raise ValueError("temperatures must be > 0")
+    temps = torch.tensor(temperatures, dtype=_F32)
+    uniforms = uniforms.contiguous()
+    out = torch.empty(R, dtype=torch.int64)
+    if R and V:
+        _functions()[5](
+            logits.data_ptr(),
+            logits.stride()[0],
+            R,
+            V,
+            temps.data_ptr(),
+            uniforms.data_ptr(),
+            out.data_ptr(),
+            _threads(None),
+        )
+        if bool((out < 0).any()):
+            raise MemoryError("cpu_ops.sample_rows could not allocate its block sums")
+    return out
