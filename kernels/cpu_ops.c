@@ -105,7 +105,9 @@ void trillm_silu_mul(const float *restrict gu, int64_t gu_stride, float *restric
 }
 
 /* out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i] (GeGLU, Gemma's MLP), out contiguous [T, I];
- * gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))) as torch computes it. */
+ * gelu_tanh(g) = g / 2 * (1 + tanh(y)), y = sqrt(2 / pi) * (g + 0.044715 g^3), as torch defines it,
+ * computed as g / (1 + exp(-2 y)) (the same function: 1 + tanh y = 2 / (1 + exp(-2 y))) so that the
+ * loop takes glibc's vector expf as silu_mul's does; scalar tanhf was 8 % of a Gemma 3 decode step. */
 void trillm_gelu_tanh_mul(const float *restrict gu, int64_t gu_stride, float *restrict out, int64_t T, int64_t I,
                           int num_threads)
 {
@@ -116,7 +118,7 @@ void trillm_gelu_tanh_mul(const float *restrict gu, int64_t gu_stride, float *re
         float *restrict o = out + t * I;
         for (int64_t i = 0; i < I; i++) {
             const float x = g[i];
-            o[i] = 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x))) * u[i];
+            o[i] = x / (1.0f + expf(-2.0f * beta * (x + kappa * x * x * x))) * u[i];
         }
     }
 }
