@@ -1,6 +1,6 @@
 """Time the GGUF block matmul per type beside dense float32 and the Q4_1 / Q8_0 kernels.
 
-    python -m trillm.bench.gguf_kernels --shape 1536x576 --rows 1,8,64
+    python -m trillm.bench.gguf_kernels --shape 1536x576 --rows 1,8,64 [--tiles]
 
 For each type, a random valid weight [N, K] times x [M, K]: microseconds per call, the weight
 bytes read per second (at one row, the bound a decode step meets) and the ratio to dense
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trillm.kernels import cpu_gguf, cpu_matmul
+from trillm.kernels import amx_tiles, cpu_gguf, cpu_matmul
 from trillm.kernels.gguf_blocks import BLOCK_TYPES, GGUFWeight, repacked, row_bytes
 
 
@@ -51,6 +51,9 @@ def main() -> None:
     parser.add_argument("--shape", default="1536x576", help="N x K of the weight")
     parser.add_argument("--rows", default="1,8,64", help="rows of x (M), comma-separated")
     parser.add_argument("--types", default=",".join(sorted(BLOCK_TYPES)))
+    parser.add_argument(
+        "--tiles", action="store_true", help="also each form on AMX bfloat16 tiles (kernels/amx_tiles), where they run"
+    )
     args = parser.parse_args()
     N, K = (int(v) for v in args.shape.split("x"))
     rows = [int(m) for m in args.rows.split(",")]
@@ -71,15 +74,14 @@ def main() -> None:
         packed = repacked(weight)
         if packed is not weight:
             forms.append(("cpu_matmul", packed))
+        if args.tiles and amx_tiles.available() and amx_tiles.handles(packed):
+            forms.append(("amx_tiles", packed))
         for path, w in forms:
             cells = []
             for m in rows:
                 x = xs[m]
-                fn = (
-                    (lambda x=x, w=w: cpu_gguf.matmul(x, w))
-                    if path == "cpu_gguf"
-                    else (lambda x=x, w=w: cpu_matmul.matmul(x, w))
-                )
+                kernel = {"cpu_gguf": cpu_gguf.matmul, "cpu_matmul": cpu_matmul.matmul, "amx_tiles": amx_tiles.matmul}
+                fn = lambda x=x, w=w, k=kernel[path]: k(x, w)  # noqa: E731
                 t = seconds(fn)
                 cells.append(f"{t * 1e6:12.1f} {w.nbytes / t / 1e9:6.1f} {base[m] / t:6.2f}")
             print(f"{name:>8} {path:>10} " + " ".join(cells))

@@ -123,11 +123,12 @@ class EngineConfig:
     )
     gemm_dtype: str = setting(
         "auto",
-        "on CPUs serving in float32: the dtype of the matrix products of wide steps (from 49-80 rows by the "
-        "weight's form: prefill chunks) and of prefill attention (steps of 64 rows or more); `bfloat16` decodes "
-        "each weight panel to bfloat16 and multiplies on AMX tiles through oneDNN (3-5x float32 there, within "
-        "bfloat16 rounding of it), decode steps keep their float32 kernels; `auto`: bfloat16 where `--dtype "
-        "auto` chose float32 and the CPU has AMX-BF16, else float32; the start-up log says which",
+        "on CPUs serving in float32: the dtype of the matrix products of wide steps and of prefill attention "
+        "(steps of 64 rows or more); `bfloat16` decodes the weights panel by panel to bfloat16 and multiplies on "
+        "AMX tiles (within bfloat16 rounding of float32): where the tiles run here, every step of 12-16 rows or "
+        "more (by the weight's form; batched decode too) on panels decoded in L2, else prefill chunks (from 49-80 "
+        "rows) through oneDNN; smaller steps keep their float32 kernels; `auto`: bfloat16 where `--dtype auto` "
+        "chose float32 and the CPU has AMX-BF16, else float32; the start-up log says which",
         choices=DTYPES,
     )
     prefault: bool = setting(

@@ -25,7 +25,7 @@ from trillm.engine.execution.model_source import DEFAULT_ALIAS, gguf_file, resol
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.topology import check_same_model
 from trillm.engine.execution.shape import language_config
-from trillm.kernels import bf16_panels, cpu_build, cpu_matmul
+from trillm.kernels import amx_tiles, bf16_panels, cpu_build, cpu_matmul
 
 log = logging.getLogger("trillm.engine")
 
@@ -229,13 +229,22 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
         )
     tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
     if isinstance(backend, CpuBackend) and backend.gemm_bf16:
+        tiles = amx_tiles.available()
         log.info(
             "prefill steps: GEMMs (from %d-%d rows by the weight's form) and attention (from %d rows) in "
-            "bfloat16 (%s); decode steps in float32%s",
-            min(bf16_panels.CROSSOVER.values()),
-            max(bf16_panels.CROSSOVER.values()),
+            "bfloat16 (%s); decode steps %s%s",
+            *(
+                (min(amx_tiles.MIN_ROWS.values()), max(amx_tiles.MIN_ROWS.values()))
+                if tiles
+                else (min(bf16_panels.CROSSOVER.values()), max(bf16_panels.CROSSOVER.values()))
+            ),
             bf16_panels.ROWS,
-            "AMX-BF16 tiles through oneDNN" if bf16_panels.amx_bf16() else "no AMX-BF16 here: slower than float32",
+            "AMX-BF16 tiles over panels decoded in L2, oneDNN from 512 rows"
+            if tiles
+            else "AMX-BF16 tiles through oneDNN"
+            if bf16_panels.amx_bf16()
+            else "no AMX-BF16 here: slower than float32",
+            "of as many rows on the same tiles, fewer in float32" if tiles else "in float32",
             "" if config.gemm_dtype == "bfloat16" else " (--gemm-dtype float32 keeps them in float32)",
         )
     log.info(
