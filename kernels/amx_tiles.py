@@ -16,6 +16,7 @@ runs and the callers keep their float32 paths.
 from __future__ import annotations
 
 import ctypes
+import functools
 import weakref
 from typing import Any
 
@@ -56,6 +57,7 @@ class _Layout(ctypes.Structure):
     ]
 
 
+@functools.cache
 def available() -> bool:
     """Whether the tiles run here: built with AMX-BF16 and granted by the kernel (Linux)."""
     return _KERNEL.available() and _KERNEL.functions()[0]() == 1

@@ -227,6 +227,9 @@ class DecodeLayers:
             return None
         arrays = [(ctypes.c_void_p * len(ws))(*(w.data.data_ptr() for w in ws)) for ws in (moe.gate, moe.up, moe.down)]
         first, down = moe.gate[0], moe.down[0]
+        # the experts' grouped calls take their integer path's rows at most (with the other weights on
+        # AMX tiles, nothing else would bound a step's rows)
+        self.max_rows = min(self.max_rows, cpu_gguf.max_fused_rows(first), cpu_gguf.max_fused_rows(down))
         mixture = _Mixture(
             moe.router.data_ptr(),
             len(moe.gate),
