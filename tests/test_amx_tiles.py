@@ -13,7 +13,6 @@ paths in charge.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,21 +32,13 @@ from tests.test_gguf_kernels import random_weight
 needs_tiles = pytest.mark.skipif(not amx_tiles.available(), reason="this CPU has no AMX-BF16 tiles")
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(line.startswith("flags") and " amx_bf16" in line for line in text.splitlines())
-
-
 def test_the_tiles_run_exactly_where_the_cpu_has_them():
     """Built with -march=native: available where /proc/cpuinfo lists amx_bf16 (and a compiler), never
     elsewhere; where absent, every form keeps its float32 kernel up to its oneDNN crossover."""
     if not cpu_gguf.available():
         assert not amx_tiles.available()
         return
-    assert amx_tiles.available() == _cpu_has_amx()
+    assert amx_tiles.available() == bf16_panels.amx_bf16()  # /proc/cpuinfo's amx_bf16 flag
     q4k = random_weight("Q4_K", 64, 256)
     if amx_tiles.available():
         assert bf16_panels.crossover(q4k) == amx_tiles.MIN_ROWS["GGUF"]
