@@ -54,6 +54,7 @@ class _Layout(ctypes.Structure):
         ("below", _P),
         ("below_layout", _P),
         ("min_rows", _I64),
+        ("decode16", _P),
     ]
 
 
@@ -89,16 +90,18 @@ class AmxWeight:
             inner: object = cpu_gguf.layout(weight)
             inner_address = ctypes.addressof(inner)  # type: ignore[arg-type]
             decode, below = cpu_gguf._KERNEL.functions()[6], cpu_gguf.layout_matmul_address()
+            decode16 = cpu_gguf._KERNEL.functions()[7]
         elif isinstance(weight, (Q4_1Weight, Q8_0Weight)):
             inner = weight
             inner_address = cpu_matmul._layout(weight)[2]
             decode, below = cpu_matmul._functions()[4], _address(cpu_matmul._functions()[0])
+            decode16 = cpu_matmul._functions()[5]
         else:
             raise TypeError(f"no AMX tiles for a {type(weight).__name__}")
         self.inner = inner
         self.weight = weight
         self.shape = (N, K)
-        self.layout = _Layout(_address(decode), inner_address, N, K, below, inner_address, min_rows)
+        self.layout = _Layout(_address(decode), inner_address, N, K, below, inner_address, min_rows, _address(decode16))
 
     @property
     def address(self) -> int:

@@ -40,6 +40,8 @@ enum { ACCUMULATE = 1 };
 
 /* Values k0 .. k0 + count of weight row n (whole blocks) as float32: cpu_gguf's and cpu_matmul's. */
 typedef int (*RowDecoder)(const void *weight, int64_t n, int64_t k0, int64_t count, float *out);
+/* The same values rounded to bfloat16 as they are made (nonzero where that build cannot). */
+typedef int (*RowDecoder16)(const void *weight, int64_t n, int64_t k0, int64_t count, uint16_t *out);
 /* A weight form's own matmul (cpu_forward.c's MatmulFn), for steps below min_rows. */
 typedef int (*MatmulFn)(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
                         int flags, int num_threads);
@@ -51,6 +53,7 @@ typedef struct {           /* _Layout in amx_tiles.py */
     MatmulFn below;        /* the form's own matmul and layout, for fewer than min_rows rows */
     const void *below_layout;
     int64_t min_rows;
+    RowDecoder16 decode16; /* NULL: decode to float32 and round here */
 } AmxLayout;
 
 /* A per-thread buffer kept between calls (slot 0: the caller's x, slot 1: a worker's panel), grown
@@ -107,6 +110,16 @@ static int decode_panel(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, 
     const int64_t valid = MIN(kc, L->K - k0);
     for (int c = 0; c < NB; c++) {
         const int64_t n = n0 + c;
+        if (n < L->N && valid > 0 && L->decode16) {
+            uint16_t *p = panel + c * kc;
+            const int rc = L->decode16(L->weight, n, k0, valid, p);
+            if (rc == 0) {
+                memset(p + valid, 0, 2 * (size_t)(kc - valid));
+                continue;
+            }
+            if (rc != 3) /* 3: that build has no bfloat16 decoder; round the float32 one here */
+                return 1;
+        }
         if (n < L->N && valid > 0) {
             if (L->decode(L->weight, n, k0, valid, row))
                 return 1;
@@ -164,6 +177,50 @@ static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, con
     }
 }
 
+/* r[i] lane j <- r[j] lane i (16 x 16 floats). */
+static void transpose16(__m512 r[16])
+{
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 2; j++) {
+            const __m512d a = _mm512_castps_pd(t[4 * i + j]), b = _mm512_castps_pd(t[4 * i + 2 + j]);
+            r[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            r[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* out[m, 0..cols) (+)= acc[0..cols, m] for m < M: the tiles' transposed result turned 16 x 16 at a
+ * time (acc has NB rows of Mp, a multiple of 16; rows past cols hold zeros). */
+static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, float *out, int64_t ldo, int accumulate)
+{
+    for (int64_t m0 = 0; m0 < M; m0 += 16)
+        for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_ps(acc + (c0 + i) * Mp + m0);
+            transpose16(r);
+            const __mmask16 k = cols - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (cols - c0)) - 1);
+            for (int64_t j = 0; j < 16 && m0 + j < M; j++) {
+                float *o = out + (m0 + j) * ldo + c0;
+                const __m512 v = accumulate ? _mm512_add_ps(_mm512_maskz_loadu_ps(k, o), r[j]) : r[j];
+                _mm512_mask_storeu_ps(o, k, v);
+            }
+        }
+}
+
 /* Weight rows of groups g0 .. g1 (NB each): decode a panel, multiply, and after the last panel of K
  * write (or add) the rows' results into out. */
 static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M, int64_t Mp, float *out,
@@ -188,16 +245,7 @@ static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M,
             }
             multiply(xp, Mp, k0, kc, panel, acc, k0 == 0);
         }
-        const int64_t cols = MIN(NB, L->N - n0);
-        for (int64_t m = 0; m < M; m++) {
-            float *o = out + m * ldo + n0;
-            if (accumulate)
-                for (int64_t c = 0; c < cols; c++)
-                    o[c] += acc[c * Mp + m];
-            else
-                for (int64_t c = 0; c < cols; c++)
-                    o[c] = acc[c * Mp + m];
-        }
+        write_out(acc, Mp, M, MIN(NB, L->N - n0), out + n0, ldo, accumulate);
     }
     _tile_release();
     return 0;

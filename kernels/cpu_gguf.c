@@ -517,6 +517,75 @@ int trillm_gguf_decode_range(const void *layout, int64_t n, int64_t k0, int64_t 
     return 0;
 }
 
+/* The same values as trillm_gguf_decode_range, rounded to bfloat16 (nearest even) as they are made:
+ * the AMX tiles' panels without a float32 row in between. 3 where this build has no AVX512-BF16. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* 16 values dl_a * q - ml_a, then 16 of dl_b * q - ml_b (two roundings each, as apply), as 32 bfloat16 */
+INLINE void apply32_bf16(const int8_t *q, float dl_a, float ml_a, float dl_b, float ml_b, uint16_t *out)
+{
+    const __m512 lo = _mm512_sub_ps(
+        _mm512_mul_ps(_mm512_set1_ps(dl_a), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)))),
+        _mm512_set1_ps(ml_a));
+    const __m512 hi = _mm512_sub_ps(
+        _mm512_mul_ps(_mm512_set1_ps(dl_b),
+                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))))),
+        _mm512_set1_ps(ml_b));
+    _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+INLINE uint16_t bf16_of(float f) /* nearest even, as vcvtne2ps2bf16 (NaN kept a quiet NaN) */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 64);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#endif
+
+int trillm_gguf_decode_range_bf16(const void *layout, int64_t n, int64_t k0, int64_t count, uint16_t *out)
+{
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    const GGUFLayout *L = layout;
+    const int type = (int)L->type;
+    const BlockType bt = block_type(type);
+    if (!known(type, bt))
+        return 2;
+    const uint8_t *row = L->w + n * L->row_bytes + (bt.unpack ? k0 / bt.values * bt.bytes : 2 * k0);
+    const int64_t bytes = bt.unpack ? count / bt.values * bt.bytes : 2 * count;
+    if (n + PREFETCH_ROWS < L->N) /* a panel's rows come in order: ask for a later one's bytes now */
+        for (int64_t c = 0; c < bytes; c += 64)
+            _mm_prefetch((const char *)(row + PREFETCH_ROWS * L->row_bytes + c), _MM_HINT_T0);
+    if (type == BF16) {
+        memcpy(out, row, 2 * (size_t)count);
+    } else if (type == F16) {
+        int64_t k = 0;
+        for (; k + 32 <= count; k += 32) {
+            const __m512 lo = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * k)));
+            const __m512 hi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * k + 32)));
+            _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        for (; k < count; k++)
+            out[k] = bf16_of(f16(row + 2 * k));
+    } else {
+        Unpacked U;
+        for (int64_t k = 0; k < count;) {
+            const int taken = unpack(bt, row, (count - k) / bt.values, &U);
+            for (int j = 0; j < U.subs * U.n; j += 32) {
+                const int a = j / U.n, b = (j + 16) / U.n;
+                apply32_bf16(U.q + j, U.dl[a], U.ml[a], U.dl[b], U.ml[b], out + k + j);
+            }
+            k += (int64_t)taken * bt.values;
+            row += taken * bt.bytes;
+        }
+    }
+    return 0;
+#else
+    (void)layout, (void)n, (void)k0, (void)count, (void)out;
+    return 3;
+#endif
+}
+
 /* out[i] = row ids[i] of W, decoded (an embedding lookup; ids checked by the caller). */
 int trillm_gguf_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t K, const int64_t *ids, int64_t count,
                      float *out, int num_threads)

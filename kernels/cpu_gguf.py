@@ -29,6 +29,7 @@ _SIGNATURES: dict[str, list] = {
     "trillm_gguf_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
     "trillm_gguf_matmul_grouped": [_P, _I64, _I64, _INT, _P, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _INT, _INT],
     "trillm_gguf_decode_range": [_P, _I64, _I64, _I64, _P],
+    "trillm_gguf_decode_range_bf16": [_P, _I64, _I64, _I64, _P],
 }
 # The decoders round as gguf's numpy reference does: no fused multiply-add.
 _KERNEL = cpu_build.CKernel("cpu_gguf", _SIGNATURES, ctypes.c_int, ("-ffp-contract=off",))

@@ -572,6 +572,34 @@ int trillm_decode_range(const WeightLayout *layout, int64_t n, int64_t k0, int64
     return 0;
 }
 
+/* trillm_decode_range's values rounded to bfloat16 (nearest even) as they are made, for the AMX
+ * tiles' panels; 3 where this build has no AVX512-BF16. */
+#define PF_PANEL 4 /* rows ahead that the bfloat16 decoder prefetches (measured: Gemma 3's head 19.6 -> 15 ms at 32 rows) */
+int trillm_decode_range_bf16(const WeightLayout *layout, int64_t n, int64_t k0, int64_t count, uint16_t *out)
+{
+#if SIMD == 2 && defined(__AVX512BF16__)
+    const Weight W = weight(layout);
+    const uint8_t *q = W.qs + n * W.row_bytes;
+    const float *d = W.d + n * W.nb, *m = W.m ? W.m + n * W.nb : NULL;
+    const int64_t qb = W.m ? 16 : 32;
+    if (n + PF_PANEL < W.N) { /* the panel's rows come in order: ask for a later one's bytes now */
+        for (int64_t c = qb * (k0 / 32); c < qb * ((k0 + count) / 32); c += 64)
+            _mm_prefetch((const char *)(q + PF_PANEL * W.row_bytes + c), _MM_HINT_T0);
+        for (int64_t b = k0 / 32; b < (k0 + count) / 32; b += 16)
+            _mm_prefetch((const char *)(d + PF_PANEL * W.nb + b), _MM_HINT_T0);
+    }
+    for (int64_t b = k0 / 32; b < (k0 + count) / 32; b++, out += 32) {
+        vec w[BV];
+        decode_block(q + qb * b, d[b], m ? m[b] : 0.0f, !m, w);
+        _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+    }
+    return 0;
+#else
+    (void)layout, (void)n, (void)k0, (void)count, (void)out;
+    return 3;
+#endif
+}
+
 /* out[N, K] = W as decoded by decode_row (path 0) or by decode_block (path 1, used by both
  * SIMD paths), for the bit-exactness tests. Returns 1 if that path is not built. */
 int trillm_dequantize(const WeightLayout *layout, float *out, int path)

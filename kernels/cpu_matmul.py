@@ -35,6 +35,7 @@ _SIGNATURES = {
     "trillm_has_avx512": [],
     "trillm_simd": [],
     "trillm_decode_range": [_P, _I64, _I64, _I64, _P],
+    "trillm_decode_range_bf16": [_P, _I64, _I64, _I64, _P],
 }
 # d * q + m must round twice, as dequantize does: no fused multiply-add for the decode.
 _EXTRA_FLAGS = ("-ffp-contract=off",)
@@ -53,7 +54,7 @@ _layouts: dict[int, tuple] = {}
 
 
 _KERNEL = cpu_build.CKernel("cpu_matmul", _SIGNATURES, ctypes.c_int, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512, simd, decode_range)
+_functions = _KERNEL.functions  # (matmul, dequantize, has_avx512, simd, decode_range, decode_range_bf16)
 available = _KERNEL.available
 _SIMD_NAMES = ("plain", "avx2", "avx512")  # by trillm_simd's value
 

@@ -169,3 +169,25 @@ def test_wide_decode_steps_on_tiles_are_the_python_loops_and_near_float32(model_
     finally:
         model.backend.gemm_bf16 = False
         model.backend.fuse_decode = True
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", sorted(FORMS))
+def test_the_bfloat16_decoders_round_the_float32_ones(name):
+    """The panels' decoders (``decode16``) give each float32 decoder's values rounded to nearest even,
+    bit for bit, including a partial last panel (K=100) and a range starting past the first panel."""
+    weight, dense = FORMS[name]
+    amx = amx_tiles.AmxWeight(weight, 0)  # kept: its layout points into it
+    layout = amx.layout
+    reader = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p
+    )
+    floats, halves = reader(layout.decode), reader(layout.decode16)
+    N, K = dense.shape
+    k0 = 4096 if K > 4096 else 0
+    for n in (0, N // 2, N - 1):
+        f32, b16 = torch.empty(K - k0), torch.empty(K - k0, dtype=torch.bfloat16)
+        assert floats(layout.weight, n, k0, K - k0, f32.data_ptr()) == 0
+        assert halves(layout.weight, n, k0, K - k0, b16.data_ptr()) == 0
+        assert torch.equal(f32, dense[n, k0:])
+        assert torch.equal(b16.view(torch.int16), f32.bfloat16().view(torch.int16))
