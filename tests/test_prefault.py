@@ -35,3 +35,27 @@ def test_the_whole_mapping_becomes_resident(tmp_path, caplog):
     assert any("weights.bin: 0.1 GiB" in r.getMessage() for r in caplog.records)
     assert int(mapping[size - 1]) == path.read_bytes()[-1]  # the same bytes
     del mapping
+
+
+def test_copied_ranges_are_skipped_and_released(tmp_path):
+    """Weights the loader copied out (repacked blocks) are resident once: their pages are dropped after
+    the copy read them and the background read leaves them alone; the rest is read, bytes unchanged."""
+    path = tmp_path / "weights.bin"
+    size = 80 << 20
+    data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    mapping = np.memmap(path, dtype=np.uint8, mode="c")
+    copied = [(1000, 40 << 20)]  # not page-aligned: only its whole pages are dropped or skipped
+    before = rss_file()
+    copy = np.array(mapping[1000 : 1000 + (40 << 20)])  # the loader's copy reads them in
+    assert rss_file() - before >= 0.9 * (40 << 20)
+    assert prefault.release(mapping, copied) == (40 << 20) - 4096  # [4096, 40 MiB) of whole pages
+    assert rss_file() - before < 4 << 20  # (other files this process maps may add a little)
+    thread = prefault.start(mapping, path.name, skip=copied)
+    assert thread is not None
+    thread.join(timeout=60)
+    grown = rss_file() - before
+    assert 0.9 * (40 << 20) <= grown <= (44 << 20)  # the other half only
+    assert np.array_equal(copy, data[1000 : 1000 + (40 << 20)]) and int(mapping[2000]) == int(data[2000])
+    assert prefault._chunks(100, [(10, 20), (50, 10)]) == [(0, 10), (30, 20), (60, 40)]
+    del mapping

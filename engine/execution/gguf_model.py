@@ -23,6 +23,7 @@ import torch
 
 from trillm.engine.execution.file_checks import check_finite
 from trillm.engine.execution.gguf_header import GGUFHeader, TensorInfo
+from trillm.engine.execution.prefault import release
 from trillm.engine.execution.prefault import start as prefault_start
 from trillm.kernels import cpu_gguf
 from trillm.kernels.block_weights import BlockWeight
@@ -352,6 +353,7 @@ def gguf_weights(
     config = gguf_config(header)
     file = _mapped(header)
     out: dict[str, Tensorish] = {}
+    copied: list[tuple[int, int]] = []  # byte ranges of the file whose weights were copied out
     for info in header.tensors:
         layer, _, leaf = info.name.removeprefix("blk.").partition(".")
         if leaf in _EXPERT_NAMES:  # one tensor of every expert: each expert's rows kept apart
@@ -374,7 +376,10 @@ def gguf_weights(
             weight = from_bytes(BY_ID[info.type], _raw(file, info), info.dims[1], info.dims[0], activation_bits)
             if order is not None:
                 weight = rows_of(weight, weight.data[order])
-            out[name] = repacked(weight)
+            kept = repacked(weight)
+            out[name] = kept
+            if not (isinstance(kept, GGUFWeight) and _in(file, kept.data)):
+                copied.append((info.offset, info.nbytes))  # never read from the mapping again
         else:
             dense = _dense(header, info, file)
             check_finite(header.path, info.name, dense, "replace it with an intact copy")
@@ -383,6 +388,14 @@ def gguf_weights(
             if name.endswith("shared_expert_gate.weight"):
                 dense = dense.reshape(1, -1)
             out[name] = dense[order] if order is not None else dense
+    if blocks:
+        release(file, copied)  # resident once, as the copy
     if blocks and prefault:
-        prefault_start(file, header.path.name)
+        prefault_start(file, header.path.name, skip=copied)
     return out
+
+
+def _in(file: np.ndarray, data: torch.Tensor) -> bool:
+    """Whether ``data`` lies in the mapping ``file`` (a view of it, not a copy)."""
+    base, pointer = file.ctypes.data, data.data_ptr()
+    return base <= pointer < base + file.nbytes

@@ -12,6 +12,11 @@ read is one fewer fault in a step. Kernels before Linux 5.14 lack that advice: t
 ``MADV_WILLNEED`` (read ahead into the page cache; the page tables still fill by faults).
 The file fits in memory (``gguf_support.check_servable`` refused it otherwise), so nothing is
 pushed out for it.
+
+Tensors the loader copied out of the mapping (blocks repacked for faster kernels, rows reordered)
+are never read from it again: ``release`` drops the pages their copy read from this process
+(``MADV_DONTNEED``; the page cache keeps them) and the background read skips them, so a copied
+weight is resident once, not twice (Gemma 3 270M's Q8_0 embedding: 178 MiB).
 """
 
 from __future__ import annotations
@@ -22,13 +27,15 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from trillm.engine.execution.native_memory import c_library
 
 log = logging.getLogger("trillm.engine")
 
-MADV_WILLNEED, MADV_POPULATE_READ = 3, 22  # linux/mman.h
+MADV_WILLNEED, MADV_DONTNEED, MADV_POPULATE_READ = 3, 4, 22  # linux/mman.h
+PAGE = 4096
 CHUNK_BYTES = 64 << 20
 
 
@@ -43,22 +50,56 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def start(mapping: Any, name: str) -> threading.Thread | None:
+def _inner_pages(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The whole pages inside each (offset, bytes) range of the file: what no other tensor shares."""
+    pages = []
+    for offset, nbytes in ranges:
+        start, stop = -(-offset // PAGE) * PAGE, (offset + nbytes) // PAGE * PAGE
+        if stop > start:
+            pages.append((start, stop - start))
+    return pages
+
+
+def release(mapping: Any, copied: list[tuple[int, int]]) -> int:
+    """Drop this process's pages of the (offset, bytes) ranges of ``mapping`` that were copied out and
+    are not read from it again. Returns the bytes advised (0 where there is no libc)."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    done = 0
+    for start, length in _inner_pages(copied):
+        if libc.madvise(mapping.ctypes.data + start, length, MADV_DONTNEED) == 0:
+            done += length
+    return done
+
+
+def start(mapping: Any, name: str, skip: Sequence[tuple[int, int]] = ()) -> threading.Thread | None:
     """Populate ``mapping`` (a numpy memmap of a whole file, kept alive by the thread) in the
-    background; None where there is no libc to ask."""
+    background, but for the (offset, bytes) ranges in ``skip``; None where there is no libc to ask."""
     libc = _libc()
     if libc is None or mapping.nbytes == 0:
         return None
-    thread = threading.Thread(target=_populate, args=(libc, mapping, name), name="trillm-prefault", daemon=True)
+    thread = threading.Thread(
+        target=_populate, args=(libc, mapping, name, _inner_pages(list(skip))), name="trillm-prefault", daemon=True
+    )
     thread.start()
     return thread
 
 
-def _populate(libc: ctypes.CDLL, mapping: Any, name: str) -> None:
+def _chunks(size: int, skip: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) pieces of at most CHUNK_BYTES covering [0, size) without the skipped pages."""
+    pieces, offset = [], 0
+    for start, length in sorted(skip) + [(size, 0)]:
+        for at in range(offset, start, CHUNK_BYTES):
+            pieces.append((at, min(CHUNK_BYTES, start - at)))
+        offset = max(offset, start + length)
+    return pieces
+
+
+def _populate(libc: ctypes.CDLL, mapping: Any, name: str, skip: list[tuple[int, int]]) -> None:
     base, size = mapping.ctypes.data, mapping.nbytes  # a whole-file mapping: page-aligned
     advice, began = MADV_POPULATE_READ, time.perf_counter()
-    for offset in range(0, size, CHUNK_BYTES):
-        length = min(CHUNK_BYTES, size - offset)
+    for offset, length in _chunks(size, skip):
         if libc.madvise(base + offset, length, advice) == 0:
             continue
         if advice == MADV_POPULATE_READ and ctypes.get_errno() == errno.EINVAL:
