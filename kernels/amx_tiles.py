@@ -38,9 +38,13 @@ _F32 = torch.float32
 # Rows of x from which the tiles beat a weight's own float32 kernel (two Sapphire Rapids cores,
 # ``bench/gguf_kernels.py --tiles``): a file's blocks from ~10 (their int16 kernels take one row of
 # x at a time), repacked Q4_1/Q8_0 from ~16 (their register-decoding kernels take 12 at a time).
-MIN_ROWS = {"GGUF": 12, "REPACKED": 16}
-# From these rows on, oneDNN's GEMM over decoded panels (bf16_panels) is as fast on small weights.
+# A file's BF16 rows from 12 too (below, cpu_gguf dots them in float32), copied into the panels as they are.
+MIN_ROWS = {"GGUF": 12, "REPACKED": 16, "BF16": 12}
+# From these rows on, oneDNN's GEMM over decoded panels (bf16_panels) is as fast on small weights; on a
+# file's BF16 rows, which it multiplies in place, from 64 (``max_rows``). The fused decode loop keeps the
+# tiles at any rows: leaving it for the Python loop costs more.
 MAX_ROWS = 512
+MAX_BF16_ROWS = 64
 
 
 class _Layout(ctypes.Structure):
@@ -65,16 +69,25 @@ def available() -> bool:
 
 
 def handles(weight: object) -> bool:
-    """Whether the tiles take ``weight``: a file's blocks (not its BF16 rows, which oneDNN multiplies
-    as they are) and repacked Q4_1 / Q8_0."""
+    """Whether the tiles take ``weight``: a file's blocks or rows (a half-precision checkpoint's too)
+    and repacked Q4_1 / Q8_0."""
+    return isinstance(weight, (GGUFWeight, Q4_1Weight, Q8_0Weight))
+
+
+def _form(weight: object) -> str:
     if isinstance(weight, GGUFWeight):
-        return weight.kind.name != "BF16"
-    return isinstance(weight, (Q4_1Weight, Q8_0Weight))
+        return "BF16" if weight.kind.name == "BF16" else "GGUF"
+    return "REPACKED"
 
 
 def min_rows(weight: object) -> int:
     """``MIN_ROWS`` of ``weight``'s form (it must be one ``handles`` takes)."""
-    return MIN_ROWS["GGUF" if isinstance(weight, GGUFWeight) else "REPACKED"]
+    return MIN_ROWS[_form(weight)]
+
+
+def max_rows(weight: object) -> int:
+    """Rows of x from which ``bf16_panels`` leaves ``weight`` to oneDNN (``MAX_ROWS``, ``MAX_BF16_ROWS``)."""
+    return MAX_BF16_ROWS if _form(weight) == "BF16" else MAX_ROWS
 
 
 def _address(function: Any) -> int:

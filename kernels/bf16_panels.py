@@ -136,7 +136,7 @@ def matmul(
     elif out.dtype is not _F32 or out.shape != (M, N):
         raise ValueError(f"out must be float32 [{M}, {N}]")
     parts = weight.parts if isinstance(weight, Stacked) else (weight,)
-    if M < amx_tiles.MAX_ROWS and all(amx_tiles.handles(p) for p in parts) and amx_tiles.available():
+    if all(amx_tiles.handles(p) and M < amx_tiles.max_rows(p) for p in parts) and amx_tiles.available():
         _on_tiles(x.float(), parts, out, accumulate)  # x rounded to bfloat16 in C
         return out
     # x's rows rounded up to a power of two (the extra rows' products are not read): oneDNN builds and
