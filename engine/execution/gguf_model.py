@@ -23,7 +23,7 @@ import torch
 
 from trillm.engine.execution.file_checks import check_finite
 from trillm.engine.execution.gguf_header import GGUFHeader, TensorInfo
-from trillm.engine.execution.prefault import release
+from trillm.engine.execution.prefault import release, within
 from trillm.engine.execution.prefault import start as prefault_start
 from trillm.kernels import cpu_gguf
 from trillm.kernels.block_weights import BlockWeight
@@ -378,7 +378,7 @@ def gguf_weights(
                 weight = rows_of(weight, weight.data[order])
             kept = repacked(weight)
             out[name] = kept
-            if not (isinstance(kept, GGUFWeight) and _in(file, kept.data)):
+            if not (isinstance(kept, GGUFWeight) and within(file, kept.data.data_ptr())):
                 copied.append((info.offset, info.nbytes))  # never read from the mapping again
         else:
             dense = _dense(header, info, file)
@@ -393,9 +393,3 @@ def gguf_weights(
     if blocks and prefault:
         prefault_start(file, header.path.name, skip=copied)
     return out
-
-
-def _in(file: np.ndarray, data: torch.Tensor) -> bool:
-    """Whether ``data`` lies in the mapping ``file`` (a view of it, not a copy)."""
-    base, pointer = file.ctypes.data, data.data_ptr()
-    return base <= pointer < base + file.nbytes

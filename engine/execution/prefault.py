@@ -60,6 +60,11 @@ def _inner_pages(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return pages
 
 
+def within(mapping: Any, pointer: int) -> bool:
+    """Whether ``pointer`` lies in ``mapping`` (a tensor's data there is a view of it, not a copy)."""
+    return mapping.ctypes.data <= pointer < mapping.ctypes.data + mapping.nbytes
+
+
 def release(mapping: Any, copied: list[tuple[int, int]]) -> int:
     """Drop this process's pages of the (offset, bytes) ranges of ``mapping`` that were copied out and
     are not read from it again. Returns the bytes advised (0 where there is no libc)."""
