@@ -14,6 +14,8 @@
  * 4-5, B (16 pairs x 16 weight rows) 6-7. Built where the compiler and CPU have AMX-BF16
  * (-march=native); elsewhere trillm_amx_available() answers 0 and the callers keep their paths.
  * Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
+ * Buffers are per thread and kept between calls (grown()): the caller's x in bfloat16 (at most 256
+ * rows by K), each worker's panel, row and result (~0.3 MiB at K 4096, 256 rows).
  */
 #include <omp.h>
 #include <stdint.h>

@@ -43,7 +43,7 @@ from trillm.engine.execution.layers import (
 )
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
-from trillm.kernels import bf16_panels, cpu_decode, cpu_forward, cpu_matmul, cpu_ops
+from trillm.kernels import amx_tiles, bf16_panels, cpu_decode, cpu_forward, cpu_matmul, cpu_ops
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked, out_features
 
@@ -213,8 +213,9 @@ class CpuBackend(Backend):
         return norm(h.index_select(0, logits_rows), model.final_norm, s.rms_norm_eps)
 
     def head(self, h: torch.Tensor, lm_head: Any) -> torch.Tensor:
-        """The LM head in bfloat16 from its crossover on, as the layers' projections."""
-        if not self._in_bf16(lm_head, h.shape[0]):
+        """The LM head on AMX tiles from its crossover on, as the layers' projections (only where the
+        tiles take it: a dense head would be converted to bfloat16 every step)."""
+        if not (amx_tiles.handles(lm_head) and self._in_bf16(lm_head, h.shape[0])):
             return project(h, lm_head)
         return bf16_panels.matmul(h, lm_head, scratch=self.scratch)
 
