@@ -43,7 +43,7 @@ from trillm.engine.execution.layers import (
 )
 from trillm.engine.execution.parallel.group import SINGLE, TensorParallel
 from trillm.engine.execution.parallel.sharding import local_shape, shard_weights
-from trillm.engine.execution.rope import cos_sin_table
+from trillm.engine.execution.rope import RotaryTable
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import StepMetadata
 from trillm.kernels.stacked import Stacked, nbytes
@@ -148,13 +148,13 @@ class DecoderModel:
                     o_bias=w.get(a + "o_proj.bias") if shape.output_bias else None,
                 )
             )
-        cos, sin = cos_sin_table(shape.rope_dim, shape.rope_theta, shape.rope_scaling, max_len)
-        self.cos, self.sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
+        self.rope = RotaryTable.make(shape.rope_dim, shape.rope_theta, shape.rope_scaling, max_len, self.device, dtype)
         # Windowed layers of Gemma 3 rotate by their own base (no scaling); else the same table.
-        self.local_cos, self.local_sin = self.cos, self.sin
+        self.local_rope = self.rope
         if shape.local_rope_theta is not None:
-            cos, sin = cos_sin_table(shape.rope_dim, shape.local_rope_theta, None, max_len)
-            self.local_cos, self.local_sin = cos.to(self.device, dtype), sin.to(self.device, dtype)
+            self.local_rope = RotaryTable.make(
+                shape.rope_dim, shape.local_rope_theta, None, max_len, self.device, dtype
+            )
         self.scale = shape.scale
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=dtype)  # rounded as the checkpoint's model does
 
@@ -206,6 +206,24 @@ class DecoderModel:
     def projections(self) -> list[Weight]:
         """Every matrix: the LM head and each layer's (the experts' included)."""
         return [self.lm_head, *(p for layer in self.layers for p in layer.projections())]
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """The whole rotary cos table (made to ``max_len`` on first use where it grows lazily)."""
+        return self.rope.whole()[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope.whole()[1]
+
+    @property
+    def local_cos(self) -> torch.Tensor:
+        """Gemma 3's windowed layers' own table; else ``cos``."""
+        return self.local_rope.whole()[0]
+
+    @property
+    def local_sin(self) -> torch.Tensor:
+        return self.local_rope.whole()[1]
 
     @property
     def resident_bytes(self) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import torch
 
 
@@ -52,8 +53,15 @@ def cos_sin_table(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[max_len, head_dim] cos and sin tables in the rotate-half layout (``head_dim``: the rotated
     part of a head, where only a part is rotated)."""
+    return cos_sin_rows(head_dim, theta, scaling, 0, max_len)
+
+
+def cos_sin_rows(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``start:stop`` of ``cos_sin_table``'s tables (each row depends on its position alone)."""
     inv = inverse_frequencies(head_dim, theta, scaling)
-    positions = torch.arange(max_len, dtype=torch.float32)
+    positions = torch.arange(start, stop, dtype=torch.float32)
     freqs = torch.outer(positions, inv)
     scale = 1.0
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
@@ -63,6 +71,63 @@ def cos_sin_table(
         scale = _yarn_attention_factor(scaling)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos() * scale, emb.sin() * scale
+
+
+@attrs.define(eq=False)
+class RotaryTable:
+    """One rotary base's cos and sin rows ([positions, head_dim]). On the CPU they are made ``BLOCK``
+    positions at a time as steps first reach them: a 32K-context Gemma 3's two bases made 128 MiB of
+    float32 tables at start, most rows never read. Elsewhere (kernels and CUDA graphs read the tables
+    by address) all at once. Blocks start at multiples of ``BLOCK``, so a row's values never depend
+    on which steps came first."""
+
+    BLOCK: ClassVar[int] = 4096
+
+    head_dim: int
+    theta: float
+    scaling: dict[str, Any] | None
+    max_len: int
+    dtype: torch.dtype
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def make(
+        cls,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> RotaryTable:
+        cos, sin = cos_sin_rows(head_dim, theta, scaling, 0, 0 if device.type == "cpu" else max_len)
+        return cls(head_dim, theta, scaling, max_len, dtype, cos.to(device, dtype), sin.to(device, dtype))
+
+    def reach(self, stop: int) -> None:
+        """Make the rows before ``stop`` (whole blocks, never past ``max_len``)."""
+        have = self.cos.shape[0]
+        if stop <= have:
+            return
+        stop = min(self.max_len, -(-stop // self.BLOCK) * self.BLOCK)
+        blocks = [
+            cos_sin_rows(self.head_dim, self.theta, self.scaling, a, min(a + self.BLOCK, stop))
+            for a in range(have, stop, self.BLOCK)
+        ]
+        device = self.cos.device
+        self.cos = torch.cat([self.cos, *(c.to(device, self.dtype) for c, _ in blocks)])
+        self.sin = torch.cat([self.sin, *(s.to(device, self.dtype) for _, s in blocks)])
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` (made first where no step reached them before)."""
+        if positions.numel():
+            self.reach(int(positions.max()) + 1)
+        return self.cos[positions], self.sin[positions]
+
+    def whole(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of every position up to ``max_len``."""
+        self.reach(self.max_len)
+        return self.cos, self.sin
 
 
 def _yarn(inv: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:

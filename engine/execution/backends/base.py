@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from trillm.engine.execution.layers import LayerWeights, project
+from trillm.engine.execution.rope import RotaryTable
 from trillm.engine.execution.sampler import SamplingKernel
 from trillm.engine.execution.shape import ModelShape
 from trillm.engine.step import (
@@ -57,7 +58,13 @@ class ModelWeights(Protocol):
     def final_norm(self) -> torch.Tensor: ...
 
     @property
-    def cos(self) -> torch.Tensor: ...  # the rotary tables, [max_len, head_dim / 2]
+    def rope(self) -> RotaryTable: ...  # the rotary rows, made as positions are reached (on the CPU)
+
+    @property
+    def local_rope(self) -> RotaryTable: ...  # of windowed layers with their own rope base (Gemma 3), else rope
+
+    @property
+    def cos(self) -> torch.Tensor: ...  # the whole rotary tables, [max_len, rotated dims]
 
     @property
     def sin(self) -> torch.Tensor: ...

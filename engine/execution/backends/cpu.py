@@ -316,10 +316,10 @@ class RopeRows:
 
     @classmethod
     def at(cls, model: ModelWeights, positions: torch.Tensor) -> RopeRows:
-        whole = (model.cos[positions], model.sin[positions])
-        if model.local_cos is model.cos:
+        whole = model.rope.rows(positions)
+        if model.local_rope is model.rope:
             return cls(whole, whole)
-        return cls(whole, (model.local_cos[positions], model.local_sin[positions]))
+        return cls(whole, model.local_rope.rows(positions))
 
 
 def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], page_size: int) -> tuple[DecodeGroup, ...]:
