@@ -149,12 +149,10 @@ class DecoderModel:
                 )
             )
         self.rope = RotaryTable.make(shape.rope_dim, shape.rope_theta, shape.rope_scaling, max_len, self.device, dtype)
-        # Windowed layers of Gemma 3 rotate by their own base (no scaling); else the same table.
-        self.local_rope = self.rope
-        if shape.local_rope_theta is not None:
-            self.local_rope = RotaryTable.make(
-                shape.rope_dim, shape.local_rope_theta, None, max_len, self.device, dtype
-            )
+        local = shape.local_rope_theta  # Gemma 3's windowed layers rotate by their own base (no scaling)
+        self.local_rope = (
+            self.rope if local is None else RotaryTable.make(shape.rope_dim, local, None, max_len, self.device, dtype)
+        )
         self.scale = shape.scale
         self.embed_scale = torch.tensor(shape.embed_scale, dtype=dtype)  # rounded as the checkpoint's model does
 
@@ -207,23 +205,10 @@ class DecoderModel:
         """Every matrix: the LM head and each layer's (the experts' included)."""
         return [self.lm_head, *(p for layer in self.layers for p in layer.projections())]
 
-    @property
-    def cos(self) -> torch.Tensor:
-        """The whole rotary cos table (made to ``max_len`` on first use where it grows lazily)."""
-        return self.rope.whole()[0]
-
-    @property
-    def sin(self) -> torch.Tensor:
-        return self.rope.whole()[1]
-
-    @property
-    def local_cos(self) -> torch.Tensor:
-        """Gemma 3's windowed layers' own table; else ``cos``."""
-        return self.local_rope.whole()[0]
-
-    @property
-    def local_sin(self) -> torch.Tensor:
-        return self.local_rope.whole()[1]
+    cos = property(lambda self: self.rope.whole()[0])  # the whole tables, for the kernels (made to max_len)
+    sin = property(lambda self: self.rope.whole()[1])
+    local_cos = property(lambda self: self.local_rope.whole()[0])  # Gemma 3's windowed layers'; else cos
+    local_sin = property(lambda self: self.local_rope.whole()[1])
 
     @property
     def resident_bytes(self) -> int:
