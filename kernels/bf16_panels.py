@@ -32,7 +32,8 @@ ROWS = 64  # rows of a step from which its prefill spans attend in bfloat16
 # would decode panels for a float32 GEMM itself (a file's blocks, ``cpu_gguf``), and for repacked Q4_1/Q8_0
 # and dense float32, whose register-decoding and MKL kernels are as fast up to ~80 and ~60 rows (two
 # Sapphire Rapids cores). Below these, decode steps keep their float32 kernels and the fused loop: a
-# bfloat16 product at 32 rows decodes every panel of the model each step, measured slower there.
+# bfloat16 product at 32 rows decodes every panel of the model each step, measured slower there. Where
+# the AMX tiles run (``amx_tiles``), they take over from their own MIN_ROWS with panels kept in L2.
 CROSSOVER = {"BF16": cpu_gguf.FLOAT_GEMM_ROWS, "GGUF": cpu_gguf.GEMM_ROWS, "REPACKED": 80, "DENSE": 64}
 PANEL_VALUES = 1 << 21  # weight values per GEMM (4 MiB of bfloat16): most of a small model's weights are one
 DECODE_FLOATS = 1 << 17  # decoded to float32 at a time (512 KiB, in L2), then rounded into the panel
