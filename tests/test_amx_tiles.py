@@ -33,12 +33,14 @@ needs_tiles = pytest.mark.skipif(not amx_tiles.available(), reason="this CPU has
 
 
 def test_the_tiles_run_exactly_where_the_cpu_has_them():
-    """Built with -march=native: available where /proc/cpuinfo lists amx_bf16 (and a compiler), never
-    elsewhere; where absent, every form keeps its float32 kernel up to its oneDNN crossover."""
+    """Built with -march=native: available only where /proc/cpuinfo lists amx_bf16; where absent,
+    every form keeps its float32 kernel up to its oneDNN crossover."""
     if not cpu_gguf.available():
         assert not amx_tiles.available()
         return
-    assert amx_tiles.available() == bf16_panels.amx_bf16()  # /proc/cpuinfo's amx_bf16 flag
+    # never without /proc/cpuinfo's amx_bf16 flag (with it, a compiler without AMX or a kernel before
+    # Linux 5.16, which grants no tile state, leave the tiles off too)
+    assert bf16_panels.amx_bf16() or not amx_tiles.available()
     q4k = random_weight("Q4_K", 64, 256)
     if amx_tiles.available():
         assert bf16_panels.crossover(q4k) == amx_tiles.MIN_ROWS["GGUF"]
