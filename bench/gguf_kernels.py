@@ -76,12 +76,12 @@ def main() -> None:
             forms.append(("cpu_matmul", packed))
         if args.tiles and amx_tiles.available() and amx_tiles.handles(packed):
             forms.append(("amx_tiles", packed))
+        kernels = {"cpu_gguf": cpu_gguf.matmul, "cpu_matmul": cpu_matmul.matmul, "amx_tiles": amx_tiles.matmul}
         for path, w in forms:
             cells = []
             for m in rows:
                 x = xs[m]
-                kernel = {"cpu_gguf": cpu_gguf.matmul, "cpu_matmul": cpu_matmul.matmul, "amx_tiles": amx_tiles.matmul}
-                fn = lambda x=x, w=w, k=kernel[path]: k(x, w)  # noqa: E731
+                fn = lambda x=x, w=w, k=kernels[path]: k(x, w)  # noqa: E731
                 t = seconds(fn)
                 cells.append(f"{t * 1e6:12.1f} {w.nbytes / t / 1e9:6.1f} {base[m] / t:6.2f}")
             print(f"{name:>8} {path:>10} " + " ".join(cells))

@@ -516,6 +516,12 @@ int trillm_gguf_layout_matmul(const float *x, int64_t ldx, const void *layout, f
     return rc ? 2 : 0;
 }
 
+/* The bytes of a row's first `values` values (whole blocks; F16 and BF16: 2 bytes a value). */
+INLINE int64_t span_bytes(BlockType bt, int64_t values)
+{
+    return bt.unpack ? values / bt.values * bt.bytes : 2 * values;
+}
+
 /* Values k0 .. k0 + count (whole blocks) of row n of a weight, decoded: the reader that cpu_amx.c's
  * tiles decode panels with. */
 int trillm_gguf_decode_range(const void *layout, int64_t n, int64_t k0, int64_t count, float *out)
@@ -524,8 +530,7 @@ int trillm_gguf_decode_range(const void *layout, int64_t n, int64_t k0, int64_t 
     const BlockType bt = block_type((int)L->type);
     if (!known((int)L->type, bt))
         return 2;
-    const int64_t offset = bt.unpack ? k0 / bt.values * bt.bytes : 2 * k0; /* F16, BF16: 2 bytes a value */
-    decode_row((int)L->type, bt, L->w + n * L->row_bytes + offset, count, out);
+    decode_row((int)L->type, bt, L->w + n * L->row_bytes + span_bytes(bt, k0), count, out);
     return 0;
 }
 
@@ -563,8 +568,8 @@ int trillm_gguf_decode_range_bf16(const void *layout, int64_t n, int64_t k0, int
     const BlockType bt = block_type(type);
     if (!known(type, bt))
         return 2;
-    const uint8_t *row = L->w + n * L->row_bytes + (bt.unpack ? k0 / bt.values * bt.bytes : 2 * k0);
-    const int64_t bytes = bt.unpack ? count / bt.values * bt.bytes : 2 * count;
+    const uint8_t *row = L->w + n * L->row_bytes + span_bytes(bt, k0);
+    const int64_t bytes = span_bytes(bt, count);
     if (n + PREFETCH_ROWS < L->N) /* a panel's rows come in order: ask for a later one's bytes now */
         for (int64_t c = 0; c < bytes; c += 64)
             _mm_prefetch((const char *)(row + PREFETCH_ROWS * L->row_bytes + c), _MM_HINT_T0);

@@ -70,12 +70,12 @@ static Weight weight(const WeightLayout *w)
 
 /* ---- plain C ---- */
 
-/* One weight row, exactly as block_weights.dequantize computes it. */
-static void decode_row(const Weight *W, int64_t n, float *restrict w)
+/* Blocks b0 .. b1 of weight row n, exactly as block_weights.dequantize computes them. */
+static void decode_blocks(const Weight *W, int64_t n, int64_t b0, int64_t b1, float *restrict w)
 {
     const uint8_t *q = W->qs + n * W->row_bytes;
     const float *d = W->d + n * W->nb, *m = W->m ? W->m + n * W->nb : NULL;
-    for (int64_t b = 0; b < W->nb; b++, w += 32) {
+    for (int64_t b = b0; b < b1; b++, w += 32) {
         if (m) {
             for (int j = 0; j < 16; j++) {
                 w[j] = d[b] * (float)(q[16 * b + j] & 15) + m[b]; /* two roundings (no contraction) */
@@ -86,6 +86,12 @@ static void decode_row(const Weight *W, int64_t n, float *restrict w)
                 w[j] = d[b] * (float)(int8_t)q[32 * b + j];
         }
     }
+}
+
+/* One weight row. */
+static void decode_row(const Weight *W, int64_t n, float *restrict w)
+{
+    decode_blocks(W, n, 0, W->nb, w);
 }
 
 
@@ -553,22 +559,19 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
 int trillm_decode_range(const WeightLayout *layout, int64_t n, int64_t k0, int64_t count, float *out)
 {
     const Weight W = weight(layout);
+#if SIMD
     const uint8_t *q = W.qs + n * W.row_bytes;
     const float *d = W.d + n * W.nb, *m = W.m ? W.m + n * W.nb : NULL;
     const int64_t qb = W.m ? 16 : 32; /* bytes of qs per block */
     for (int64_t b = k0 / 32; b < (k0 + count) / 32; b++, out += 32) {
-#if SIMD
         vec w[BV];
         decode_block(q + qb * b, d[b], m ? m[b] : 0.0f, !m, w);
         for (int v = 0; v < BV; v++)
             vstoreu(out + VL * v, w[v]);
-#else
-        for (int j = 0; j < 32; j++) {
-            const int8_t v = m ? (int8_t)((q[16 * b + j % 16] >> (j < 16 ? 0 : 4)) & 15) : (int8_t)q[32 * b + j];
-            out[j] = m ? d[b] * (float)v + m[b] : d[b] * (float)v; /* two roundings (no contraction) */
-        }
-#endif
     }
+#else
+    decode_blocks(&W, n, k0 / 32, (k0 + count) / 32, out);
+#endif
     return 0;
 }
 
