@@ -169,8 +169,8 @@ class EngineConfig:
     )
     malloc_tuning: bool = setting(
         True,
-        "fix glibc's mmap threshold at 32 MiB (activations reused from the heap arenas, not mapped afresh "
-        "each layer) and hand the free memory the arenas keep back (`malloc_trim`) when idle and every 5 s "
+        "fix glibc's mmap threshold (else one long prompt moves every per-step tensor into heap arenas "
+        "that keep what is freed) and hand kept free memory back (`malloc_trim`) when idle and every 5 s "
         "under load, so resident memory stays flat; off: glibc's defaults (for comparison)",
         flag="--no-malloc-tuning",
     )

@@ -9,13 +9,9 @@ the new threshold (logits, sampler and mask buffers, activations) came from the 
 arenas instead, and the arenas keep what is freed in them: measured, ~180 KB more
 resident memory per tiny request, with no plateau, all of it handed back by
 ``malloc_trim(0)`` (so freed memory kept, not a leak). ``pin_mmap_threshold`` fixes
-the threshold (``mallopt(M_MMAP_THRESHOLD)`` also turns the dynamic rise off) and
-``trim`` hands back what the arenas keep: the engine trims when it goes idle and every
-5 s under load. The pin was first glibc's 128 KiB start, so that large blocks went back
-at once; but then every activation of a prefill chunk was a fresh mapping whose pages
-faulted in at each layer (a third of a 2,000-token prefill's time, measured). It is now
-32 MiB, the most glibc takes: the arenas hand a chunk's activations from layer to layer,
-and the trims keep resident memory flat (``tests/test_memory_soak.py``).
+the threshold (``mallopt(M_MMAP_THRESHOLD)`` also turns the dynamic rise off), so
+large blocks keep going back to the kernel; ``trim`` hands back what the arenas
+keep, for when the engine goes idle.
 
 Without glibc (musl, macOS) both do nothing. An operator's own
 ``MALLOC_MMAP_THRESHOLD_`` wins: glibc read it at start, and it turned the rise off too.
@@ -35,11 +31,7 @@ import torch
 log = logging.getLogger("trillm.engine")
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-# Fixed above the activations of a prefill chunk (a 512-row chunk's MLP output is 6 MiB): at glibc's 128 KiB
-# start, every one was a fresh mmap whose pages faulted in at each layer, a third of a prefill's time (SmolLM2,
-# 2,000 tokens: 2.45 s -> 1.3 s at 32 MiB, the most mallopt takes); the arenas keep them for the next layer,
-# and ``trim`` (idle, every 5 s under load) hands back what they keep, so resident memory stays flat.
-MMAP_THRESHOLD_BYTES = 32 << 20
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own starting value: what the process measured flat with
 
 
 @functools.cache
