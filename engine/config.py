@@ -79,7 +79,9 @@ class EngineConfig:
         "0: no aging (strict priority, as vLLM)",
         validator=attrs.validators.ge(0),
     )
-    max_batch_tokens: int = setting(512, "token budget per step (decodes + prefill chunks); must exceed `max_num_seqs`")
+    max_batch_tokens: int = setting(
+        2048, "token budget per step (decodes + prefill chunks); must exceed `max_num_seqs`"
+    )
     max_model_len: int | None = setting(None, "context limit (also capped by the pool size)", doc_default="the model's")
     prefix_cache: bool = setting(
         True, "reuse the KV pages of earlier requests that share a prefix", flag="--no-prefix-cache"

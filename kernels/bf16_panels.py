@@ -171,7 +171,10 @@ def _matmul(x: torch.Tensor, weight: object, out: torch.Tensor, accumulate: bool
             _matmul(x, part, out[:, start:stop], accumulate, scratch)
             start = stop
     elif isinstance(weight, GGUFWeight) and weight.kind.name == "BF16":  # the file's rows as they are
-        _into(out, torch.mm(x, weight.data.view(_BF16).t())[: out.shape[0]], accumulate)
+        N = out.shape[1]
+        y = scratch.take("product", x.shape[0] * N, _BF16).view(x.shape[0], N)
+        torch.mm(x, weight.data.view(_BF16).t(), out=y)
+        _into(out, y[: out.shape[0]], accumulate)
     elif isinstance(weight, (GGUFWeight, Q4_1Weight, Q8_0Weight)):
         _blocks(x, weight, out, accumulate, scratch)
     else:

@@ -22,19 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define AMX 0
-#endif
+#include "cpu_amx.h"
 
 #define NB 32     /* weight rows per panel: two B tiles */
 #define KSTEP 32  /* values of K per tile product: 16 pairs */
 #define KC 4096   /* values of K per panel, a multiple of 256 (whole blocks of every type): 256 KiB */
 #define X_BLOCK_BYTES (1 << 20) /* rows of x per pass: their bfloat16 stays in L2 (each pass decodes W again) */
+#define WIDE_ROWS 128 /* rows of x from which x is the A operand (amx_matmul_rows) */
+#define WIDE_PASS 4096 /* its rows per pass at most */
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -75,27 +70,6 @@ static void *grown(int slot, size_t bytes)
 }
 
 #if AMX
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void configure(void)
-{
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
 
 /* dst[0..n) = bfloat16(src[0..n)), nearest even; n a multiple of 16. */
 static void to_bf16(const float *src, int64_t n, uint16_t *dst)
@@ -179,31 +153,6 @@ static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, con
     }
 }
 
-/* r[i] lane j <- r[j] lane i (16 x 16 floats). */
-static void transpose16(__m512 r[16])
-{
-    __m512 t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 2; j++) {
-            const __m512d a = _mm512_castps_pd(t[4 * i + j]), b = _mm512_castps_pd(t[4 * i + 2 + j]);
-            r[4 * i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            r[4 * i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 4; j++) {
-            t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
-            t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
-    }
-}
-
 /* out[m, 0..cols) (+)= acc[0..cols, m] for m < M: the tiles' transposed result turned 16 x 16 at a
  * time (acc has NB rows of Mp, a multiple of 16; rows past cols hold zeros). */
 static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, float *out, int64_t ldo, int accumulate)
@@ -221,6 +170,107 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
                 _mm512_mask_storeu_ps(o, k, v);
             }
         }
+}
+
+/* The panel (NB rows of kc values) in B tiles' layout: pair p of weight row c at [p][c] (u32), so
+ * the result comes out in out's own layout. A 16 x 16 transpose of pairs per 16 rows and 32 values. */
+static void to_pairs(const uint16_t *panel, int64_t kc, uint32_t *pairs)
+{
+    for (int64_t p0 = 0; p0 < kc / 2; p0 += 16)
+        for (int c0 = 0; c0 < NB; c0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_ps((const float *)(panel + (c0 + i) * kc) + p0);
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps((float *)(pairs + (p0 + j) * NB + c0), r[j]);
+        }
+}
+
+/* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m < M, x as the A operand (x16: rows of Kp
+ * bfloat16, zero past M up to a multiple of 32). The tiles start from out where ``load`` (adding, or
+ * a later panel of K) and are stored straight into it; a block cut by M or cols goes through
+ * ``edge`` (32 x 32 floats). */
+static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *pairs,
+                          int64_t cols, float *out, int64_t ldo, int load, float *edge)
+{
+    const int64_t xs = Kp * 2, ps = NB * 4;
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+        const int64_t rows = MIN(32, M - m0);
+        const int full = rows == 32 && cols == NB;
+        float *c = full ? out + m0 * ldo : edge;
+        const int64_t ldc = full ? ldo : NB;
+        if (!full) {
+            memset(edge, 0, sizeof(float) * 32 * NB);
+            if (load)
+                for (int64_t i = 0; i < rows; i++)
+                    memcpy(edge + i * NB, out + (m0 + i) * ldo, sizeof(float) * (size_t)cols);
+        }
+        if (load || !full) {
+            _tile_loadd(0, c, ldc * 4);
+            _tile_loadd(1, c + 16, ldc * 4);
+            _tile_loadd(2, c + 16 * ldc, ldc * 4);
+            _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
+        } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int64_t i = m0 + 32; i < MIN(m0 + 64, M); i++) { /* the next block's lines, owned while this one runs */
+            _mm_prefetch((const char *)(out + i * ldo), _MM_HINT_ET0);
+            _mm_prefetch((const char *)(out + i * ldo + 16), _MM_HINT_ET0);
+        }
+        const uint16_t *a = x16 + m0 * Kp + k0;
+        for (int64_t s = 0; s < kc / KSTEP; s++) {
+            _tile_loadd(4, a + s * KSTEP, xs);
+            _tile_loadd(5, a + 16 * Kp + s * KSTEP, xs);
+            _tile_loadd(6, pairs + s * 16 * NB, ps);
+            _tile_loadd(7, pairs + s * 16 * NB + 16, ps);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, ldc * 4);
+        _tile_stored(1, c + 16, ldc * 4);
+        _tile_stored(2, c + 16 * ldc, ldc * 4);
+        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+        if (!full)
+            for (int64_t i = 0; i < rows; i++)
+                memcpy(out + (m0 + i) * ldo, edge + i * NB, sizeof(float) * (size_t)cols);
+    }
+}
+
+/* groups() for many rows of x: x16 as the A operand, the panel turned into pairs once per panel
+ * (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS rows on). */
+static int groups_rows(const AmxLayout *L, const uint16_t *x16, int64_t Kp, int64_t M, float *out, int64_t ldo,
+                       int accumulate, int64_t g0, int64_t g1)
+{
+    const int64_t kc_max = MIN(KC, Kp);
+    /* row: kc_max floats; panel and pairs: NB x kc_max bfloat16 each; edge: 32 x NB floats */
+    const size_t words = (size_t)kc_max + (size_t)kc_max * NB + 32 * NB;
+    float *row = grown(1, words * 4);
+    if (!row)
+        return 1;
+    uint16_t *panel = (uint16_t *)(row + kc_max);
+    uint32_t *pairs = (uint32_t *)(panel + kc_max * NB);
+    float *edge = (float *)(pairs + kc_max * NB / 2);
+    configure();
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t n0 = g * NB;
+        for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+            const int64_t kc = MIN(KC, Kp - k0);
+            if (decode_panel(L, n0, k0, kc, row, panel)) {
+                _tile_release();
+                return 2;
+            }
+            to_pairs(panel, kc, pairs);
+            multiply_rows(x16, Kp, M, k0, kc, pairs, MIN(NB, L->N - n0), out + n0, ldo, accumulate || k0 > 0, edge);
+        }
+    }
+    _tile_release();
+    return 0;
 }
 
 /* Weight rows of groups g0 .. g1 (NB each): decode a panel, multiply, and after the last panel of K
@@ -251,6 +301,44 @@ static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M,
     }
     _tile_release();
     return 0;
+}
+
+/* amx_matmul() from WIDE_ROWS rows: x rounded to bfloat16 by every thread, a share of rows each. */
+static int amx_matmul_rows(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M,
+                           int flags, int num_threads)
+{
+    const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = (M + 31) / 32 * 32;
+    uint16_t *x16 = grown(0, (size_t)(Mp * Kp) * 2);
+    if (!x16)
+        return 1;
+    const int64_t G = (L->N + NB - 1) / NB;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < Mp; m++) {
+            uint16_t *r = x16 + m * Kp;
+            if (m < M) {
+                int64_t k = 0;
+                for (; k + 16 <= K; k += 16)
+                    _mm256_storeu_si256((__m256i *)(r + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * ldx + k)));
+                if (k < Kp) { /* K - k < 16 values left, then zeros to Kp (k + 16 <= Kp: both multiples of 16) */
+                    const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1), x + m * ldx + k);
+                    _mm256_storeu_si256((__m256i *)(r + k), (__m256i)_mm512_cvtneps_pbh(v));
+                    memset(r + k + 16, 0, 2 * (size_t)(Kp - k - 16));
+                }
+            } else {
+                memset(r, 0, 2 * (size_t)Kp);
+            }
+        }
+        const int t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
+        const int rc = g1 > g0 ? groups_rows(L, x16, Kp, M, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
+        if (rc)
+#pragma omp atomic write
+            failed = rc;
+    }
+    return failed;
 }
 
 /* out[M, N] (+)= x . W^T on the tiles. 0; 1 when a buffer could not be had; 2 when the decoder failed. */
@@ -291,14 +379,7 @@ static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *ou
 /* 1 where this build has the tiles and the kernel has them from Linux, else 0. */
 int trillm_amx_available(void)
 {
-#if AMX
-    static int state = -1;
-    if (state < 0)
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return state;
-#else
-    return 0;
-#endif
+    return amx_granted();
 }
 
 /* out[M, N] (+)= x . W^T on the tiles, whatever M. 0; 1 no buffer; 2 the decoder failed; 3 no tiles here. */
@@ -312,9 +393,12 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
     if (!trillm_amx_available())
         return 3;
     const int64_t Kp = (L->K + KSTEP - 1) / KSTEP * KSTEP;
-    const int64_t rows = MIN(256, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
+    const int wide = M >= WIDE_ROWS;
+    const int64_t rows = MIN(wide ? WIDE_PASS : 256, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
-        const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, MIN(rows, M - m0), flags, num_threads);
+        const int64_t m = MIN(rows, M - m0);
+        const int rc = (wide ? amx_matmul_rows : amx_matmul)(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags,
+                                                             num_threads);
         if (rc)
             return rc;
     }

@@ -3,7 +3,8 @@ decoders, rounded to bfloat16, multiplied with x rounded to bfloat16, summed in 
 
 Each form the tiles take is checked against the float32 product of the same rounded matrices (the
 only difference is the order of the float32 additions), at row counts around the tiles' blocks of
-16 and 32, K longer than one panel and K not a multiple of 32; below ``min_rows`` the fused loop's
+16 and 32 in both of the kernel's layouts (the weights as the A operand, and from 128 rows x),
+K longer than one panel and K not a multiple of 32, rows of x in more than one pass; below ``min_rows`` the fused loop's
 entry is the weight's own kernel, bit for bit; and decode steps of many rows in the C loop equal the
 Python loop's and stay within bfloat16 rounding of the float32 ones. The numerical tests need a CPU
 with AMX-BF16 (Sapphire Rapids and later); everywhere the tiles' absence must leave the float32
@@ -78,7 +79,7 @@ FORMS = _forms() if cpu_gguf.available() and cpu_matmul.available() else {}
 
 @needs_tiles
 @pytest.mark.parametrize("name", sorted(FORMS))
-@pytest.mark.parametrize("M", [1, 13, 16, 33, 70])
+@pytest.mark.parametrize("M", [1, 13, 16, 33, 70, 130, 300])  # from 128 rows x is the A operand
 def test_each_form_is_the_product_of_the_rounded_matrices(name, M):
     weight, dense = FORMS[name]
     x = torch.randn(M, dense.shape[1])
@@ -92,8 +93,22 @@ def test_each_form_is_the_product_of_the_rounded_matrices(name, M):
     wide = torch.randn(M, dense.shape[0] + 6)
     before = wide.clone()
     amx_tiles.matmul(x, weight, out=wide[:, 3 : 3 + dense.shape[0]], accumulate=True)
-    torch.testing.assert_close(wide[:, 3:-3], before[:, 3:-3] + got, atol=1e-5, rtol=1e-5)
+    # (from 128 rows the tiles start from the output: its values join the float32 sums)
+    inner = before[:, 3:-3].double()
+    assert ((wide[:, 3:-3].double() - (inner + rounded)).abs() <= 1e-6 * (scale + inner.abs()) + 1e-30).all()
     assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, -3:], before[:, -3:])
+
+
+@needs_tiles
+def test_a_prefill_of_many_rows_runs_in_passes_with_x_row_major():
+    """2,100 rows of K = 512: x's bfloat16 rows come in passes of at most 1 MiB (each decodes W again),
+    and a strided x (a view into a wider activation) is read in place."""
+    weight, dense = FORMS["Q5_K"]
+    x = torch.randn(2100, dense.shape[1] + 8)[:, 4:-4]
+    got = amx_tiles.matmul(x, weight)
+    rounded = x.bfloat16().double() @ dense.bfloat16().double().T
+    scale = x.abs().double() @ dense.abs().double().T
+    assert ((got.double() - rounded).abs() <= 1e-6 * scale + 1e-30).all()
 
 
 @needs_tiles

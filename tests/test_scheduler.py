@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import OutOfPages, PageAllocator, pages_needed
-from trillm.engine.scheduling.scheduler import Scheduler
+from trillm.engine.scheduling.scheduler import PROMPT_LOGPROB_ROWS, Scheduler
 from trillm.engine.scheduling.sequence import Sequence
 
 
@@ -29,6 +29,19 @@ def run_step(s: Scheduler, token: int = 7):
     batch = s.schedule()
     s.complete(batch, [token for c in batch.chunks if c.samples])
     return batch
+
+
+def test_a_prompt_logprobs_prefill_takes_at_most_its_rows_per_step():
+    """Its every row's logits are kept (rows x vocabulary floats): 512 rows a step, where a plain
+    prompt beside it takes the rest of the budget in one chunk."""
+    s = Scheduler(PageAllocator(1000), 16, 8, 2048)
+    scored = Sequence("scored", list(range(1200)), SamplingParams(max_tokens=2, prompt_logprobs=1), 10_000, frozenset())
+    s.add(scored)
+    s.add(seq("plain", 1500, t=1))
+    b1 = run_step(s)
+    assert [(c.seq.request_id, c.length) for c in b1.chunks] == [("scored", PROMPT_LOGPROB_ROWS), ("plain", 1500)]
+    b2 = run_step(s)
+    assert ("scored", PROMPT_LOGPROB_ROWS) in [(c.seq.request_id, c.length) for c in b2.chunks]
 
 
 def test_allocator_accounting_and_double_free():
@@ -209,7 +222,7 @@ def test_engine_config_and_environment_settings_are_validated():
     with pytest.raises(SystemExit, match="TRILLM_PAGE_SIZE"):
         config_from_env({"TRILLM_PAGE_SIZE": "big"})
     with pytest.raises(SystemExit, match="max_batch_tokens"):
-        config_from_env({"TRILLM_MAX_NUM_SEQS": "600"})
+        config_from_env({"TRILLM_MAX_NUM_SEQS": "2100"})
     with pytest.raises(ValueError):
         EngineConfig(page_size=0)
 

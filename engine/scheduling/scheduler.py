@@ -48,6 +48,16 @@ class _Draft:
                 return
 
 
+# A prompt-logprobs prefill's rows per step: each row's logits are kept, rows x vocabulary floats
+# (512 x 262,144 is 512 MiB), where other prefills take the whole ``max_batch_tokens``.
+PROMPT_LOGPROB_ROWS = 512
+
+
+def _chunk_length(seq: Sequence, budget: int) -> int:
+    length = min(seq.num_pending, budget)
+    return min(length, PROMPT_LOGPROB_ROWS) if seq.params.prompt_logprobs is not None else length
+
+
 class Scheduler:
     """Continuous batching with chunked prefill and preemption by recompute.
 
@@ -155,7 +165,7 @@ class Scheduler:
                 continue  # it ends, or learns its next tokens, when the step in flight returns
             self._drop_passed_pages(seq)
             proposed = proposals.get(id(seq), ())[: max(0, draft.budget - 1)]
-            length = min(seq.num_pending, draft.budget) + len(proposed)
+            length = _chunk_length(seq, draft.budget) + len(proposed)
             if not self._grow(seq, seq.num_computed + length, draft):
                 continue  # it preempted itself
             if proposed:
@@ -178,7 +188,7 @@ class Scheduler:
                 self._displace(seq, draft)
             self._reuse_cached_prefix(seq)
             self._drop_passed_pages(seq)  # a long cached prefix: its first pages may be past the window
-            length = min(seq.num_pending, draft.budget)
+            length = _chunk_length(seq, draft.budget)
             need = pages_needed(seq.num_computed + length, self.page_size) - len(seq.pages)
             while not self._make_room(need) and self._displace(seq, draft):
                 pass  # under priority: a running sequence it outranks gives its pages back

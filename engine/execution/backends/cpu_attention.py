@@ -17,7 +17,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from trillm.kernels import cpu_decode
+from trillm.kernels import cpu_decode, flash_prefill
 
 
 @attrs.frozen
@@ -164,7 +164,18 @@ def paged_attention(
         od = _attention(qd, kd, vd, group.window_mask(window), scale, gqa, sinks, softcap)
         out.index_copy_(0, group.rows, od.squeeze(2))
 
+    flash = (
+        bool(meta.prefills)
+        and prefill_dtype is torch.bfloat16
+        and flash_prefill.handles(q.shape[2], q.shape[1], kv_heads, softcap, k_cache.dtype)
+    )
     for span in meta.prefills:
+        if flash:  # AMX tiles, reading the pages in place
+            rows = slice(span.start, span.end)
+            flash_prefill.attend(
+                q[rows], k_cache, v_cache, span.context_pages, span.context_len, scale, window, sinks, out[rows]
+            )
+            continue
         if prefill_dtype is not None:
             op = _padded_attention(q, k_cache, v_cache, span, window, prefill_dtype, scale, gqa, sinks, softcap)
             out[span.start : span.end] = op

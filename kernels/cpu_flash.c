@@ -1,0 +1,283 @@
+/* Causal attention of one prefill span over the paged KV cache on AMX bfloat16 tiles, for
+ * kernels/flash_prefill.py (ctypes).
+ *
+ * Why: torch's flash kernel wants contiguous [1, H, L, D] tensors, so each span was gathered from
+ * its pages, padded (its oneDNN kernels are built per size) and converted to bfloat16, and its
+ * output converted back: at 2,000 tokens those copies cost as much as the attention, which itself
+ * spends most of its time in its exponentials. Here the span's keys and values are read from their
+ * pages once, rounded to bfloat16 straight into the tiles' layouts, and every (query head, block of
+ * 32 query rows) runs flash attention over the key blocks it sees (causal, and within ``window``):
+ * S = Q K^T and O += P V on the tiles, the online softmax in AVX-512 with a base-2 exponential of
+ * our own (a degree-5 polynomial around the nearest integer: 3e-6 relative, far below bfloat16's
+ * rounding of P). Q, K, V and P are rounded to bfloat16 as torch's bfloat16 flash kernel rounds
+ * them; scores, the softmax and the output are float32. Queries and output stay float32 rows.
+ *
+ * Buffers: the keys and values in tiles' layout (grown to the largest span, 4 bytes per key and
+ * head dimension and kv head: 1.5 MiB at 2,048 tokens of SmolLM2; freed after a span of over
+ * 64 MiB) and per thread ~55 KB. Head dims: multiples of 32 up to 256.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_amx.h"
+
+#define QB 32        /* query rows per block: two A tiles */
+#define KB 32        /* keys per block: two B tiles */
+#define MAX_D 256    /* head dims up to this */
+#define RAISE 8.0f   /* base-2 units a score may pass the running maximum by before it is raised */
+#define KEEP_BYTES (64 << 20) /* a larger layout buffer is freed after its call */
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+#if AMX
+
+typedef struct {
+    const float *k_cache, *v_cache;
+    const int64_t *pages;
+    int64_t page_size, kv_heads, D;
+} Cache;
+
+static const float *cache_row(const Cache *c, const float *base, int64_t t, int64_t g)
+{
+    const int64_t slot = c->pages[t / c->page_size] * c->page_size + t % c->page_size;
+    return base + (slot * c->kv_heads + g) * c->D;
+}
+
+/* 2^x for x <= 0 (x >= -126 after the clamp; -inf gives 2^-126, masked by the caller). */
+static inline __m512 exp2_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Keys of block b (KB of them, zero past ``length``) of kv head g as B tiles of S = Q K^T: pair p
+ * of dims of key c at [p][c] (u32), D / 2 rows of KB. Values as B tiles of O = P V: the pair of
+ * keys (2j, 2j + 1) of dim d at [j][d], KB / 2 rows of D. */
+static void layout_block(const Cache *c, int64_t length, int64_t g, int64_t b, uint32_t *kp, uint32_t *vp)
+{
+    const int64_t D = c->D;
+    uint16_t k16[KB * MAX_D], v16[KB * MAX_D];
+    for (int64_t i = 0; i < KB; i++) {
+        const int64_t t = b * KB + i;
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512 kv = _mm512_setzero_ps(), vv = _mm512_setzero_ps();
+            if (t < length) {
+                kv = _mm512_loadu_ps(cache_row(c, c->k_cache, t, g) + d);
+                vv = _mm512_loadu_ps(cache_row(c, c->v_cache, t, g) + d);
+            }
+            _mm256_storeu_si256((__m256i *)(k16 + i * D + d), (__m256i)_mm512_cvtneps_pbh(kv));
+            _mm256_storeu_si256((__m256i *)(v16 + i * D + d), (__m256i)_mm512_cvtneps_pbh(vv));
+        }
+    }
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) /* keys: rows of D/2 pairs turned into columns */
+        for (int64_t c0 = 0; c0 < KB; c0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_ps((const float *)(k16 + (c0 + i) * D) + p0);
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps((float *)(kp + (p0 + j) * KB + c0), r[j]);
+        }
+    for (int64_t j = 0; j < KB / 2; j++) /* values: two key rows interleaved value by value */
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(v16 + 2 * j * D + d));
+            const __m256i z = _mm256_loadu_si256((const __m256i *)(v16 + (2 * j + 1) * D + d));
+            const __m256i lo = _mm256_unpacklo_epi16(a, z), hi = _mm256_unpackhi_epi16(a, z);
+            uint32_t *o = vp + j * D + d;
+            _mm256_storeu_si256((__m256i *)o, _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_storeu_si256((__m256i *)(o + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
+}
+
+typedef struct {
+    const float *q;
+    int64_t ldq;
+    float *out;
+    int64_t ldo;
+    int64_t n, length, heads, kv_heads, D, window, blocks;
+    float scale2; /* scale * log2(e): scores in base 2 */
+    const float *sinks;
+    const uint32_t *kp, *vp;
+} Span;
+
+/* Query head h, rows r0 .. r0 + QB of the span (positions length - n + r). */
+static void attend_block(const Span *s, int64_t h, int64_t r0)
+{
+    const int64_t D = s->D, g = h / (s->heads / s->kv_heads), rows = MIN(QB, s->n - r0);
+    const int64_t first = s->length - s->n + r0, last = first + rows - 1; /* positions of the rows */
+    static __thread uint16_t q16[QB * MAX_D] __attribute__((aligned(64)));
+    static __thread float o[QB * MAX_D] __attribute__((aligned(64)));
+    static __thread float sc[QB * KB] __attribute__((aligned(64)));
+    static __thread uint16_t p16[QB * KB] __attribute__((aligned(64)));
+    float m[QB], l[QB];
+    for (int64_t r = 0; r < QB; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 v = r < rows ? _mm512_loadu_ps(s->q + (r0 + r) * s->ldq + h * D + d) : _mm512_setzero_ps();
+            _mm256_storeu_si256((__m256i *)(q16 + r * D + d), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+    memset(o, 0, sizeof(float) * QB * (size_t)D);
+    const int64_t lo = s->window > 0 ? MAX(0, first - s->window + 1) : 0;
+    const uint32_t *kp = s->kp + g * s->blocks * KB * D / 2, *vp = s->vp + g * s->blocks * KB * D / 2;
+    for (int64_t b = lo / KB; b <= last / KB; b++) {
+        const uint32_t *kb = kp + b * KB * D / 2, *vb = vp + b * KB * D / 2;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d = 0; d < D; d += 32) {
+            _tile_loadd(4, q16 + d, D * 2);
+            _tile_loadd(5, q16 + 16 * D + d, D * 2);
+            _tile_loadd(6, kb + d / 2 * KB, KB * 4);
+            _tile_loadd(7, kb + d / 2 * KB + 16, KB * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, sc, KB * 4);
+        _tile_stored(1, sc + 16, KB * 4);
+        _tile_stored(2, sc + 16 * KB, KB * 4);
+        _tile_stored(3, sc + 16 * KB + 16, KB * 4);
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        for (int64_t r = 0; r < QB; r++) {
+            __mmask16 seen[2] = {0, 0};
+            if (r < rows) { /* keys b*KB + c with max(lo_r, 0) <= key <= pos */
+                const int64_t pos = first + r, from = s->window > 0 ? pos - s->window + 1 : 0;
+                for (int half = 0; half < 2; half++) {
+                    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(b * KB + 16 * half)));
+                    seen[half] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos))
+                               & _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)MAX(from, 0)));
+                }
+            }
+            float *row = sc + r * KB;
+            uint16_t *prow = p16 + r * KB;
+            if (!(seen[0] | seen[1])) { /* nothing seen here (a padding row, or before its window) */
+                memset(prow, 0, sizeof(uint16_t) * KB);
+                continue;
+            }
+            const __m512 ninf = _mm512_set1_ps(-INFINITY), k2 = _mm512_set1_ps(s->scale2);
+            const __m512 s0 = _mm512_mask_mul_ps(ninf, seen[0], _mm512_loadu_ps(row), k2);
+            const __m512 s1 = _mm512_mask_mul_ps(ninf, seen[1], _mm512_loadu_ps(row + 16), k2);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            /* The running maximum is raised only when a score passes it by more than RAISE (weights up to
+             * 2^RAISE then): most blocks leave it, and the output, as they are. */
+            const float mnew = top > m[r] + RAISE ? top : m[r];
+            const float alpha = m[r] == -INFINITY ? 0.0f : mnew == m[r] ? 1.0f : exp2f(m[r] - mnew);
+            const __m512 mv = _mm512_set1_ps(mnew);
+            const __m512 p0 = _mm512_maskz_mov_ps(seen[0], exp2_ps(_mm512_sub_ps(s0, mv)));
+            const __m512 p1 = _mm512_maskz_mov_ps(seen[1], exp2_ps(_mm512_sub_ps(s1, mv)));
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+            m[r] = mnew;
+            _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            if (alpha != 1.0f) {
+                const __m512 av = _mm512_set1_ps(alpha);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(av, _mm512_loadu_ps(o + r * D + d)));
+            }
+        }
+        _tile_loadd(4, p16, KB * 2);
+        _tile_loadd(5, p16 + 16 * KB, KB * 2);
+        for (int64_t d = 0; d < D; d += 32) {
+            _tile_loadd(0, o + d, D * 4);
+            _tile_loadd(1, o + d + 16, D * 4);
+            _tile_loadd(2, o + 16 * D + d, D * 4);
+            _tile_loadd(3, o + 16 * D + d + 16, D * 4);
+            _tile_loadd(6, vb + d, D * 4);
+            _tile_loadd(7, vb + d + 16, D * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+            _tile_stored(0, o + d, D * 4);
+            _tile_stored(1, o + d + 16, D * 4);
+            _tile_stored(2, o + 16 * D + d, D * 4);
+            _tile_stored(3, o + 16 * D + d + 16, D * 4);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float denominator = l[r];
+        if (s->sinks) /* gpt-oss: one more logit per head in the denominator */
+            denominator += exp2f(s->sinks[h] * (float)M_LOG2E - m[r]);
+        const __m512 inv = _mm512_set1_ps(1.0f / denominator);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(s->out + (r0 + r) * s->ldo + h * D + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o + r * D + d)));
+    }
+}
+
+#endif
+
+/* out[r, h] = softmax(q[r, h] . K^T * scale) V over the span's first ``length`` cached tokens, row r
+ * at position length - n + r seeing keys up to its own (and, with window > 0, its last ``window``).
+ * q and out: float32 rows of heads x D (strides ldq, ldo); caches [pages, page_size, kv_heads, D].
+ * 0; 1 no buffer; 3 no tiles here; 4 a head dim this kernel does not take. */
+int trillm_flash_prefill(const float *q, int64_t ldq, const float *k_cache, const float *v_cache,
+                         const int64_t *pages, int64_t page_size, int64_t n, int64_t length, int64_t heads,
+                         int64_t kv_heads, int64_t D, float scale, int64_t window, const float *sinks, float *out,
+                         int64_t ldo, int num_threads)
+{
+#if AMX
+    if (!amx_granted())
+        return 3;
+    if (D % 32 || D > MAX_D || heads % kv_heads)
+        return 4;
+    if (n <= 0)
+        return 0;
+    static __thread uint32_t *layout = NULL; /* the calling thread's (the forward's) */
+    static __thread size_t capacity = 0;
+    const int64_t blocks = (length + KB - 1) / KB;
+    const size_t bytes = (size_t)(kv_heads * blocks * KB * D) * 4; /* keys and values: 2 bytes each */
+    if (bytes > capacity) {
+        free(layout);
+        capacity = 0;
+        if (posix_memalign((void **)&layout, 64, bytes))
+            return 1;
+        capacity = bytes;
+    }
+    const Cache cache = {k_cache, v_cache, pages, page_size, kv_heads, D};
+    const Span span = {.q = q, .ldq = ldq, .out = out, .ldo = ldo, .n = n, .length = length, .heads = heads,
+                       .kv_heads = kv_heads, .D = D, .window = window, .blocks = blocks,
+                       .scale2 = scale * (float)M_LOG2E, .sinks = sinks, .kp = layout,
+                       .vp = layout + kv_heads * blocks * KB * D / 2};
+    const int64_t query_blocks = (n + QB - 1) / QB;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < kv_heads * blocks; i++) {
+            const int64_t g = i / blocks, b = i % blocks;
+            layout_block(&cache, length, g, b, (uint32_t *)span.kp + (g * blocks + b) * KB * D / 2,
+                         (uint32_t *)span.vp + (g * blocks + b) * KB * D / 2);
+        }
+        configure();
+        /* the last query blocks see the most keys: handed out first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < heads * query_blocks; i++)
+            attend_block(&span, i % heads, (query_blocks - 1 - i / heads) * QB);
+        _tile_release();
+    }
+    if (capacity > KEEP_BYTES) {
+        free(layout);
+        layout = NULL;
+        capacity = 0;
+    }
+    return 0;
+#else
+    (void)q, (void)ldq, (void)k_cache, (void)v_cache, (void)pages, (void)page_size, (void)n, (void)length;
+    (void)heads, (void)kv_heads, (void)D, (void)scale, (void)window, (void)sinks, (void)out, (void)ldo;
+    (void)num_threads;
+    return 3;
+#endif
+}

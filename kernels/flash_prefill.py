@@ -1,0 +1,89 @@
+"""Prefill attention on AMX bfloat16 tiles, read straight from the paged cache: ``cpu_flash.c``.
+
+The CPU backend's bfloat16 prefill attention otherwise gathers each span's keys and values from
+their pages, pads and converts them for torch's flash kernel and converts its output back; here
+one C call per span does it all with the rounding of that path (Q, K, V and the softmax weights
+in bfloat16, sums and softmax in float32). Measured on two Sapphire Rapids cores at 2,000 tokens
+of SmolLM2 (9 heads of 64): see ``docs/benchmarks.md``. Where the CPU or the build has no AMX
+(``available()`` False), or a layer soft-caps its scores, the torch path stays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from trillm.kernels import amx_tiles, cpu_build
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "trillm_flash_prefill": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64]
+    + [ctypes.c_float, _I64, _P, _P, _I64, _INT],
+}
+_KERNEL = cpu_build.CKernel("cpu_flash", _SIGNATURES, ctypes.c_int)
+MAX_HEAD_DIM = 256  # head dims: multiples of 32 up to this
+
+
+def available() -> bool:
+    """Whether the kernel runs here: AMX tiles granted (``amx_tiles.available``) and built."""
+    return amx_tiles.available() and _KERNEL.available()
+
+
+def handles(head_dim: int, heads: int, kv_heads: int, softcap: float, cache_dtype: torch.dtype) -> bool:
+    """Whether a layer of this shape attends here (no soft cap; a float32 cache)."""
+    return (
+        not softcap
+        and head_dim % 32 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and heads % kv_heads == 0
+        and cache_dtype is torch.float32
+        and available()
+    )
+
+
+def attend(
+    q: torch.Tensor,  # [n, H, D] float32, rows and heads of unit-stride head dims (a view into qkv)
+    k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D] float32
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,  # [P] int64 pages covering the context
+    length: int,  # tokens of context, the n rows' own last
+    scale: float,
+    window: int,
+    sinks: torch.Tensor | None,  # [H] float32
+    out: torch.Tensor,  # [n, H, D] float32, same layout rules as q
+    num_threads: int | None = None,
+) -> None:
+    """out[r] = attention of q[r] (at position length - n + r) over the cached keys it sees."""
+    n, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    for name, t in (("q", q), ("out", out)):
+        if t.dtype is not torch.float32 or t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be float32 [n, H, D] with whole rows of heads")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype is not torch.float32:
+        raise ValueError("the caches must be contiguous float32")
+    pages = pages.to(torch.int64).contiguous()
+    sink = sinks.float().contiguous() if sinks is not None else None
+    rc = _KERNEL.functions()[0](
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        pages.data_ptr(),
+        k_cache.shape[1],
+        n,
+        length,
+        heads,
+        kv_heads,
+        head_dim,
+        scale,
+        window,
+        sink.data_ptr() if sink is not None else None,
+        out.data_ptr(),
+        out.stride(0),
+        max(1, num_threads if num_threads is not None else torch.get_num_threads()),
+    )
+    if rc:
+        raise {1: MemoryError("no buffer for the keys' layout"), 3: RuntimeError("no AMX tiles here")}.get(
+            rc, ValueError(f"head dim {head_dim} / heads {heads}:{kv_heads} not taken")
+        )
