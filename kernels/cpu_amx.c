@@ -187,14 +187,14 @@ static void to_pairs(const uint16_t *panel, int64_t kc, uint32_t *pairs)
         }
 }
 
-/* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m < M, x as the A operand (x16: rows of Kp
- * bfloat16, zero past M up to a multiple of 32). The tiles start from out where ``load`` (adding, or
- * a later panel of K) and are stored straight into it; a block cut by M or cols goes through
- * ``edge`` (32 x 32 floats). */
+/* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m < M, x as the A operand (x16 in tile
+ * order, see amx_matmul_rows; zero past M up to a multiple of 32). The tiles start from out where
+ * ``load`` (adding, or a later panel of K) and are stored straight into it; a block cut by M or cols
+ * goes through ``edge`` (32 x 32 floats). */
 static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *pairs,
                           int64_t cols, float *out, int64_t ldo, int load, float *edge)
 {
-    const int64_t xs = Kp * 2, ps = NB * 4;
+    const int64_t xs = KSTEP * 2, ps = NB * 4, tile = 16 * KSTEP; /* a tile of x: 16 rows of 32, 1 KiB */
     for (int64_t m0 = 0; m0 < M; m0 += 32) {
         const int64_t rows = MIN(32, M - m0);
         const int full = rows == 32 && cols == NB;
@@ -221,10 +221,10 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0
             _mm_prefetch((const char *)(out + i * ldo), _MM_HINT_ET0);
             _mm_prefetch((const char *)(out + i * ldo + 16), _MM_HINT_ET0);
         }
-        const uint16_t *a = x16 + m0 * Kp + k0;
+        const uint16_t *a = x16 + m0 * Kp + k0 * 16; /* rows m0 .. m0 + 15 from k0, then the next 16 */
         for (int64_t s = 0; s < kc / KSTEP; s++) {
-            _tile_loadd(4, a + s * KSTEP, xs);
-            _tile_loadd(5, a + 16 * Kp + s * KSTEP, xs);
+            _tile_loadd(4, a + s * tile, xs);
+            _tile_loadd(5, a + 16 * Kp + s * tile, xs);
             _tile_loadd(6, pairs + s * 16 * NB, ps);
             _tile_loadd(7, pairs + s * 16 * NB + 16, ps);
             _tile_dpbf16ps(0, 4, 6);
@@ -303,7 +303,9 @@ static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M,
     return 0;
 }
 
-/* amx_matmul() from WIDE_ROWS rows: x rounded to bfloat16 by every thread, a share of rows each. */
+/* amx_matmul() from WIDE_ROWS rows: x rounded to bfloat16 by every thread, a share of rows each,
+ * into tile order: for each 16 rows, their 32 values of each step of K side by side (1 KiB), so a
+ * tile's load reads one contiguous run (row-major rows, 16 lines 2 KiB apart, loaded slower). */
 static int amx_matmul_rows(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M,
                            int flags, int num_threads)
 {
@@ -317,18 +319,12 @@ static int amx_matmul_rows(const float *x, int64_t ldx, const AmxLayout *L, floa
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < Mp; m++) {
-            uint16_t *r = x16 + m * Kp;
-            if (m < M) {
-                int64_t k = 0;
-                for (; k + 16 <= K; k += 16)
-                    _mm256_storeu_si256((__m256i *)(r + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * ldx + k)));
-                if (k < Kp) { /* K - k < 16 values left, then zeros to Kp (k + 16 <= Kp: both multiples of 16) */
-                    const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1), x + m * ldx + k);
-                    _mm256_storeu_si256((__m256i *)(r + k), (__m256i)_mm512_cvtneps_pbh(v));
-                    memset(r + k + 16, 0, 2 * (size_t)(Kp - k - 16));
-                }
-            } else {
-                memset(r, 0, 2 * (size_t)Kp);
+            uint16_t *r = x16 + (m / 16) * 16 * Kp + (m % 16) * KSTEP; /* value k at r + (k / 32) * 512 + k % 32 */
+            for (int64_t k = 0; k < Kp; k += 16) {
+                const int64_t left = m < M ? MIN(16, MAX(0, K - k)) : 0;
+                const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1), x + m * ldx + k);
+                _mm256_storeu_si256((__m256i *)(r + (k / KSTEP) * 16 * KSTEP + k % KSTEP),
+                                    (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
         const int t = omp_get_thread_num(), T = omp_get_num_threads();

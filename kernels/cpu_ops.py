@@ -44,8 +44,11 @@ def _threads(num_threads: int | None) -> int:
 # ``torch.empty`` with a tuple): at decode sizes they would cost as much as the work.
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int | None = None) -> torch.Tensor:
-    """``F.rms_norm(x, (N,), weight, eps)`` for x [..., N] (usually [T, N]), weight [N]."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.rms_norm(x, (N,), weight, eps)`` for x [..., N] (usually [T, N]), weight [N]; ``out``: a
+    contiguous float32 [T, N] to write into (a wide step's buffer, reused by every layer)."""
     if x.dtype is not _F32 or weight.dtype is not _F32 or not (x.is_cpu and weight.is_cpu):
         raise ValueError("cpu_ops.rms_norm takes float32 CPU tensors only")
     N = x.shape[-1]
@@ -56,7 +59,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int
         rows = rows if rows.stride()[1] == 1 else rows.contiguous()
     weight = weight.contiguous()
     T = rows.shape[0]
-    out = torch.empty(T, N, dtype=_F32, device=_CPU)  # not the defaults, which a caller may have changed
+    if out is None:
+        out = torch.empty(T, N, dtype=_F32, device=_CPU)  # not the defaults, which a caller may have changed
+    elif out.dtype is not _F32 or out.shape != (T, N) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{T}, {N}]")
     if T and N:
         _functions()[0](
             rows.data_ptr(), rows.stride()[0], weight.data_ptr(), out.data_ptr(), T, N, eps, _threads(num_threads)
@@ -107,12 +113,15 @@ def gelu_tanh_mul(gate_up: torch.Tensor, num_threads: int | None = None) -> torc
 GATED = ("silu", "gelu_tanh")  # the gated activations with a C kernel here
 
 
-def gated_mul(gate_up: torch.Tensor, activation: str, num_threads: int | None = None) -> torch.Tensor:
-    """The gated MLP's ``act(gate) * up`` for ``activation`` silu or gelu_tanh (``ModelShape.activation``)."""
-    return _gated(gate_up, 4 if activation == "gelu_tanh" else 2, num_threads)
+def gated_mul(
+    gate_up: torch.Tensor, activation: str, num_threads: int | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gated MLP's ``act(gate) * up`` for ``activation`` silu or gelu_tanh (``ModelShape.activation``);
+    ``out``: a contiguous float32 [T, I] to write into."""
+    return _gated(gate_up, 4 if activation == "gelu_tanh" else 2, num_threads, out)
 
 
-def _gated(gate_up: torch.Tensor, which: int, num_threads: int | None) -> torch.Tensor:
+def _gated(gate_up: torch.Tensor, which: int, num_threads: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
     if gate_up.dtype is not _F32 or not gate_up.is_cpu:
         raise ValueError("cpu_ops' gated activations take float32 CPU tensors only")
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
@@ -120,7 +129,10 @@ def _gated(gate_up: torch.Tensor, which: int, num_threads: int | None) -> torch.
     T, I = gate_up.shape[0], gate_up.shape[1] // 2
     if not gate_up.is_contiguous() and gate_up.stride()[1] != 1:
         gate_up = gate_up.contiguous()
-    out = torch.empty(T, I, dtype=_F32, device=_CPU)
+    if out is None:
+        out = torch.empty(T, I, dtype=_F32, device=_CPU)
+    elif out.dtype is not _F32 or out.shape != (T, I) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 [{T}, {I}]")
     if T and I:
         _functions()[which](gate_up.data_ptr(), gate_up.stride()[0], out.data_ptr(), T, I, _threads(num_threads))
     return out

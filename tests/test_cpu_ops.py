@@ -120,6 +120,23 @@ def test_rejects_other_dtypes_and_shapes():
         cpu_ops.silu_mul(torch.randn(3, 127))
 
 
+def test_norm_and_gated_activation_write_into_a_given_buffer():
+    """A wide step's buffers, reused by every layer: the same values as fresh outputs, and wrong
+    buffers refused."""
+    x, w = torch.randn(70, 96), torch.rand(96) + 0.5
+    out = torch.full((70, 96), float("nan"))
+    assert cpu_ops.rms_norm(x, w, 1e-6, out=out) is out
+    assert torch.equal(out, cpu_ops.rms_norm(x, w, 1e-6))
+    gate_up = torch.randn(70, 200)
+    gated = torch.full((70, 100), float("nan"))
+    assert cpu_ops.gated_mul(gate_up, "gelu_tanh", out=gated) is gated
+    assert torch.equal(gated, cpu_ops.gated_mul(gate_up, "gelu_tanh"))
+    with pytest.raises(ValueError):
+        cpu_ops.rms_norm(x, w, 1e-6, out=torch.empty(70, 95))
+    with pytest.raises(ValueError):
+        cpu_ops.gated_mul(gate_up, "silu", out=torch.empty(100, 70).t())  # not contiguous
+
+
 def test_empty_rows():
     assert cpu_ops.rms_norm(torch.empty(0, 64), torch.ones(64), 1e-5).shape == (0, 64)
     cpu_ops.rotary_(torch.empty(0, 2, 64), torch.empty(0, 64), torch.empty(0, 64))

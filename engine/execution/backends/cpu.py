@@ -238,6 +238,22 @@ class CpuBackend(Backend):
         low = torch.bfloat16 if self.gemm_bf16 and rows >= bf16_panels.ROWS else None
 
         outputs: dict[int, torch.Tensor] = {}  # width -> this step's output of that width, reused by every layer
+        # A wide step's norms, gated activations and attention write into buffers of its own, reused by
+        # every layer too: fresh, each was multi-MiB of new pages per layer (glibc maps them afresh).
+        buffers: dict[str, torch.Tensor] = {}
+
+        def buffer(name: str, *shape: int) -> torch.Tensor | None:
+            if rows < bf16_panels.ROWS:
+                return None
+            found = buffers.get(name)
+            if found is None:
+                found = buffers[name] = torch.empty(*shape)
+            return found
+
+        def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # a layer's input norms
+            if self.c_ops:
+                return cpu_ops.rms_norm(x, weight, s.rms_norm_eps, out=buffer("normed", *x.shape))
+            return rms_norm(x, weight, s.rms_norm_eps)
 
         def proj(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
             """x @ W (+ bias). A wide step writes into one buffer per width for all its layers (each
@@ -259,9 +275,9 @@ class CpuBackend(Backend):
                 return h.add_(reduce(proj(x, w)))
             return bf16_panels.matmul(x, w, out=h, accumulate=True, scratch=self.scratch)
 
-        def act(gate_up: torch.Tensor) -> torch.Tensor:  # the gated MLP's act(gate) * up
+        def act(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # act(gate) * up
             if self.c_ops and s.activation in cpu_ops.GATED:
-                return cpu_ops.gated_mul(gate_up, s.activation)
+                return cpu_ops.gated_mul(gate_up, s.activation, out=out)
             return gated_activation(gate_up, s.activation, s.swiglu_alpha, s.swiglu_limit)
 
         def add_block(
@@ -275,7 +291,7 @@ class CpuBackend(Backend):
             return h + (out if out_norm is None else norm(out, out_norm, s.rms_norm_eps))
 
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
-            x = norm(h, layer.input_norm, s.rms_norm_eps)
+            x = normed(h, layer.input_norm)
             qkv = proj(x, layer.qkv, layer.qkv_bias)
             # Q and K sit side by side in the fused projection: one rotary pass for both.
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
@@ -288,18 +304,32 @@ class CpuBackend(Backend):
             q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size :].view(-1, s.num_kv_heads, s.head_dim)
             cap = s.attn_logit_softcap or 0.0
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, model.scale, s.window(i), layer.sinks, cap, low)
+            attn = paged_attention(
+                q,
+                k,
+                v,
+                k_cache,
+                v_cache,
+                meta,
+                model.scale,
+                s.window(i),
+                layer.sinks,
+                cap,
+                low,
+                buffer("attn", *q.shape),
+            )
             if layer.attn_out_norm is None and layer.o_bias is None:  # the residual add rides on the GEMM
                 h = proj_add(h, attn.reshape(-1, q_size), layer.o_proj)
             else:
                 h = add_block(h, proj(attn.reshape(-1, q_size), layer.o_proj), layer.o_bias, layer.attn_out_norm)
-            x = norm(h, layer.post_norm, s.rms_norm_eps)
+            x = normed(h, layer.post_norm)
             if layer.moe is not None:  # a mixture all-reduces and adds its experts' biases itself
                 out = moe_mlp(x, layer.moe, act, reduce)
                 h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
                 continue
             assert layer.gate_up is not None and layer.down is not None
-            gated = act(proj(x, layer.gate_up))
+            gate_up = proj(x, layer.gate_up)
+            gated = act(gate_up, buffer("gated", rows, gate_up.shape[1] // 2))
             if layer.mlp_out_norm is None:
                 h = proj_add(h, gated, layer.down)
             else:

@@ -135,11 +135,13 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
     prefill_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's K/V in the cache, then attend every row to its context (with ``window``
     > 0, each row only its last ``window`` tokens: a sliding-window layer; ``sinks`` [H], gpt-oss's
     logit per head in each softmax's denominator; ``softcap`` > 0, Gemma 2's cap of the scores;
-    ``prefill_dtype``: the prefill spans attend in it, bfloat16 for AMX tiles, the cache unchanged)."""
+    ``prefill_dtype``: the prefill spans attend in it, bfloat16 for AMX tiles, the cache unchanged;
+    ``out``: a [T, H, D] tensor to write into, else a fresh one)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
@@ -149,7 +151,7 @@ def paged_attention(
         return cpu_decode.decode_attention(
             q, k_cache, v_cache, d.block_tables, d.context_lens, scale, window, sinks, softcap
         )
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
 
     if d is not None and d.rows is not None:
         od = cpu_decode.decode_attention(
