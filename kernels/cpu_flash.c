@@ -120,10 +120,11 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
     static __thread float o[QB * MAX_D] __attribute__((aligned(64)));
     static __thread float sc[QB * KB] __attribute__((aligned(64)));
     static __thread uint16_t p16[QB * KB] __attribute__((aligned(64)));
-    float m[QB], l[QB];
+    static __thread __m512 l[QB]; /* each row's softmax denominator, 16 partial sums (added up at the end) */
+    float m[QB];
     for (int64_t r = 0; r < QB; r++) {
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        l[r] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; d += 16) {
             const __m512 v = r < rows ? _mm512_loadu_ps(s->q + (r0 + r) * s->ldq + h * D + d) : _mm512_setzero_ps();
             _mm256_storeu_si256((__m256i *)(q16 + r * D + d), (__m256i)_mm512_cvtneps_pbh(v));
@@ -172,22 +173,23 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
             const __m512 ninf = _mm512_set1_ps(-INFINITY), k2 = _mm512_set1_ps(s->scale2);
             const __m512 s0 = _mm512_mask_mul_ps(ninf, seen[0], _mm512_loadu_ps(row), k2);
             const __m512 s1 = _mm512_mask_mul_ps(ninf, seen[1], _mm512_loadu_ps(row + 16), k2);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
             /* The running maximum is raised only when a score passes it by more than RAISE (weights up to
-             * 2^RAISE then): most blocks leave it, and the output, as they are. */
-            const float mnew = top > m[r] + RAISE ? top : m[r];
-            const float alpha = m[r] == -INFINITY ? 0.0f : mnew == m[r] ? 1.0f : exp2f(m[r] - mnew);
-            const __m512 mv = _mm512_set1_ps(mnew);
+             * 2^RAISE then): most blocks leave it, the output and the sums as they are, and need no
+             * horizontal maximum. */
+            const __m512 limit = _mm512_set1_ps(m[r] + RAISE);
+            if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
+                const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+                const __m512 alpha = _mm512_set1_ps(m[r] == -INFINITY ? 0.0f : exp2f(m[r] - top));
+                m[r] = top;
+                l[r] = _mm512_mul_ps(alpha, l[r]);
+                for (int64_t d = 0; d < D; d += 16)
+                    _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + r * D + d)));
+            }
+            const __m512 mv = _mm512_set1_ps(m[r]);
             const __m512 p0 = _mm512_maskz_mov_ps(seen[0], exp2_ps(_mm512_sub_ps(s0, mv)));
             const __m512 p1 = _mm512_maskz_mov_ps(seen[1], exp2_ps(_mm512_sub_ps(s1, mv)));
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-            m[r] = mnew;
+            l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
             _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            if (alpha != 1.0f) {
-                const __m512 av = _mm512_set1_ps(alpha);
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(av, _mm512_loadu_ps(o + r * D + d)));
-            }
         }
         _tile_loadd(4, p16, KB * 2);
         _tile_loadd(5, p16 + 16 * KB, KB * 2);
@@ -209,7 +211,7 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        float denominator = l[r];
+        float denominator = _mm512_reduce_add_ps(l[r]);
         if (s->sinks) /* gpt-oss: one more logit per head in the denominator */
             denominator += exp2f(s->sinks[h] * (float)M_LOG2E - m[r]);
         const __m512 inv = _mm512_set1_ps(1.0f / denominator);
