@@ -40,11 +40,6 @@ _F32 = torch.float32
 # x at a time), repacked Q4_1/Q8_0 from ~16 (their register-decoding kernels take 12 at a time).
 # A file's BF16 rows from 12 too (below, cpu_gguf dots them in float32), copied into the panels as they are.
 MIN_ROWS = {"GGUF": 12, "REPACKED": 16, "BF16": 12}
-# From these rows on, oneDNN's GEMM over decoded panels (bf16_panels) is as fast on small weights; on a
-# file's BF16 rows, which it multiplies in place, from 64 (``max_rows``). The fused decode loop keeps the
-# tiles at any rows: leaving it for the Python loop costs more.
-MAX_ROWS = 512
-MAX_BF16_ROWS = 64
 
 
 class _Layout(ctypes.Structure):
@@ -59,6 +54,8 @@ class _Layout(ctypes.Structure):
         ("below_layout", _P),
         ("min_rows", _I64),
         ("decode16", _P),
+        ("rows", _P),
+        ("stride", _I64),
     ]
 
 
@@ -85,11 +82,6 @@ def min_rows(weight: object) -> int:
     return MIN_ROWS[_form(weight)]
 
 
-def max_rows(weight: object) -> int:
-    """Rows of x from which ``bf16_panels`` leaves ``weight`` to oneDNN (``MAX_ROWS``, ``MAX_BF16_ROWS``)."""
-    return MAX_BF16_ROWS if _form(weight) == "BF16" else MAX_ROWS
-
-
 def _address(function: Any) -> int:
     return ctypes.cast(function, ctypes.c_void_p).value or 0
 
@@ -114,7 +106,12 @@ class AmxWeight:
         self.inner = inner
         self.weight = weight
         self.shape = (N, K)
-        self.layout = _Layout(_address(decode), inner_address, N, K, below, inner_address, min_rows, _address(decode16))
+        rows, stride = None, 0
+        if _form(weight) == "BF16" and K % 32 == 0 and isinstance(weight, GGUFWeight):  # read in place by the tiles
+            rows, stride = weight.data.data_ptr(), weight.data.stride(0) // 2
+        self.layout = _Layout(
+            _address(decode), inner_address, N, K, below, inner_address, min_rows, _address(decode16), rows, stride
+        )
 
     @property
     def address(self) -> int:

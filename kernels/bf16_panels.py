@@ -8,7 +8,9 @@ oneDNN on the prefill shapes of SmolLM2). So from a weight's ``crossover`` rows 
 panel by panel (as the float32 GEMM path does), rounded to bfloat16 and multiplied with x in
 bfloat16; the products are summed in float32 by the tiles and the result, rounded once to
 bfloat16 by oneDNN, lands in the float32 output. The weights stay in their blocks: nothing
-decoded is kept (a file's BF16 rows are multiplied as they are).
+decoded is kept (a file's BF16 rows are multiplied as they are). Where our own AMX kernel runs
+(``amx_tiles.available()``) it takes every form it handles at every width instead: the same
+rounding, without the panels, the bfloat16 copy of x or the product's conversion back.
 
 ``amx_bf16()`` says whether this CPU has the tiles (Linux: ``/proc/cpuinfo``); elsewhere
 bfloat16 GEMMs are slower than float32 ones, so ``--gemm-dtype auto`` keeps float32 there.
@@ -137,7 +139,7 @@ def matmul(
     elif out.dtype is not _F32 or out.shape != (M, N):
         raise ValueError(f"out must be float32 [{M}, {N}]")
     parts = weight.parts if isinstance(weight, Stacked) else (weight,)
-    if all(amx_tiles.handles(p) and M < amx_tiles.max_rows(p) for p in parts) and amx_tiles.available():
+    if all(amx_tiles.handles(p) for p in parts) and amx_tiles.available():
         _on_tiles(x.float(), parts, out, accumulate)  # x rounded to bfloat16 in C
         return out
     # x's rows rounded up to a power of two (the extra rows' products are not read): oneDNN builds and
@@ -153,7 +155,10 @@ def matmul(
 
 
 def _on_tiles(x: torch.Tensor, parts: tuple, out: torch.Tensor, accumulate: bool) -> None:
-    """Below ``amx_tiles.MAX_ROWS`` rows: panels decoded in L2 onto AMX tiles, same rounding."""
+    """Panels decoded in L2 (or a file's BF16 rows read in place) onto AMX tiles: the same rounding of
+    x and W, the float32 sums not rounded again; no panels, x or product in memory. At every width:
+    from 2,048-row steps down they beat oneDNN's panels counted with their conversions (a 2,000-token
+    prefill of SmolLM2: 0.74 -> 0.57 s in Q4_1, 0.66 -> 0.58 s in BF16)."""
     start = 0
     for part in parts:
         stop = start + out_features(part)

@@ -51,7 +51,24 @@ typedef struct {           /* _Layout in amx_tiles.py */
     const void *below_layout;
     int64_t min_rows;
     RowDecoder16 decode16; /* NULL: decode to float32 and round here */
+    const uint16_t *rows;  /* bfloat16 rows [N, stride] the tiles read as they are (K a multiple of 32), or NULL */
+    int64_t stride;
 } AmxLayout;
+
+/* Where the tiles read rows n0 .. n0 + NB over k0 .. k0 + kc: the weight's own bfloat16 rows where it
+ * has them (a half-precision checkpoint's, no copy: a batched step reads them once), else ``panel``
+ * decoded into. Sets *ps to the panel's row stride in values; NULL if the decoder failed. */
+static int decode_panel(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, float *row, uint16_t *panel);
+static const uint16_t *panel_at(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, float *row, uint16_t *panel,
+                                int64_t *ps)
+{
+    if (L->rows && n0 + NB <= L->N) {
+        *ps = L->stride;
+        return L->rows + n0 * L->stride + k0;
+    }
+    *ps = kc;
+    return decode_panel(L, n0, k0, kc, row, panel) ? NULL : panel;
+}
 
 /* A per-thread buffer kept between calls (slot 0: the caller's x, slot 1: a worker's panel), grown
  * to the largest call: a fresh one would be an mmap with page faults every call. */
@@ -111,10 +128,10 @@ static int decode_panel(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, 
 /* acc[NB, Mp] (+)= panel[NB, kc] . x[k0 .. k0 + kc, Mp] with x in B tiles' layout (xp: u32 pair p
  * of row m at [p][m]): the weights are the A operand, so the panel needs no reordering and the
  * result comes out transposed (the caller turns it). 32 rows of x (two B tiles) at a time. */
-static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, const uint16_t *panel, float *acc,
-                     int first)
+static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, const uint16_t *panel, int64_t ps,
+                     float *acc, int first)
 {
-    const int64_t as = kc * 2, bs = Mp * 4; /* strides in bytes: A's and B's and C's rows */
+    const int64_t as = ps * 2, bs = Mp * 4; /* strides in bytes: A's and B's and C's rows */
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
         const int two = m0 + 32 <= Mp;
         float *c0 = acc + m0, *c1 = acc + 16 * Mp + m0; /* weight rows 0-15 and 16-31 */
@@ -134,7 +151,7 @@ static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, con
         const uint32_t *b = xp + (k0 / 2) * Mp + m0;
         for (int64_t s = 0; s < kc / KSTEP; s++) {
             _tile_loadd(4, panel + s * KSTEP, as);
-            _tile_loadd(5, panel + 16 * kc + s * KSTEP, as);
+            _tile_loadd(5, panel + 16 * ps + s * KSTEP, as);
             _tile_loadd(6, b + s * 16 * Mp, bs);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 5, 6);
@@ -174,13 +191,13 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
 
 /* The panel (NB rows of kc values) in B tiles' layout: pair p of weight row c at [p][c] (u32), so
  * the result comes out in out's own layout. A 16 x 16 transpose of pairs per 16 rows and 32 values. */
-static void to_pairs(const uint16_t *panel, int64_t kc, uint32_t *pairs)
+static void to_pairs(const uint16_t *panel, int64_t ps, int64_t kc, uint32_t *pairs)
 {
     for (int64_t p0 = 0; p0 < kc / 2; p0 += 16)
         for (int c0 = 0; c0 < NB; c0 += 16) {
             __m512 r[16];
             for (int i = 0; i < 16; i++)
-                r[i] = _mm512_loadu_ps((const float *)(panel + (c0 + i) * kc) + p0);
+                r[i] = _mm512_loadu_ps((const float *)(panel + (c0 + i) * ps) + p0);
             transpose16(r);
             for (int j = 0; j < 16; j++)
                 _mm512_storeu_ps((float *)(pairs + (p0 + j) * NB + c0), r[j]);
@@ -261,11 +278,13 @@ static int groups_rows(const AmxLayout *L, const uint16_t *x16, int64_t Kp, int6
         const int64_t n0 = g * NB;
         for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
             const int64_t kc = MIN(KC, Kp - k0);
-            if (decode_panel(L, n0, k0, kc, row, panel)) {
+            int64_t ps;
+            const uint16_t *at = panel_at(L, n0, k0, kc, row, panel, &ps);
+            if (!at) {
                 _tile_release();
                 return 2;
             }
-            to_pairs(panel, kc, pairs);
+            to_pairs(at, ps, kc, pairs);
             multiply_rows(x16, Kp, M, k0, kc, pairs, MIN(NB, L->N - n0), out + n0, ldo, accumulate || k0 > 0, edge);
         }
     }
@@ -291,11 +310,13 @@ static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M,
         const int64_t n0 = g * NB;
         for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
             const int64_t kc = MIN(KC, Kp - k0);
-            if (decode_panel(L, n0, k0, kc, row, panel)) {
+            int64_t ps;
+            const uint16_t *at = panel_at(L, n0, k0, kc, row, panel, &ps);
+            if (!at) {
                 _tile_release();
                 return 2;
             }
-            multiply(xp, Mp, k0, kc, panel, acc, k0 == 0);
+            multiply(xp, Mp, k0, kc, at, ps, acc, k0 == 0);
         }
         write_out(acc, Mp, M, MIN(NB, L->N - n0), out + n0, ldo, accumulate);
     }
@@ -343,23 +364,29 @@ static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *ou
 {
     const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = (M + 15) / 16 * 16;
     uint32_t *xp = grown(0, (size_t)(Mp * Kp) * 2);
-    float *row = grown(1, (size_t)Kp * 6); /* a row of x padded to Kp, then in bfloat16 */
-    if (!xp || !row)
+    if (!xp)
         return 1;
-    uint16_t *row16 = (uint16_t *)(row + Kp);
-    memset(xp, 0, (size_t)(Mp * Kp) * 2);
-    for (int64_t m = 0; m < M; m++) {
-        memcpy(row, x + m * ldx, sizeof(float) * (size_t)K);
-        memset(row + K, 0, sizeof(float) * (size_t)(Kp - K));
-        to_bf16(row, Kp, row16);
-        const uint32_t *pairs = (const uint32_t *)row16;
-        for (int64_t p = 0; p < Kp / 2; p++)
-            xp[p * Mp + m] = pairs[p];
-    }
     const int64_t G = (L->N + NB - 1) / NB;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (G > 1)
     {
+        /* x into the B operand's pairs by every thread: 16 rows by 32 values rounded (zeros past M and
+         * K) and turned 16 x 16 pairs at a time */
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+            for (int64_t k = 0; k < Kp; k += KSTEP) {
+                __m512 r[16];
+                for (int i = 0; i < 16; i++) {
+                    const int64_t m = m0 + i, lo = m < M ? MIN(16, MAX(0, K - k)) : 0;
+                    const int64_t hi = m < M ? MIN(16, MAX(0, K - k - 16)) : 0;
+                    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << lo) - 1), x + m * ldx + k);
+                    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << hi) - 1), x + m * ldx + k + 16);
+                    r[i] = (__m512)_mm512_cvtne2ps_pbh(b, a);
+                }
+                transpose16(r);
+                for (int j = 0; j < 16; j++)
+                    _mm512_storeu_ps((float *)(xp + (k / 2 + j) * Mp + m0), r[j]);
+            }
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
         const int rc = g1 > g0 ? groups(L, xp, Kp, M, Mp, out, ldo, flags & ACCUMULATE, g0, g1) : 0;

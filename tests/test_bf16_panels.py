@@ -52,8 +52,11 @@ WEIGHTS = _weights()
 
 
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
-@pytest.mark.parametrize("M", [64, 100, 300, 600])  # from amx_tiles.MAX_ROWS on, oneDNN where there are tiles
-def test_each_form_is_the_float32_product_within_bfloat16_rounding(name, M):
+@pytest.mark.parametrize("M", [64, 100, 300, 600])
+@pytest.mark.parametrize("tiles", [True, False])  # False: oneDNN's panels, as on CPUs where the tiles do not run
+def test_each_form_is_the_float32_product_within_bfloat16_rounding(name, M, tiles, monkeypatch):
+    if not tiles:
+        monkeypatch.setattr(amx_tiles, "available", lambda: False)
     weight, dense = WEIGHTS[name]
     x = torch.randn(M, dense.shape[1])
     exact = x @ dense.T
@@ -74,10 +77,11 @@ def test_each_form_is_the_float32_product_within_bfloat16_rounding(name, M):
     assert torch.equal(wide[:, :4], before[:, :4]) and torch.equal(wide[:, -4:], before[:, -4:])
 
 
-def test_the_scratch_is_reused_and_bounded_by_the_largest_step():
+def test_the_scratch_is_reused_and_bounded_by_the_largest_step(monkeypatch):
+    monkeypatch.setattr(amx_tiles, "available", lambda: False)  # oneDNN's panels (the tiles need no scratch)
     weight, dense = WEIGHTS["Q4_K"]
     scratch = bf16_panels.Scratch()
-    bf16_panels.matmul(torch.randn(600, 256), weight, scratch=scratch)  # past the AMX tiles' rows: oneDNN
+    bf16_panels.matmul(torch.randn(600, 256), weight, scratch=scratch)
     sizes = {name: (t.data_ptr(), t.numel()) for name, t in scratch.buffers.items()}
     bf16_panels.matmul(torch.randn(520, 256), weight, scratch=scratch)  # smaller: nothing new
     assert {name: (t.data_ptr(), t.numel()) for name, t in scratch.buffers.items()} == sizes

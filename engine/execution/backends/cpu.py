@@ -7,7 +7,12 @@ is mostly dispatch overhead), decode attention that reads the pages in place
 are all in blocks (repacked, or a GGUF file's own), the whole layer loop in one call
 (``kernels/cpu_forward.c``: the same kernels, Qwen3's head norms included, without ~10
 Python wrappers per layer). Without a compiler, or in
-bfloat16, the same layers run in torch: gather + SDPA for attention.
+bfloat16, the same layers run in torch: gather + SDPA for attention. Wide steps (prefill
+chunks) run the Python layer loop with their GEMMs and prefill attention on AMX tiles where
+the CPU has them (``bf16_panels``, ``flash_prefill``), writing into buffers of the step.
+
+One idea, one file: how a CPU step's rows meet the kernels (its inputs, the layer loop in C
+or Python, the head), which is why it runs a little past 400 lines.
 """
 
 from __future__ import annotations
