@@ -121,6 +121,14 @@ async def _serving_run(
     )
 
 
+async def _stream_one_plain(url: str, model: str, prompt: str) -> None:
+    """A warm-up request: the prompt, two tokens, nothing measured."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await _stream_one(http, model, prompt, 2, None, {})
+
+
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
     """Poll ``/health`` until 200; ``SystemExit`` if the server process dies or never gets there."""
     import httpx
@@ -182,12 +190,19 @@ def _server_step_bytes(url: str) -> int | None:
 
 
 def _peer_runs(
-    peer: Peer, model: str, prompts: list[str], levels: list[int], output_len: int, step_bytes: int | None
+    peer: Peer,
+    model: str,
+    prompts: list[str],
+    levels: list[int],
+    output_len: int,
+    step_bytes: int | None,
+    warm_up: str,
 ) -> list[RunResult]:
     """The same load on another server (its own model name); the weight bytes per step are trillm's
     (the same file), for the bandwidth share."""
     wait_healthy(peer.url, None)
     name = served_model(peer.url, model)
+    trio.run(partial(_stream_one_plain, peer.url, name, warm_up))
     rows = []
     for level in levels:
         result = trio.run(partial(_serving_run, peer.url, name, prompts[:level], output_len, prompts[-1], {}))
@@ -251,6 +266,9 @@ def run_bench(args: argparse.Namespace) -> None:
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""
     prompts = [shared + _prompt(tokenizer, args.prompt_len, rng) for _ in range(max(levels))]
     prompts.append(shared + _prompt(tokenizer, args.probe_len or args.prompt_len, rng))  # the newcomer
+    # One request each server answers before it is measured, as long as the longest prompt but of other
+    # words (no prefix-cache hit): first-request costs (vLLM warms up at start) stay out of every row.
+    warm_up = _prompt(tokenizer, max(args.prompt_len, args.probe_len or 0), random.Random(7))
     print(
         f"[bench] model={base.model} dtype={dtype_name} prompt={args.shared_prefix_len}+{args.prompt_len} "
         f"output={args.output_len} prefix_cache={base.prefix_cache} "
@@ -300,6 +318,7 @@ def run_bench(args: argparse.Namespace) -> None:
                 print(json.dumps(report, indent=1))
                 return
             server_bytes = _server_step_bytes(url)
+            trio.run(partial(_stream_one_plain, url, base.model, warm_up))
             label = (
                 "trillm (HTTP, streaming)"
                 + (f", {weight_format} weights" if len(formats) > 1 else "")
@@ -329,7 +348,7 @@ def run_bench(args: argparse.Namespace) -> None:
                 proc.wait(timeout=60)
 
     for peer in peers:
-        rows += _peer_runs(peer, base.model, prompts, levels, args.output_len, server_bytes)
+        rows += _peer_runs(peer, base.model, prompts, levels, args.output_len, server_bytes, warm_up)
 
     baselines: dict[int, RunResult] = {}
     if not args.no_baseline:

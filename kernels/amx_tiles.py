@@ -25,12 +25,14 @@ import torch
 from trillm.kernels import cpu_build, cpu_gguf, cpu_matmul
 from trillm.kernels.block_weights import BlockWeight, Q4_1Weight, Q8_0Weight
 from trillm.kernels.gguf_blocks import GGUFWeight
+from trillm.kernels.stacked import Stacked
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "trillm_amx_available": [],
     "trillm_amx_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
     "trillm_amx_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
+    "trillm_amx_gated": [_P, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _INT, _INT],
 }
 _KERNEL = cpu_build.CKernel("cpu_amx", _SIGNATURES, ctypes.c_int)
 _ACCUMULATE = 1
@@ -80,6 +82,64 @@ def _form(weight: object) -> str:
 def min_rows(weight: object) -> int:
     """``MIN_ROWS`` of ``weight``'s form (it must be one ``handles`` takes)."""
     return MIN_ROWS[_form(weight)]
+
+
+WIDE_ROWS = 128  # cpu_amx.c's: from these rows of x the tiles take x as their A operand
+GATED = {"silu": 1, "gelu_tanh": 2}  # the gated MLP activations ``gated`` applies as products leave the tiles
+
+
+def gated_parts(weight: object) -> tuple[Any, int, Any, int, int] | None:
+    """A gated MLP's gate/up projection as (gate weight, its first row, up weight, its first row,
+    intermediate size) for ``gated``: two parts of one size side by side, or one weight holding
+    both (gate rows first); None for anything else."""
+    if isinstance(weight, Stacked):
+        if len(weight.parts) != 2 or not all(handles(p) for p in weight.parts):
+            return None
+        gate, up = weight.parts
+        size = gate.shape[0]
+        return (gate, 0, up, 0, size) if up.shape == gate.shape else None
+    if handles(weight) and weight.shape[0] % 2 == 0:  # type: ignore[attr-defined]
+        size = weight.shape[0] // 2  # type: ignore[attr-defined]
+        return weight, 0, weight, size, size
+    return None
+
+
+def gated(x: torch.Tensor, weight: object, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(x @ Wgate.T) * (x @ Wup.T) in one pass on the tiles (``gated_parts`` says which weights):
+    the rounding of ``matmul`` for both products, no [M, 2 I] product in memory, the activation
+    applied as the sums leave the tiles (cpu_ops' forms, its exp within 3e-6). For wide steps:
+    every row of x past panels paired once per call."""
+    parts = gated_parts(weight)
+    if parts is None or activation not in GATED:
+        raise ValueError(f"no gated product on the tiles for {type(weight).__name__} / {activation}")
+    gate, gate0, up, up0, size = parts
+    K = gate.shape[1]
+    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != K or (K > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be float32 [M, {K}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    M = x.shape[0]
+    if out is None:
+        out = torch.empty(M, size, dtype=_F32)
+    elif out.dtype is not _F32 or out.shape != (M, size) or (size > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be float32 [{M}, {size}] with unit column stride")
+    g, u = _cached(gate), _cached(up)
+    threads = max(1, torch.get_num_threads())
+    rc = _KERNEL.functions()[3](
+        x.data_ptr(), x.stride(0), g.address, gate0, u.address, up0, size, out.data_ptr(), out.stride(0), M,
+        GATED[activation], threads,
+    )  # fmt: skip
+    _raise_for(rc)
+    return out
+
+
+def _raise_for(rc: int) -> None:
+    if rc == 3:
+        raise RuntimeError("no AMX-BF16 tiles here (amx_tiles.available() is False)")
+    if rc:
+        raise (
+            MemoryError("the AMX kernel could not allocate its buffers")
+            if rc == 1
+            else ValueError("the weight's decoder failed" if rc == 2 else "the weights do not fit together")
+        )
 
 
 def _address(function: Any) -> int:
@@ -178,12 +238,5 @@ def matmul(
         _ACCUMULATE if accumulate else 0,
         threads,
     )
-    if rc == 3:
-        raise RuntimeError("no AMX-BF16 tiles here (amx_tiles.available() is False)")
-    if rc:
-        raise (
-            MemoryError("the AMX kernel could not allocate its buffers")
-            if rc == 1
-            else ValueError("the weight's decoder failed")
-        )
+    _raise_for(rc)
     return out

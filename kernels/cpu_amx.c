@@ -34,6 +34,7 @@
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 enum { ACCUMULATE = 1 };
+enum { SILU = 1, GELU_TANH = 2 }; /* trillm_amx_gated's activations */
 
 /* Values k0 .. k0 + count of weight row n (whole blocks) as float32: cpu_gguf's and cpu_matmul's. */
 typedef int (*RowDecoder)(const void *weight, int64_t n, int64_t k0, int64_t count, float *out);
@@ -55,24 +56,9 @@ typedef struct {           /* _Layout in amx_tiles.py */
     int64_t stride;
 } AmxLayout;
 
-/* Where the tiles read rows n0 .. n0 + NB over k0 .. k0 + kc: the weight's own bfloat16 rows where it
- * has them (a half-precision checkpoint's, no copy: a batched step reads them once), else ``panel``
- * decoded into. Sets *ps to the panel's row stride in values; NULL if the decoder failed. */
-static int decode_panel(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, float *row, uint16_t *panel);
-static const uint16_t *panel_at(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, float *row, uint16_t *panel,
-                                int64_t *ps)
-{
-    if (L->rows && n0 + NB <= L->N) {
-        *ps = L->stride;
-        return L->rows + n0 * L->stride + k0;
-    }
-    *ps = kc;
-    return decode_panel(L, n0, k0, kc, row, panel) ? NULL : panel;
-}
-
 /* A per-thread buffer kept between calls (slot 0: the caller's x, slot 1: a worker's panel), grown
  * to the largest call: a fresh one would be an mmap with page faults every call. */
-static void *grown(int slot, size_t bytes)
+static __attribute__((unused)) void *grown(int slot, size_t bytes)
 {
     static __thread void *buf[2];
     static __thread size_t cap[2];
@@ -123,6 +109,20 @@ static int decode_panel(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, 
         to_bf16(row, kc, panel + c * kc);
     }
     return 0;
+}
+
+/* Where the tiles read rows n0 .. n0 + NB over k0 .. k0 + kc: the weight's own bfloat16 rows where it
+ * has them (a half-precision checkpoint's, no copy: a batched step reads them once), else ``panel``
+ * decoded into. Sets *ps to the panel's row stride in values; NULL if the decoder failed. */
+static const uint16_t *panel_at(const AmxLayout *L, int64_t n0, int64_t k0, int64_t kc, float *row, uint16_t *panel,
+                                int64_t *ps)
+{
+    if (L->rows && n0 + NB <= L->N) {
+        *ps = L->stride;
+        return L->rows + n0 * L->stride + k0;
+    }
+    *ps = kc;
+    return decode_panel(L, n0, k0, kc, row, panel) ? NULL : panel;
 }
 
 /* acc[NB, Mp] (+)= panel[NB, kc] . x[k0 .. k0 + kc, Mp] with x in B tiles' layout (xp: u32 pair p
@@ -324,9 +324,120 @@ static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M,
     return 0;
 }
 
-/* amx_matmul() from WIDE_ROWS rows: x rounded to bfloat16 by every thread, a share of rows each,
- * into tile order: for each 16 rows, their 32 values of each step of K side by side (1 KiB), so a
- * tile's load reads one contiguous run (row-major rows, 16 lines 2 KiB apart, loaded slower). */
+/* x [M, K] rounded to bfloat16 by the calling team, a share of rows each (an omp for, inside a
+ * parallel region), into tile order: for each 16 rows, their 32 values of each step of K side by
+ * side (1 KiB), so a tile's load reads one contiguous run (row-major rows, 16 lines 2 KiB apart,
+ * loaded slower). Rows past M up to Mp and values past K are zero. */
+static void pack_tile_order(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, int64_t Kp, uint16_t *x16)
+{
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < Mp; m++) {
+        uint16_t *r = x16 + (m / 16) * 16 * Kp + (m % 16) * KSTEP; /* value k at r + (k / 32) * 512 + k % 32 */
+        for (int64_t k = 0; k < Kp; k += 16) {
+            const int64_t left = m < M ? MIN(16, MAX(0, K - k)) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1), x + m * ldx + k);
+            _mm256_storeu_si256((__m256i *)(r + (k / KSTEP) * 16 * KSTEP + k % KSTEP), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* act(g) * u, 16 values: SiLU g / (1 + e^-g), or GELU-tanh g / (1 + e^-2y), y = sqrt(2/pi) (g + 0.044715 g^3)
+ * (cpu_ops.c's forms, with exp2_ps). */
+static inline __m512 gated16(__m512 g, __m512 u, int activation)
+{
+    const __m512 minus_log2e = _mm512_set1_ps(-1.4426950408889634f);
+    __m512 z = g; /* the exponent's argument, before -log2(e) */
+    if (activation == GELU_TANH) {
+        const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+        z = _mm512_mul_ps(_mm512_set1_ps(2.0f * 0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+    }
+    const __m512 e = exp2_ps(_mm512_mul_ps(z, minus_log2e));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+/* acc[m, 0..64) (+)= x16[m] . (gate pairs | up pairs) over k0 .. k0 + kc, 16 rows of x at a time:
+ * four C tiles (gate and up, 32 columns each), one A tile, three B tiles taking turns. */
+static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *gate,
+                           const uint32_t *up, float *acc, int first)
+{
+    const int64_t xs = KSTEP * 2, ps = NB * 4, cs = 2 * NB * 4, tile = 16 * KSTEP;
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        float *c = acc + m0 * 2 * NB;
+        if (first) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+        } else {
+            _tile_loadd(0, c, cs);
+            _tile_loadd(1, c + 16, cs);
+            _tile_loadd(2, c + NB, cs);
+            _tile_loadd(3, c + NB + 16, cs);
+        }
+        const uint16_t *a = x16 + m0 * Kp + k0 * 16;
+        for (int64_t s = 0; s < kc / KSTEP; s++) {
+            _tile_loadd(4, a + s * tile, xs);
+            _tile_loadd(5, gate + s * 16 * NB, ps);
+            _tile_loadd(6, gate + s * 16 * NB + 16, ps);
+            _tile_loadd(7, up + s * 16 * NB, ps);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, up + s * 16 * NB + 16, ps);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, c, cs);
+        _tile_stored(1, c + 16, cs);
+        _tile_stored(2, c + NB, cs);
+        _tile_stored(3, c + NB + 16, cs);
+    }
+}
+
+/* Groups g0 .. g1 of the gated MLP's columns: gate rows gate0 + n and up rows up0 + n of their
+ * weights (one weight with both, or two), decoded and paired panel by panel; after the last panel
+ * of K, out[m, n] = act(gate) * up. */
+static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, int64_t up0, int64_t I,
+                        const uint16_t *x16, int64_t Kp, int64_t M, float *out, int64_t ldo, int activation, int64_t g0,
+                        int64_t g1)
+{
+    const int64_t kc_max = MIN(KC, Kp), Mp = (M + 15) / 16 * 16;
+    /* row: kc_max floats; panel: NB x kc_max bfloat16; two pairs of as many; acc: Mp x 2 NB floats */
+    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB * 3 + (size_t)Mp * 2 * NB;
+    float *row = grown(1, words * 4);
+    if (!row)
+        return 1;
+    uint16_t *panel = (uint16_t *)(row + kc_max);
+    uint32_t *gate = (uint32_t *)(panel + kc_max * NB), *up = gate + kc_max / 2 * NB;
+    float *acc = (float *)(up + kc_max / 2 * NB);
+    configure();
+    for (int64_t g = g0; g < g1; g++) {
+        const int64_t n0 = g * NB, cols = MIN(NB, I - n0);
+        for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+            const int64_t kc = MIN(KC, Kp - k0);
+            for (int part = 0; part < 2; part++) {
+                int64_t ps;
+                const uint16_t *at = panel_at(part ? U : G, (part ? up0 : gate0) + n0, k0, kc, row, panel, &ps);
+                if (!at) {
+                    _tile_release();
+                    return 2;
+                }
+                to_pairs(at, ps, kc, part ? up : gate);
+            }
+            multiply_gated(x16, Kp, M, k0, kc, gate, up, acc, k0 == 0);
+        }
+        const __mmask16 lo = (__mmask16)((1u << MIN(16, cols)) - 1), hi = (__mmask16)((1u << MAX(0, cols - 16)) - 1);
+        for (int64_t m = 0; m < M; m++) {
+            const float *a = acc + m * 2 * NB;
+            float *o = out + m * ldo + n0;
+            _mm512_mask_storeu_ps(o, lo, gated16(_mm512_loadu_ps(a), _mm512_loadu_ps(a + NB), activation));
+            _mm512_mask_storeu_ps(o + 16, hi, gated16(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + NB + 16), activation));
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+/* amx_matmul() from WIDE_ROWS rows (x packed by every thread, see pack_tile_order). */
 static int amx_matmul_rows(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M,
                            int flags, int num_threads)
 {
@@ -338,16 +449,7 @@ static int amx_matmul_rows(const float *x, int64_t ldx, const AmxLayout *L, floa
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < Mp; m++) {
-            uint16_t *r = x16 + (m / 16) * 16 * Kp + (m % 16) * KSTEP; /* value k at r + (k / 32) * 512 + k % 32 */
-            for (int64_t k = 0; k < Kp; k += 16) {
-                const int64_t left = m < M ? MIN(16, MAX(0, K - k)) : 0;
-                const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1), x + m * ldx + k);
-                _mm256_storeu_si256((__m256i *)(r + (k / KSTEP) * 16 * KSTEP + k % KSTEP),
-                                    (__m256i)_mm512_cvtneps_pbh(v));
-            }
-        }
+        pack_tile_order(x, ldx, M, Mp, K, Kp, x16);
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
         const int rc = g1 > g0 ? groups_rows(L, x16, Kp, M, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
@@ -428,6 +530,51 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
     return 0;
 #else
     (void)x, (void)ldx, (void)out, (void)ldo, (void)flags, (void)num_threads;
+    return 3;
+#endif
+}
+
+/* out[M, I] = act(x . Wg^T) * (x . Wu^T), the gated MLP's gate/up product and activation in one pass
+ * on the tiles (act: 1 SiLU, 2 GELU-tanh): Wg rows gate0 .. gate0 + I of ``gate``, Wu rows up0 .. of
+ * ``up`` (the same layout for a weight that holds both). No [M, 2 I] product in memory, no separate
+ * activation pass over it. 0; 1 no buffer; 2 the decoder failed; 3 no tiles here; 4 bad arguments. */
+int trillm_amx_gated(const float *x, int64_t ldx, const void *gate, int64_t gate0, const void *up, int64_t up0,
+                     int64_t I, float *out, int64_t ldo, int64_t M, int activation, int num_threads)
+{
+    const AmxLayout *G = gate, *U = up;
+    if (M <= 0 || I <= 0)
+        return 0;
+    if (G->K != U->K || gate0 + I > G->N || up0 + I > U->N || (activation != SILU && activation != GELU_TANH))
+        return 4;
+#if AMX
+    if (!trillm_amx_available())
+        return 3;
+    const int64_t K = G->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP;
+    const int64_t rows = MIN(WIDE_PASS, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
+    const int64_t groups = (I + NB - 1) / NB;
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t m = MIN(rows, M - m0), Mp = (m + 31) / 32 * 32;
+        uint16_t *x16 = grown(0, (size_t)(Mp * Kp) * 2);
+        if (!x16)
+            return 1;
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            pack_tile_order(x + m0 * ldx, ldx, m, Mp, K, Kp, x16);
+            const int t = omp_get_thread_num(), T = omp_get_num_threads();
+            const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
+            const int rc =
+                g1 > g0 ? groups_gated(G, gate0, U, up0, I, x16, Kp, m, out + m0 * ldo, ldo, activation, g0, g1) : 0;
+            if (rc)
+#pragma omp atomic write
+                failed = rc;
+        }
+        if (failed)
+            return failed;
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)out, (void)ldo, (void)num_threads;
     return 3;
 #endif
 }

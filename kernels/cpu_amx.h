@@ -1,5 +1,6 @@
 /* What the AMX kernels share (cpu_amx.c's matmuls, cpu_flash.c's attention): whether this build
- * has the tiles, asking Linux for them, the one tile shape both use, and a 16 x 16 transpose.
+ * has the tiles, asking Linux for them, the one tile shape both use, a 16 x 16 transpose and a
+ * vector 2^x.
  * AMX is 1 where the compiler (-march=native) has AMX-BF16 and AVX512-BF16 on Linux, else 0 and
  * nothing below but amx_granted() (which then answers 0) is defined. */
 #ifndef TRILLM_CPU_AMX_H
@@ -47,6 +48,22 @@ static inline int amx_granted(void)
     if (state < 0)
         state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return state;
+}
+
+/* 2^x, a degree-5 polynomial around the nearest integer (3e-6 relative); x below -126 gives 2^-126
+ * (-inf too: callers mask it), x past 128 infinity. */
+static inline __m512 exp2_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* r[i] lane j <- r[j] lane i (16 x 16 floats). */

@@ -46,21 +46,6 @@ static const float *cache_row(const Cache *c, const float *base, int64_t t, int6
     return base + (slot * c->kv_heads + g) * c->D;
 }
 
-/* 2^x for x <= 0 (x >= -126 after the clamp; -inf gives 2^-126, masked by the caller). */
-static inline __m512 exp2_ps(__m512 x)
-{
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Keys of block b (KB of them, zero past ``length``) of kv head g as B tiles of S = Q K^T: pair p
  * of dims of key c at [p][c] (u32), D / 2 rows of KB. Values as B tiles of O = P V: the pair of
  * keys (2j, 2j + 1) of dim d at [j][d], KB / 2 rows of D. */

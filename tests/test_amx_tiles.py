@@ -23,10 +23,11 @@ from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.kernels import amx_tiles, bf16_panels, cpu_gguf, cpu_matmul
+from trillm.kernels import amx_tiles, bf16_panels, cpu_gguf, cpu_matmul, cpu_ops
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight
 from trillm.kernels.block_weights import dequantize as dequantize_blocks
 from trillm.kernels.gguf_blocks import reference_dequantize, repacked
+from trillm.kernels.stacked import Stacked
 
 from tests.test_gguf_kernels import random_weight
 
@@ -111,6 +112,53 @@ def test_a_prefill_of_many_rows_runs_in_passes_with_x_row_major():
     rounded = x.bfloat16().double() @ dense.bfloat16().double().T
     scale = x.abs().double() @ dense.abs().double().T
     assert ((got.double() - rounded).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+def _gated_forms() -> dict[str, object]:
+    if not FORMS:
+        return {}
+    q4k, q6k = random_weight("Q4_K", 70, 512, seed=30), random_weight("Q6_K", 70, 512, seed=31)
+    bf16 = [random_weight("BF16", 64, 256, seed=s) for s in (32, 33)]  # read in place
+    long = [random_weight("Q5_K", 40, 4096 + 256, seed=s) for s in (34, 35)]  # two panels of K
+    return {
+        "Q4_K | Q6_K": Stacked((q4k, q6k)),  # a file's gate and up in different types, I = 70
+        "BF16 | BF16": Stacked(tuple(bf16)),
+        "Q5_K K=4352": Stacked(tuple(long)),
+        "Q4_1 joined": FORMS["Q4_1 (repacked)"][0],  # gate rows then up rows in one weight (50 -> I = 25)
+    }
+
+
+GATED_FORMS = _gated_forms()
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", sorted(GATED_FORMS))
+@pytest.mark.parametrize("M", [1, 17, 130, 300])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_the_gated_product_is_the_activation_of_the_two_matmuls(name, M, activation):
+    """act(x Wg^T) * (x Wu^T) in one pass: the two products as ``matmul`` makes them, the activation
+    as cpu_ops applies it (its exponential within a few ulps)."""
+    weight = GATED_FORMS[name]
+    gate, gate0, up, up0, size = amx_tiles.gated_parts(weight)
+    x = torch.randn(M, gate.shape[1])
+    g = amx_tiles.matmul(x, gate)[:, gate0 : gate0 + size]
+    u = amx_tiles.matmul(x, up)[:, up0 : up0 + size]
+    want = cpu_ops.gated_mul(torch.cat([g, u], 1), activation)
+    out = torch.full((M, size + 3), float("nan"))[:, :size]  # rows of a wider buffer
+    got = amx_tiles.gated(x, weight, activation, out=out)
+    assert got is out
+    scale = (g.abs() * u.abs()).max().item()
+    assert ((got - want).abs() <= 2e-5 * scale + 1e-5 * want.abs()).all()
+
+
+def test_a_gated_product_needs_two_parts_of_one_size():
+    if not FORMS:
+        return
+    q4k = random_weight("Q4_K", 64, 256, seed=40)
+    assert amx_tiles.gated_parts(Stacked((q4k, random_weight("Q4_K", 32, 256, seed=41)))) is None
+    assert amx_tiles.gated_parts(Stacked((q4k, q4k, q4k))) is None
+    assert amx_tiles.gated_parts(torch.randn(256, 64)) is None  # dense: not the tiles' form
+    assert amx_tiles.gated_parts(q4k) == (q4k, 0, q4k, 32, 32)
 
 
 @needs_tiles

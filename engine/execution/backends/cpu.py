@@ -227,6 +227,17 @@ class CpuBackend(Backend):
     def _in_bf16(self, w: Weight, rows: int) -> bool:
         return self.gemm_bf16 and rows >= bf16_panels.crossover(w)
 
+    def _gated_on_tiles(self, gate_up: Weight, rows: int, activation: str) -> bool:
+        """A wide step's gated MLP as one pass on the AMX tiles: no [rows, 2 I] product written and read
+        back by the activation (a 2,000-token prefill of SmolLM2: 0.58 -> 0.47 s, BF16 and Q4_1 alike)."""
+        return (
+            rows >= amx_tiles.WIDE_ROWS
+            and activation in amx_tiles.GATED
+            and self._in_bf16(gate_up, rows)
+            and amx_tiles.available()
+            and amx_tiles.gated_parts(gate_up) is not None
+        )
+
     def _layers(
         self,
         model: ModelWeights,
@@ -333,8 +344,12 @@ class CpuBackend(Backend):
                 h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
                 continue
             assert layer.gate_up is not None and layer.down is not None
-            gate_up = proj(x, layer.gate_up)
-            gated = act(gate_up, buffer("gated", rows, gate_up.shape[1] // 2))
+            if self._gated_on_tiles(layer.gate_up, rows, s.activation):  # gate, up and act in one pass
+                size = out_features(layer.gate_up) // 2
+                gated = amx_tiles.gated(x, layer.gate_up, s.activation, out=buffer("gated", rows, size))
+            else:
+                gate_up = proj(x, layer.gate_up)
+                gated = act(gate_up, buffer("gated", rows, gate_up.shape[1] // 2))
             if layer.mlp_out_norm is None:
                 h = proj_add(h, gated, layer.down)
             else:
