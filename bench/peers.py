@@ -48,13 +48,38 @@ def served_model(url: str, fallback: str) -> str:
 
 
 def resident_mib(pid: int | None) -> float | None:
-    """VmRSS of a process, in MiB (None when unknown or gone)."""
+    """VmRSS of a process and every process under it, in MiB (None when unknown or gone): vLLM's
+    engine runs in a child of the API server's process, and its memory counts too."""
     if pid is None:
         return None
+    own = _rss_kb(pid)
+    if own is None:
+        return None
+    return (own + sum(_rss_kb(child) or 0 for child in _descendants(pid))) / 1024
+
+
+def _rss_kb(pid: int) -> int | None:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
-    if "VmRSS:" not in status:
-        return None
-    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+    return int(status.split("VmRSS:")[1].split()[0]) if "VmRSS:" in status else None
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the command may hold spaces and parentheses
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
