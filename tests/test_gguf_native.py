@@ -80,8 +80,18 @@ def test_every_weight_equals_the_float32_conversion(native_parts, converted_part
 
 def test_the_tokenizer_and_template_come_from_the_file(native_parts, converted_parts):
     mine, theirs = native_parts[1], converted_parts[1]
+    # read by the generic class from tokenizer.json (the family's own rebuilt it in Python too: memory)
+    assert type(mine).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
     text = "The capital of France is Paris. 1, 2, 3 — ünïcode!"
     assert mine(text)["input_ids"] == theirs(text)["input_ids"]
+    ids = theirs(text + " <|im_end|>")["input_ids"]
+    assert mine.decode(ids) == theirs.decode(ids)
+    assert mine.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    assert (mine.bos_token_id, mine.eos_token_id, mine.all_special_ids) == (
+        theirs.bos_token_id,
+        theirs.eos_token_id,
+        theirs.all_special_ids,
+    )
     messages = [{"role": "user", "content": "Hi"}]
     assert mine.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

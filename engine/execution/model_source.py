@@ -87,7 +87,7 @@ def gguf_folder(path: Path, cache_dir: Path) -> Path:
     return target
 
 
-GGUF_FOLDER_VERSION = 2  # raised when what ``_write_gguf_folder`` writes changes
+GGUF_FOLDER_VERSION = 3  # raised when what ``_write_gguf_folder`` writes changes
 
 
 def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
@@ -113,6 +113,13 @@ def _write_gguf_folder(header: GGUFHeader, target: Path) -> None:
         if tokenizer.chat_template:
             _say(f"{path.name} has no chat template: using trillm's for {arch}")
     tokenizer.save_pretrained(tmp)
+    # tokenizer.json holds the whole tokenizer, read back by the generic class (loading.read_tokenizer):
+    # the family's own class rebuilt it in Python as well (Gemma 3's 262,144 tokens: 262 MiB resident
+    # against 105, with the same ids, text and template).
+    settings = tmp / "tokenizer_config.json"
+    settings.write_text(
+        json.dumps({**json.loads(settings.read_text()), "tokenizer_class": "TokenizersBackend"}, indent=2)
+    )
     (tmp / "config.json").write_text(json.dumps(gguf_config(header), indent=1))
     write_marker(tmp, path)
     shutil.rmtree(target, ignore_errors=True)
