@@ -205,26 +205,18 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
     }
 }
 
-#endif
+static __thread uint32_t *layout = NULL; /* the calling thread's (the forward's) */
+static __thread size_t capacity = 0;
 
-/* out[r, h] = softmax(q[r, h] . K^T * scale) V over the span's first ``length`` cached tokens, row r
- * at position length - n + r seeing keys up to its own (and, with window > 0, its last ``window``).
- * q and out: float32 rows of heads x D (strides ldq, ldo); caches [pages, page_size, kv_heads, D].
- * 0; 1 no buffer; 3 no tiles here; 4 a head dim this kernel does not take. */
-int trillm_flash_prefill(const float *q, int64_t ldq, const float *k_cache, const float *v_cache,
-                         const int64_t *pages, int64_t page_size, int64_t n, int64_t length, int64_t heads,
-                         int64_t kv_heads, int64_t D, float scale, int64_t window, const float *sinks, float *out,
-                         int64_t ldo, int num_threads)
+/* One span: out[r, h] = softmax(q[r, h] . K^T * scale) V over its first ``length`` cached tokens,
+ * row r at position length - n + r seeing keys up to its own (and, with window > 0, its last
+ * ``window``). 0, or 1 without a buffer. */
+static int flash_span(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, const int64_t *pages,
+                      int64_t page_size, int64_t n, int64_t length, int64_t heads, int64_t kv_heads, int64_t D,
+                      float scale, int64_t window, const float *sinks, float *out, int64_t ldo, int num_threads)
 {
-#if AMX
-    if (!amx_granted())
-        return 3;
-    if (D % 32 || D > MAX_D || heads % kv_heads)
-        return 4;
     if (n <= 0)
         return 0;
-    static __thread uint32_t *layout = NULL; /* the calling thread's (the forward's) */
-    static __thread size_t capacity = 0;
     const int64_t blocks = (length + KB - 1) / KB;
     const size_t bytes = (size_t)(kv_heads * blocks * KB * D) * 4; /* keys and values: 2 bytes each */
     if (bytes > capacity) {
@@ -255,14 +247,38 @@ int trillm_flash_prefill(const float *q, int64_t ldq, const float *k_cache, cons
             attend_block(&span, i % heads, (query_blocks - 1 - i / heads) * QB);
         _tile_release();
     }
+    return 0;
+}
+#endif
+
+/* Every prefill span of a step in one call: span s is rows spans[4 s] .. spans[4 s + 1] of q and out,
+ * attending its first spans[4 s + 2] cached tokens through the pages from pages + spans[4 s + 3]
+ * (see flash_span). q and out: float32 rows of heads x D (strides ldq, ldo); caches [pages,
+ * page_size, kv_heads, D]. 0; 1 no buffer; 3 no tiles here; 4 a head dim this kernel does not take. */
+int trillm_flash_prefill(const float *q, int64_t ldq, const float *k_cache, const float *v_cache,
+                         const int64_t *spans, const int64_t *pages, int64_t count, int64_t page_size, int64_t heads,
+                         int64_t kv_heads, int64_t D, float scale, int64_t window, const float *sinks, float *out,
+                         int64_t ldo, int num_threads)
+{
+#if AMX
+    if (!amx_granted())
+        return 3;
+    if (D % 32 || D > MAX_D || heads % kv_heads)
+        return 4;
+    int rc = 0;
+    for (int64_t s = 0; s < count && !rc; s++) {
+        const int64_t *span = spans + 4 * s;
+        rc = flash_span(q + span[0] * ldq, ldq, k_cache, v_cache, pages + span[3], page_size, span[1] - span[0],
+                        span[2], heads, kv_heads, D, scale, window, sinks, out + span[0] * ldo, ldo, num_threads);
+    }
     if (capacity > KEEP_BYTES) {
         free(layout);
         layout = NULL;
         capacity = 0;
     }
-    return 0;
+    return rc;
 #else
-    (void)q, (void)ldq, (void)k_cache, (void)v_cache, (void)pages, (void)page_size, (void)n, (void)length;
+    (void)q, (void)ldq, (void)k_cache, (void)v_cache, (void)spans, (void)pages, (void)count, (void)page_size;
     (void)heads, (void)kv_heads, (void)D, (void)scale, (void)window, (void)sinks, (void)out, (void)ldo;
     (void)num_threads;
     return 3;

@@ -75,10 +75,20 @@ class CpuMetadata:
     decodes: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillSpan, ...]
     decode_rows: DecodeRows | None = None
+    # the prefill spans as the AMX flash kernel reads them (``flash_prefill.span_table``), made once a step
+    span_table: tuple[torch.Tensor, torch.Tensor] | None = attrs.field(
+        default=attrs.Factory(lambda self: _span_table(self.prefills), takes_self=True), eq=False
+    )
 
     def to(self, device: torch.device) -> CpuMetadata:
         """Already where it is read: the CPU backend runs on the CPU."""
         return self
+
+
+def _span_table(prefills: tuple[PrefillSpan, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not prefills or not flash_prefill.available():
+        return None
+    return flash_prefill.span_table([(p.start, p.end, p.context_len, p.context_pages) for p in prefills])
 
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -171,13 +181,10 @@ def paged_attention(
         and prefill_dtype is torch.bfloat16
         and flash_prefill.handles(q.shape[2], q.shape[1], kv_heads, softcap, k_cache.dtype)
     )
+    if flash and meta.span_table is not None:  # every span at once on AMX tiles, reading the pages in place
+        flash_prefill.attend_spans(q, k_cache, v_cache, *meta.span_table, scale, window, sinks, out)
+        return out
     for span in meta.prefills:
-        if flash:  # AMX tiles, reading the pages in place
-            rows = slice(span.start, span.end)
-            flash_prefill.attend(
-                q[rows], k_cache, v_cache, span.context_pages, span.context_len, scale, window, sinks, out[rows]
-            )
-            continue
         if prefill_dtype is not None:
             op = _padded_attention(q, k_cache, v_cache, span, window, prefill_dtype, scale, gqa, sinks, softcap)
             out[span.start : span.end] = op
