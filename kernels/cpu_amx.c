@@ -125,6 +125,26 @@ static const uint16_t *panel_at(const AmxLayout *L, int64_t n0, int64_t k0, int6
     return decode_panel(L, n0, k0, kc, row, panel) ? NULL : panel;
 }
 
+/* C tiles 0-3 zeroed (``first``) or loaded from c0 .. c3 (row stride in bytes; c2 NULL: tiles 2 and 3
+ * left as they are, a block of 16 rows of x where 32 would be). */
+static inline void start_tiles(int first, const float *c0, const float *c1, const float *c2, const float *c3,
+                               int64_t stride)
+{
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        return;
+    }
+    _tile_loadd(0, c0, stride);
+    _tile_loadd(1, c1, stride);
+    if (c2) {
+        _tile_loadd(2, c2, stride);
+        _tile_loadd(3, c3, stride);
+    }
+}
+
 /* acc[NB, Mp] (+)= panel[NB, kc] . x[k0 .. k0 + kc, Mp] with x in B tiles' layout (xp: u32 pair p
  * of row m at [p][m]): the weights are the A operand, so the panel needs no reordering and the
  * result comes out transposed (the caller turns it). 32 rows of x (two B tiles) at a time. */
@@ -135,19 +155,7 @@ static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, con
     for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
         const int two = m0 + 32 <= Mp;
         float *c0 = acc + m0, *c1 = acc + 16 * Mp + m0; /* weight rows 0-15 and 16-31 */
-        if (first) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-        } else {
-            _tile_loadd(0, c0, bs);
-            _tile_loadd(1, c1, bs);
-            if (two) {
-                _tile_loadd(2, c0 + 16, bs);
-                _tile_loadd(3, c1 + 16, bs);
-            }
-        }
+        start_tiles(first, c0, c1, two ? c0 + 16 : NULL, c1 + 16, bs);
         const uint32_t *b = xp + (k0 / 2) * Mp + m0;
         for (int64_t s = 0; s < kc / KSTEP; s++) {
             _tile_loadd(4, panel + s * KSTEP, as);
@@ -189,21 +197,6 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
         }
 }
 
-/* The panel (NB rows of kc values) in B tiles' layout: pair p of weight row c at [p][c] (u32), so
- * the result comes out in out's own layout. A 16 x 16 transpose of pairs per 16 rows and 32 values. */
-static void to_pairs(const uint16_t *panel, int64_t ps, int64_t kc, uint32_t *pairs)
-{
-    for (int64_t p0 = 0; p0 < kc / 2; p0 += 16)
-        for (int c0 = 0; c0 < NB; c0 += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = _mm512_loadu_ps((const float *)(panel + (c0 + i) * ps) + p0);
-            transpose16(r);
-            for (int j = 0; j < 16; j++)
-                _mm512_storeu_ps((float *)(pairs + (p0 + j) * NB + c0), r[j]);
-        }
-}
-
 /* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m < M, x as the A operand (x16 in tile
  * order, see amx_matmul_rows; zero past M up to a multiple of 32). The tiles start from out where
  * ``load`` (adding, or a later panel of K) and are stored straight into it; a block cut by M or cols
@@ -223,32 +216,14 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0
                 for (int64_t i = 0; i < rows; i++)
                     memcpy(edge + i * NB, out + (m0 + i) * ldo, sizeof(float) * (size_t)cols);
         }
-        if (load || !full) {
-            _tile_loadd(0, c, ldc * 4);
-            _tile_loadd(1, c + 16, ldc * 4);
-            _tile_loadd(2, c + 16 * ldc, ldc * 4);
-            _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
-        } else {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-        }
+        start_tiles(!load && full, c, c + 16, c + 16 * ldc, c + 16 * ldc + 16, ldc * 4);
         for (int64_t i = m0 + 32; i < MIN(m0 + 64, M); i++) { /* the next block's lines, owned while this one runs */
             _mm_prefetch((const char *)(out + i * ldo), _MM_HINT_ET0);
             _mm_prefetch((const char *)(out + i * ldo + 16), _MM_HINT_ET0);
         }
         const uint16_t *a = x16 + m0 * Kp + k0 * 16; /* rows m0 .. m0 + 15 from k0, then the next 16 */
-        for (int64_t s = 0; s < kc / KSTEP; s++) {
-            _tile_loadd(4, a + s * tile, xs);
-            _tile_loadd(5, a + 16 * Kp + s * tile, xs);
-            _tile_loadd(6, pairs + s * 16 * NB, ps);
-            _tile_loadd(7, pairs + s * 16 * NB + 16, ps);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        for (int64_t s = 0; s < kc / KSTEP; s++)
+            dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, pairs + s * 16 * NB, pairs + s * 16 * NB + 16, ps);
         _tile_stored(0, c, ldc * 4);
         _tile_stored(1, c + 16, ldc * 4);
         _tile_stored(2, c + 16 * ldc, ldc * 4);
@@ -259,55 +234,27 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0
     }
 }
 
-/* groups() for many rows of x: x16 as the A operand, the panel turned into pairs once per panel
- * (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS rows on). */
-static int groups_rows(const AmxLayout *L, const uint16_t *x16, int64_t Kp, int64_t M, float *out, int64_t ldo,
-                       int accumulate, int64_t g0, int64_t g1)
-{
-    const int64_t kc_max = MIN(KC, Kp);
-    /* row: kc_max floats; panel and pairs: NB x kc_max bfloat16 each; edge: 32 x NB floats */
-    const size_t words = (size_t)kc_max + (size_t)kc_max * NB + 32 * NB;
-    float *row = grown(1, words * 4);
-    if (!row)
-        return 1;
-    uint16_t *panel = (uint16_t *)(row + kc_max);
-    uint32_t *pairs = (uint32_t *)(panel + kc_max * NB);
-    float *edge = (float *)(pairs + kc_max * NB / 2);
-    configure();
-    for (int64_t g = g0; g < g1; g++) {
-        const int64_t n0 = g * NB;
-        for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
-            const int64_t kc = MIN(KC, Kp - k0);
-            int64_t ps;
-            const uint16_t *at = panel_at(L, n0, k0, kc, row, panel, &ps);
-            if (!at) {
-                _tile_release();
-                return 2;
-            }
-            to_pairs(at, ps, kc, pairs);
-            multiply_rows(x16, Kp, M, k0, kc, pairs, MIN(NB, L->N - n0), out + n0, ldo, accumulate || k0 > 0, edge);
-        }
-    }
-    _tile_release();
-    return 0;
-}
-
-/* Weight rows of groups g0 .. g1 (NB each): decode a panel, multiply, and after the last panel of K
- * write (or add) the rows' results into out. */
-static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M, int64_t Mp, float *out,
+/* Weight rows of groups g0 .. g1 (NB each): a panel decoded (or read in place), multiplied with every
+ * row of x, the results written or added into out. ``wide``: x16 in tile order is the A operand, the
+ * panel turned into pairs once (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS
+ * rows on) and the tiles stored straight into out; else x in pairs (xs) is the B operand and the
+ * transposed sums are turned after the last panel of K. */
+static int groups(const AmxLayout *L, const void *xs, int wide, int64_t Kp, int64_t M, int64_t Mp, float *out,
                   int64_t ldo, int accumulate, int64_t g0, int64_t g1)
 {
     const int64_t kc_max = MIN(KC, Kp);
-    /* row: kc_max floats; panel: NB x kc_max bfloat16; acc: NB x Mp floats */
-    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (size_t)Mp * NB;
+    /* row: kc_max floats; panel: NB x kc_max bfloat16; then pairs as many and an edge of 32 x NB floats
+     * (wide), or the sums, NB x Mp floats */
+    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (wide ? (size_t)kc_max / 2 * NB + 32 * NB
+                                                                            : (size_t)Mp * NB);
     float *row = grown(1, words * 4);
     if (!row)
         return 1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
-    float *acc = row + kc_max + kc_max / 2 * NB;
+    float *acc = row + kc_max + kc_max / 2 * NB; /* the sums, or the pairs then the edge */
     configure();
     for (int64_t g = g0; g < g1; g++) {
-        const int64_t n0 = g * NB;
+        const int64_t n0 = g * NB, cols = MIN(NB, L->N - n0);
         for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
             const int64_t kc = MIN(KC, Kp - k0);
             int64_t ps;
@@ -316,9 +263,16 @@ static int groups(const AmxLayout *L, const uint32_t *xp, int64_t Kp, int64_t M,
                 _tile_release();
                 return 2;
             }
-            multiply(xp, Mp, k0, kc, at, ps, acc, k0 == 0);
+            if (wide) {
+                to_pairs(at, ps, NB, kc, (uint32_t *)acc, NB); /* turned once: out comes in its own layout */
+                multiply_rows(xs, Kp, M, k0, kc, (uint32_t *)acc, cols, out + n0, ldo, accumulate || k0 > 0,
+                              acc + kc_max / 2 * NB);
+            } else {
+                multiply(xs, Mp, k0, kc, at, ps, acc, k0 == 0);
+            }
         }
-        write_out(acc, Mp, M, MIN(NB, L->N - n0), out + n0, ldo, accumulate);
+        if (!wide)
+            write_out(acc, Mp, M, cols, out + n0, ldo, accumulate);
     }
     _tile_release();
     return 0;
@@ -363,17 +317,7 @@ static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k
     const int64_t xs = KSTEP * 2, ps = NB * 4, cs = 2 * NB * 4, tile = 16 * KSTEP;
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
         float *c = acc + m0 * 2 * NB;
-        if (first) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-        } else {
-            _tile_loadd(0, c, cs);
-            _tile_loadd(1, c + 16, cs);
-            _tile_loadd(2, c + NB, cs);
-            _tile_loadd(3, c + NB + 16, cs);
-        }
+        start_tiles(first, c, c + 16, c + NB, c + NB + 16, cs);
         const uint16_t *a = x16 + m0 * Kp + k0 * 16;
         for (int64_t s = 0; s < kc / KSTEP; s++) {
             _tile_loadd(4, a + s * tile, xs);
@@ -421,7 +365,7 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                     _tile_release();
                     return 2;
                 }
-                to_pairs(at, ps, kc, part ? up : gate);
+                to_pairs(at, ps, NB, kc, part ? up : gate, NB);
             }
             multiply_gated(x16, Kp, M, k0, kc, gate, up, acc, k0 == 0);
         }
@@ -437,61 +381,49 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
     return 0;
 }
 
-/* amx_matmul() from WIDE_ROWS rows (x packed by every thread, see pack_tile_order). */
-static int amx_matmul_rows(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M,
-                           int flags, int num_threads)
+/* x [M, K] into the B operand's pairs (pair p of row m at [p][m], Mp rows) by the calling team (an omp
+ * for): 16 rows by 32 values rounded (zeros past M and K) and turned 16 x 16 pairs at a time. */
+static void pack_pairs(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, int64_t Kp, uint32_t *xp)
 {
-    const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = (M + 31) / 32 * 32;
-    uint16_t *x16 = grown(0, (size_t)(Mp * Kp) * 2);
-    if (!x16)
-        return 1;
-    const int64_t G = (L->N + NB - 1) / NB;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        pack_tile_order(x, ldx, M, Mp, K, Kp, x16);
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
-        const int rc = g1 > g0 ? groups_rows(L, x16, Kp, M, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
-        if (rc)
-#pragma omp atomic write
-            failed = rc;
-    }
-    return failed;
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+        for (int64_t k = 0; k < Kp; k += KSTEP) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t m = m0 + i, lo = m < M ? MIN(16, MAX(0, K - k)) : 0;
+                const int64_t hi = m < M ? MIN(16, MAX(0, K - k - 16)) : 0;
+                const __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << lo) - 1), x + m * ldx + k);
+                const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << hi) - 1), x + m * ldx + k + 16);
+                r[i] = (__m512)_mm512_cvtne2ps_pbh(b, a);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps((float *)(xp + (k / 2 + j) * Mp + m0), r[j]);
+        }
 }
 
-/* out[M, N] (+)= x . W^T on the tiles. 0; 1 when a buffer could not be had; 2 when the decoder failed. */
+/* out[M, N] (+)= x . W^T on the tiles, x packed by every thread (from WIDE_ROWS rows in tile order as
+ * the A operand, below in pairs as the B). 0; 1 when a buffer could not be had; 2 when the decoder
+ * failed. */
 static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M, int flags,
                       int num_threads)
 {
-    const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = (M + 15) / 16 * 16;
-    uint32_t *xp = grown(0, (size_t)(Mp * Kp) * 2);
-    if (!xp)
+    const int wide = M >= WIDE_ROWS;
+    const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = wide ? (M + 31) / 32 * 32 : (M + 15) / 16 * 16;
+    void *xs = grown(0, (size_t)(Mp * Kp) * 2);
+    if (!xs)
         return 1;
     const int64_t G = (L->N + NB - 1) / NB;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (G > 1)
+#pragma omp parallel num_threads(num_threads) if (wide || G > 1)
     {
-        /* x into the B operand's pairs by every thread: 16 rows by 32 values rounded (zeros past M and
-         * K) and turned 16 x 16 pairs at a time */
-#pragma omp for schedule(static) collapse(2)
-        for (int64_t m0 = 0; m0 < Mp; m0 += 16)
-            for (int64_t k = 0; k < Kp; k += KSTEP) {
-                __m512 r[16];
-                for (int i = 0; i < 16; i++) {
-                    const int64_t m = m0 + i, lo = m < M ? MIN(16, MAX(0, K - k)) : 0;
-                    const int64_t hi = m < M ? MIN(16, MAX(0, K - k - 16)) : 0;
-                    const __m512 a = _mm512_maskz_loadu_ps((__mmask16)((1u << lo) - 1), x + m * ldx + k);
-                    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << hi) - 1), x + m * ldx + k + 16);
-                    r[i] = (__m512)_mm512_cvtne2ps_pbh(b, a);
-                }
-                transpose16(r);
-                for (int j = 0; j < 16; j++)
-                    _mm512_storeu_ps((float *)(xp + (k / 2 + j) * Mp + m0), r[j]);
-            }
+        if (wide)
+            pack_tile_order(x, ldx, M, Mp, K, Kp, xs);
+        else
+            pack_pairs(x, ldx, M, Mp, K, Kp, xs);
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
-        const int rc = g1 > g0 ? groups(L, xp, Kp, M, Mp, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
+        const int rc = g1 > g0 ? groups(L, xs, wide, Kp, M, Mp, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
         if (rc)
 #pragma omp atomic write
             failed = rc;
@@ -522,8 +454,7 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
     const int64_t rows = MIN(wide ? WIDE_PASS : 256, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0);
-        const int rc = (wide ? amx_matmul_rows : amx_matmul)(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags,
-                                                             num_threads);
+        const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags, num_threads);
         if (rc)
             return rc;
     }

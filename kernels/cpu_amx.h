@@ -41,6 +41,20 @@ static inline void configure(void)
     _tile_loadconfig(&c);
 }
 
+/* C tiles 0-3 (+)= A tiles 4 (a0) and 5 (a1) by B tiles 6 (b0) and 7 (b1), strides in bytes: the 2 x 2
+ * block of tile products the kernels here are made of (C0 = a0 b0, C1 = a0 b1, C2 = a1 b0, C3 = a1 b1). */
+static inline void dp_2x2(const void *a0, const void *a1, int64_t as, const void *b0, const void *b1, int64_t bs)
+{
+    _tile_loadd(4, a0, as);
+    _tile_loadd(5, a1, as);
+    _tile_loadd(6, b0, bs);
+    _tile_loadd(7, b1, bs);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+}
+
 /* 1 once Linux has granted this process the tiles' state (asked once), else 0. */
 static inline int amx_granted(void)
 {
@@ -89,6 +103,23 @@ static inline void transpose16(__m512 r[16])
         r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
         r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
     }
+}
+
+/* ``count`` rows (a multiple of 16) of ``values`` bfloat16 each (a multiple of 32; row stride ``stride``)
+ * as a B operand's pairs: pair p of row c at pairs[p * ld + c] (u32). A 16 x 16 transpose of pairs
+ * per 16 rows and 32 values: weight rows for cpu_amx.c's wide products, keys for cpu_flash.c's scores. */
+static inline void to_pairs(const uint16_t *rows, int64_t stride, int64_t count, int64_t values, uint32_t *pairs,
+                            int64_t ld)
+{
+    for (int64_t p0 = 0; p0 < values / 2; p0 += 16)
+        for (int64_t c0 = 0; c0 < count; c0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_ps((const float *)(rows + (c0 + i) * stride) + p0);
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps((float *)(pairs + (p0 + j) * ld + c0), r[j]);
+        }
 }
 
 #else

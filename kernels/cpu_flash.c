@@ -65,15 +65,7 @@ static void layout_block(const Cache *c, int64_t length, int64_t g, int64_t b, u
             _mm256_storeu_si256((__m256i *)(v16 + i * D + d), (__m256i)_mm512_cvtneps_pbh(vv));
         }
     }
-    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) /* keys: rows of D/2 pairs turned into columns */
-        for (int64_t c0 = 0; c0 < KB; c0 += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = _mm512_loadu_ps((const float *)(k16 + (c0 + i) * D) + p0);
-            transpose16(r);
-            for (int j = 0; j < 16; j++)
-                _mm512_storeu_ps((float *)(kp + (p0 + j) * KB + c0), r[j]);
-        }
+    to_pairs(k16, D, KB, D, kp, KB); /* keys: rows of D / 2 pairs turned into columns */
     for (int64_t j = 0; j < KB / 2; j++) /* values: two key rows interleaved value by value */
         for (int64_t d = 0; d < D; d += 16) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(v16 + 2 * j * D + d));
@@ -124,16 +116,8 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t d = 0; d < D; d += 32) {
-            _tile_loadd(4, q16 + d, D * 2);
-            _tile_loadd(5, q16 + 16 * D + d, D * 2);
-            _tile_loadd(6, kb + d / 2 * KB, KB * 4);
-            _tile_loadd(7, kb + d / 2 * KB + 16, KB * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
+        for (int64_t d = 0; d < D; d += 32) /* S = Q K^T */
+            dp_2x2(q16 + d, q16 + 16 * D + d, D * 2, kb + d / 2 * KB, kb + d / 2 * KB + 16, KB * 4);
         _tile_stored(0, sc, KB * 4);
         _tile_stored(1, sc + 16, KB * 4);
         _tile_stored(2, sc + 16 * KB, KB * 4);
