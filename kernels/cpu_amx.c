@@ -14,8 +14,13 @@
  * 4-5, B (16 pairs x 16 weight rows) 6-7. Built where the compiler and CPU have AMX-BF16
  * (-march=native); elsewhere trillm_amx_available() answers 0 and the callers keep their paths.
  * Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
- * Buffers are per thread and kept between calls (grown()): the caller's x in bfloat16 (at most 256
- * rows by K), each worker's panel, row and result (~0.3 MiB at K 4096, 256 rows).
+ * From WIDE_ROWS rows of x (a prefill chunk) the roles swap: x, in tile order, is the A operand and
+ * the panel, turned into pairs, the B, so the sums come out in out's own layout and are stored
+ * straight into it; trillm_amx_gated runs a gated MLP's gate and up that way and applies its
+ * activation as the sums leave the tiles.
+ * Buffers are per thread and kept between calls (grown()): the caller's x in bfloat16 (a pass of
+ * rows: 256 below WIDE_ROWS, else as many as fill X_BLOCK_BYTES), each worker's panel, row, pairs
+ * and sums (~0.3 MiB at K 4096, 256 rows).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -28,7 +33,7 @@
 #define KSTEP 32  /* values of K per tile product: 16 pairs */
 #define KC 4096   /* values of K per panel, a multiple of 256 (whole blocks of every type): 256 KiB */
 #define X_BLOCK_BYTES (1 << 20) /* rows of x per pass: their bfloat16 stays in L2 (each pass decodes W again) */
-#define WIDE_ROWS 128 /* rows of x from which x is the A operand (amx_matmul_rows) */
+#define WIDE_ROWS 128 /* rows of x from which x is the A operand (multiply_rows) */
 #define WIDE_PASS 4096 /* its rows per pass at most */
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -125,26 +130,6 @@ static const uint16_t *panel_at(const AmxLayout *L, int64_t n0, int64_t k0, int6
     return decode_panel(L, n0, k0, kc, row, panel) ? NULL : panel;
 }
 
-/* C tiles 0-3 zeroed (``first``) or loaded from c0 .. c3 (row stride in bytes; c2 NULL: tiles 2 and 3
- * left as they are, a block of 16 rows of x where 32 would be). */
-static inline void start_tiles(int first, const float *c0, const float *c1, const float *c2, const float *c3,
-                               int64_t stride)
-{
-    if (first) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        return;
-    }
-    _tile_loadd(0, c0, stride);
-    _tile_loadd(1, c1, stride);
-    if (c2) {
-        _tile_loadd(2, c2, stride);
-        _tile_loadd(3, c3, stride);
-    }
-}
-
 /* acc[NB, Mp] (+)= panel[NB, kc] . x[k0 .. k0 + kc, Mp] with x in B tiles' layout (xp: u32 pair p
  * of row m at [p][m]): the weights are the A operand, so the panel needs no reordering and the
  * result comes out transposed (the caller turns it). 32 rows of x (two B tiles) at a time. */
@@ -169,12 +154,7 @@ static void multiply(const uint32_t *xp, int64_t Mp, int64_t k0, int64_t kc, con
                 _tile_dpbf16ps(3, 5, 7);
             }
         }
-        _tile_stored(0, c0, bs);
-        _tile_stored(1, c1, bs);
-        if (two) {
-            _tile_stored(2, c0 + 16, bs);
-            _tile_stored(3, c1 + 16, bs);
-        }
+        store_tiles(c0, c1, two ? c0 + 16 : NULL, c1 + 16, bs);
     }
 }
 
@@ -198,7 +178,7 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
 }
 
 /* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m < M, x as the A operand (x16 in tile
- * order, see amx_matmul_rows; zero past M up to a multiple of 32). The tiles start from out where
+ * order, see pack_tile_order; zero past M up to a multiple of 32). The tiles start from out where
  * ``load`` (adding, or a later panel of K) and are stored straight into it; a block cut by M or cols
  * goes through ``edge`` (32 x 32 floats). */
 static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *pairs,
@@ -217,17 +197,10 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0
                     memcpy(edge + i * NB, out + (m0 + i) * ldo, sizeof(float) * (size_t)cols);
         }
         start_tiles(!load && full, c, c + 16, c + 16 * ldc, c + 16 * ldc + 16, ldc * 4);
-        for (int64_t i = m0 + 32; i < MIN(m0 + 64, M); i++) { /* the next block's lines, owned while this one runs */
-            _mm_prefetch((const char *)(out + i * ldo), _MM_HINT_ET0);
-            _mm_prefetch((const char *)(out + i * ldo + 16), _MM_HINT_ET0);
-        }
         const uint16_t *a = x16 + m0 * Kp + k0 * 16; /* rows m0 .. m0 + 15 from k0, then the next 16 */
         for (int64_t s = 0; s < kc / KSTEP; s++)
             dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, pairs + s * 16 * NB, pairs + s * 16 * NB + 16, ps);
-        _tile_stored(0, c, ldc * 4);
-        _tile_stored(1, c + 16, ldc * 4);
-        _tile_stored(2, c + 16 * ldc, ldc * 4);
-        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
+        store_tiles(c, c + 16, c + 16 * ldc, c + 16 * ldc + 16, ldc * 4);
         if (!full)
             for (int64_t i = 0; i < rows; i++)
                 memcpy(out + (m0 + i) * ldo, edge + i * NB, sizeof(float) * (size_t)cols);
@@ -330,10 +303,7 @@ static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k
             _tile_loadd(5, up + s * 16 * NB + 16, ps);
             _tile_dpbf16ps(3, 4, 5);
         }
-        _tile_stored(0, c, cs);
-        _tile_stored(1, c + 16, cs);
-        _tile_stored(2, c + NB, cs);
-        _tile_stored(3, c + NB + 16, cs);
+        store_tiles(c, c + 16, c + NB, c + NB + 16, cs);
     }
 }
 
@@ -431,6 +401,12 @@ static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *ou
     return failed;
 }
 
+/* Rows of x per pass of a call: their bfloat16 stays in L2 (X_BLOCK_BYTES; each pass decodes W again). */
+static int64_t pass_rows(int64_t Kp, int wide)
+{
+    return MIN(wide ? WIDE_PASS : 256, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
+}
+
 #endif
 
 /* 1 where this build has the tiles and the kernel has them from Linux, else 0. */
@@ -449,9 +425,7 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
 #if AMX
     if (!trillm_amx_available())
         return 3;
-    const int64_t Kp = (L->K + KSTEP - 1) / KSTEP * KSTEP;
-    const int wide = M >= WIDE_ROWS;
-    const int64_t rows = MIN(wide ? WIDE_PASS : 256, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
+    const int64_t rows = pass_rows((L->K + KSTEP - 1) / KSTEP * KSTEP, M >= WIDE_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0);
         const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags, num_threads);
@@ -481,7 +455,7 @@ int trillm_amx_gated(const float *x, int64_t ldx, const void *gate, int64_t gate
     if (!trillm_amx_available())
         return 3;
     const int64_t K = G->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP;
-    const int64_t rows = MIN(WIDE_PASS, MAX(32, X_BLOCK_BYTES / (2 * Kp) / 32 * 32));
+    const int64_t rows = pass_rows(Kp, 1);
     const int64_t groups = (I + NB - 1) / NB;
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0), Mp = (m + 31) / 32 * 32;

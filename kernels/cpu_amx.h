@@ -1,6 +1,6 @@
 /* What the AMX kernels share (cpu_amx.c's matmuls, cpu_flash.c's attention): whether this build
- * has the tiles, asking Linux for them, the one tile shape both use, a 16 x 16 transpose and a
- * vector 2^x.
+ * has the tiles, asking Linux for them, the one tile shape both use, the C tiles' start and store,
+ * the 2 x 2 block of tile products, a 16 x 16 transpose, the pair layout and a vector 2^x.
  * AMX is 1 where the compiler (-march=native) has AMX-BF16 and AVX512-BF16 on Linux, else 0 and
  * nothing below but amx_granted() (which then answers 0) is defined. */
 #ifndef TRILLM_CPU_AMX_H
@@ -39,6 +39,37 @@ static inline void configure(void)
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
+}
+
+/* C tiles 0-3 zeroed (``first``) or loaded from c0 .. c3 (row stride in bytes; c2 NULL: tiles 2 and 3
+ * left as they are, a block of 16 rows of x where 32 would be). */
+static inline void start_tiles(int first, const float *c0, const float *c1, const float *c2, const float *c3,
+                               int64_t stride)
+{
+    if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        return;
+    }
+    _tile_loadd(0, c0, stride);
+    _tile_loadd(1, c1, stride);
+    if (c2) {
+        _tile_loadd(2, c2, stride);
+        _tile_loadd(3, c3, stride);
+    }
+}
+
+/* C tiles 0-3 stored to c0 .. c3 (row stride in bytes; c2 NULL: tiles 2 and 3 not stored). */
+static inline void store_tiles(float *c0, float *c1, float *c2, float *c3, int64_t stride)
+{
+    _tile_stored(0, c0, stride);
+    _tile_stored(1, c1, stride);
+    if (c2) {
+        _tile_stored(2, c2, stride);
+        _tile_stored(3, c3, stride);
+    }
 }
 
 /* C tiles 0-3 (+)= A tiles 4 (a0) and 5 (a1) by B tiles 6 (b0) and 7 (b1), strides in bytes: the 2 x 2

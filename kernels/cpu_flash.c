@@ -112,16 +112,10 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
     const uint32_t *kp = s->kp + g * s->blocks * KB * D / 2, *vp = s->vp + g * s->blocks * KB * D / 2;
     for (int64_t b = lo / KB; b <= last / KB; b++) {
         const uint32_t *kb = kp + b * KB * D / 2, *vb = vp + b * KB * D / 2;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        start_tiles(1, NULL, NULL, NULL, NULL, 0);
         for (int64_t d = 0; d < D; d += 32) /* S = Q K^T */
             dp_2x2(q16 + d, q16 + 16 * D + d, D * 2, kb + d / 2 * KB, kb + d / 2 * KB + 16, KB * 4);
-        _tile_stored(0, sc, KB * 4);
-        _tile_stored(1, sc + 16, KB * 4);
-        _tile_stored(2, sc + 16 * KB, KB * 4);
-        _tile_stored(3, sc + 16 * KB + 16, KB * 4);
+        store_tiles(sc, sc + 16, sc + 16 * KB, sc + 16 * KB + 16, KB * 4);
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         for (int64_t r = 0; r < QB; r++) {
             __mmask16 seen[2] = {0, 0};
@@ -163,20 +157,15 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
         _tile_loadd(4, p16, KB * 2);
         _tile_loadd(5, p16 + 16 * KB, KB * 2);
         for (int64_t d = 0; d < D; d += 32) {
-            _tile_loadd(0, o + d, D * 4);
-            _tile_loadd(1, o + d + 16, D * 4);
-            _tile_loadd(2, o + 16 * D + d, D * 4);
-            _tile_loadd(3, o + 16 * D + d + 16, D * 4);
+            float *c = o + d; /* O += P V, the rows' sums passed through the tiles */
+            start_tiles(0, c, c + 16, c + 16 * D, c + 16 * D + 16, D * 4);
             _tile_loadd(6, vb + d, D * 4);
             _tile_loadd(7, vb + d + 16, D * 4);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-            _tile_stored(0, o + d, D * 4);
-            _tile_stored(1, o + d + 16, D * 4);
-            _tile_stored(2, o + 16 * D + d, D * 4);
-            _tile_stored(3, o + 16 * D + d + 16, D * 4);
+            store_tiles(c, c + 16, c + 16 * D, c + 16 * D + 16, D * 4);
         }
     }
     for (int64_t r = 0; r < rows; r++) {

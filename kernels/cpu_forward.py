@@ -133,7 +133,7 @@ class DecodeLayers:
             raise ValueError(f"{len(layers)} layers but {len(kv_cache)} caches")
         if activation not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(f"no C kernel for the activation {activation!r}")
-        rms_norm, rotary, silu_mul, _, gelu_tanh_mul, _ = cpu_ops._functions()
+        rms_norm, rotary, silu_mul, _, gelu_tanh_mul, *_ = cpu_ops._functions()
         (decode,) = cpu_decode._KERNEL.functions()
         self.model = _Model(
             _address(rms_norm),

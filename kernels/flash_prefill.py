@@ -2,7 +2,7 @@
 
 The CPU backend's bfloat16 prefill attention otherwise gathers each span's keys and values from
 their pages, pads and converts them for torch's flash kernel and converts its output back; here
-one C call per span does it all with the rounding of that path (Q, K, V and the softmax weights
+one C call per step does it for every span with the rounding of that path (Q, K, V and the softmax weights
 in bfloat16, sums and softmax in float32). Measured on two Sapphire Rapids cores at 2,000 tokens
 of SmolLM2 (9 heads of 64): see ``docs/benchmarks.md``. Where the CPU or the build has no AMX
 (``available()`` False), or a layer soft-caps its scores, the torch path stays.

@@ -36,7 +36,6 @@ def test_greedy_is_argmax_ties_and_infinities_included():
     assert greedy(logits)[3] == 7 and greedy(logits)[4] == 999 and greedy(logits)[5] == 0
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs a C compiler")
 def test_the_c_draw_is_the_torch_draw_and_follows_the_softmax():
     """``cpu_ops.sample_rows`` (rows without top-k/top-p/min-p) inverts the same CDF as ``draw``: the
     same index for the same uniform, masked values never drawn, frequencies those of the softmax."""
@@ -58,7 +57,6 @@ def test_the_c_draw_is_the_torch_draw_and_follows_the_softmax():
     assert (counts / 20000 - expected).abs().max() < 0.015 and counts[3] == 0
 
 
-@pytest.mark.skipif(not cpu_ops.available(), reason="needs a C compiler")
 def test_the_c_draw_takes_edge_rows_without_nans():
     logits = torch.tensor(
         [

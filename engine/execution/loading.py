@@ -239,7 +239,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
                 else (min(bf16_panels.CROSSOVER.values()), max(bf16_panels.CROSSOVER.values()))
             ),
             bf16_panels.ROWS,
-            "AMX-BF16 tiles over panels decoded in L2, oneDNN from 512 rows"
+            "AMX-BF16 tiles over panels decoded in L2, attention on the tiles too"
             if tiles
             else "AMX-BF16 tiles through oneDNN"
             if bf16_panels.amx_bf16()

@@ -176,12 +176,11 @@ def paged_attention(
         od = _attention(qd, kd, vd, group.window_mask(window), scale, gqa, sinks, softcap)
         out.index_copy_(0, group.rows, od.squeeze(2))
 
-    flash = (
-        bool(meta.prefills)
+    if (  # every span at once on AMX tiles, reading the pages in place (a table only where the kernel runs)
+        meta.span_table is not None
         and prefill_dtype is torch.bfloat16
         and flash_prefill.handles(q.shape[2], q.shape[1], kv_heads, softcap, k_cache.dtype)
-    )
-    if flash and meta.span_table is not None:  # every span at once on AMX tiles, reading the pages in place
+    ):
         flash_prefill.attend_spans(q, k_cache, v_cache, *meta.span_table, scale, window, sinks, out)
         return out
     for span in meta.prefills:
