@@ -16,6 +16,7 @@ from trillm.engine.settings import setting
 from trillm.kernels import cpu_build
 
 DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 KERNELS = ("auto", "cpu", "triton", "reference")
 LOAD_FORMATS = ("auto", "dummy")
@@ -134,6 +135,15 @@ class EngineConfig:
         "AMX-BF16, else float32; the start-up log says which",
         choices=DTYPES,
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's dtype; on the CPU under float32 activations `float16` (llama.cpp's default cache) or "
+        "`bfloat16` halve the bytes a cached token takes and each decode step reads (K/V rounded as stored, "
+        "float16 saturating at +-65504; widened to float32 as read); `auto`: float16 where the CPU path serves "
+        "float32 with projections in blocks (a GGUF file's, bfloat16/float16 rows), else the model's dtype (a "
+        "float32 checkpoint keeps a float32 cache); on GPUs only the model's dtype; the start-up log says which",
+        choices=KV_CACHE_DTYPES,
+    )
     prefault: bool = setting(
         True,
         "read a GGUF file's pages into memory in the background after start (llama.cpp reads them "
@@ -251,6 +261,7 @@ class EngineConfig:
         for name, allowed in (
             ("dtype", DTYPES),
             ("gemm_dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("device", DEVICES),
             ("kernels", KERNELS),
             ("load_format", LOAD_FORMATS),

@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 #include <stdlib.h> /* scratch: posix_memalign, free */
+#include <string.h> /* store_kv: memcpy */
 
 #define INLINE static inline __attribute__((always_inline))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
@@ -53,6 +54,116 @@ INLINE float dot16(const float *restrict a, const float *restrict b, int64_t K)
     for (int l = 0; k < K; k++, l++)
         part[l] += a[k] * b[k];
     return tree_sum(part, 16);
+}
+
+/* The KV cache's forms (``--kv-cache-dtype``): float32, or 16 bits a value. float16 (llama.cpp's
+ * default cache) keeps 10 bits of mantissa, bfloat16 7; both halve the bytes a cached token takes
+ * and a decode step reads. Every reader widens to float32 as it loads. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+#define KV_BYTES(kv) ((kv) == KV_F32 ? 4 : 2)
+
+INLINE float bf16_float(uint16_t b)
+{
+    union {
+        uint32_t u;
+        float f;
+    } x = {(uint32_t)b << 16};
+    return x.f;
+}
+
+/* Rounded to nearest even as AVX512-BF16's vcvtneps2bf16 and torch round, so that a cache row holds
+ * what the AMX flash kernel would round a float32 row to; a NaN stays a (quiet) NaN. */
+INLINE uint16_t float_bf16(float f)
+{
+    union {
+        float f;
+        uint32_t u;
+    } x = {f};
+    if ((x.u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)(x.u >> 16 | 0x40);
+    return (uint16_t)((x.u + 0x7FFFu + (x.u >> 16 & 1u)) >> 16);
+}
+
+#define F16_MAX 65504.0f /* values past it are stored as it (saturated), not as infinity */
+
+#if defined(__FLT16_MAX__) && !defined(TRILLM_PORTABLE)
+/* The compiler's _Float16 (GCC 12, clang 15): with F16C (every AVX2 CPU) its conversions are
+ * vcvtph2ps / vcvtps2ph, and loops over them vectorise; without, library calls, still exact. */
+INLINE float f16_float(uint16_t h)
+{
+    _Float16 v;
+    memcpy(&v, &h, sizeof v);
+    return (float)v;
+}
+INLINE uint16_t float_f16(float f)
+{
+    f = f > F16_MAX ? F16_MAX : f < -F16_MAX ? -F16_MAX : f; /* NaN passes both tests and stays NaN */
+    const _Float16 v = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &v, sizeof h);
+    return h;
+}
+#else /* the same values by integer arithmetic, for compilers without _Float16 (and the portable build's tests) */
+INLINE float f16_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h >> 10 & 0x1Fu, man = h & 0x3FFu;
+    union {
+        uint32_t u;
+        float f;
+    } x;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        x.f = (float)man * 5.9604644775390625e-8f;
+        x.u |= sign;
+    } else
+        x.u = sign | (exp == 0x1F ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13);
+    return x.f;
+}
+
+INLINE uint16_t float_f16(float f)
+{
+    union {
+        float f;
+        uint32_t u;
+    } x = {f};
+    const uint16_t sign = (uint16_t)(x.u >> 16 & 0x8000u);
+    if ((x.u & 0x7FFFFFFFu) > 0x7F800000u)
+        return sign | 0x7E00u;
+    x.u &= 0x7FFFFFFFu;
+    if (x.f > F16_MAX)
+        x.f = F16_MAX;
+    if (x.f < 6.103515625e-5f) { /* under 2^-14: a subnormal, man = |f| * 2^24 rounded to nearest even */
+        const float scaled = x.f * 16777216.0f;
+        uint32_t man = (uint32_t)scaled;
+        const float rest = scaled - (float)man;
+        man += rest > 0.5f || (rest == 0.5f && (man & 1u)); /* 1024 rounds up to the least normal: right */
+        return sign | (uint16_t)man;
+    }
+    x.u += 0xFFFu + (x.u >> 13 & 1u); /* 23 bits of mantissa to 10, to nearest even */
+    return sign | (uint16_t)((x.u >> 13) - (112u << 10));
+}
+#endif
+
+/* Element i of a cache row at base, widened to float32; kv is a constant wherever this is inlined. */
+INLINE float kv_at(const char *base, int64_t i, int kv)
+{
+    if (kv == KV_F16)
+        return f16_float(((const uint16_t *)base)[i]);
+    if (kv == KV_BF16)
+        return bf16_float(((const uint16_t *)base)[i]);
+    return ((const float *)base)[i];
+}
+
+/* dst[0..n) (a cache row of form kv) = src[0..n). */
+INLINE void store_kv(void *restrict dst, const float *restrict src, int64_t n, int kv)
+{
+    if (kv == KV_F32)
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    else if (kv == KV_F16)
+        for (int64_t i = 0; i < n; i++)
+            ((uint16_t *)dst)[i] = float_f16(src[i]);
+    else
+        for (int64_t i = 0; i < n; i++)
+            ((uint16_t *)dst)[i] = float_bf16(src[i]);
 }
 
 /* A per-thread buffer of at least ``floats`` floats, kept between calls (NULL if it cannot be

@@ -1,4 +1,4 @@
-/* Paged decode attention on the CPU, float32, for kernels/cpu_decode.py (ctypes).
+/* Paged decode attention on the CPU, float32 (the cache float32 or bfloat16), for kernels/cpu_decode.py (ctypes).
  *
  * Just over our ~400-line guide on purpose: one kernel, its AVX-512 path beside
  * the portable one it must agree with.
@@ -11,7 +11,9 @@
  * fallback) so that it builds in about a second.
  *
  * Layouts (all contiguous): q, out [B, H, D]; k_cache, v_cache
- * [num_pages, page_size, KVH, D]; block_tables [B, max_pages] int32;
+ * [num_pages, page_size, KVH, D] float32, or float16 or bfloat16 (half the bytes to read, each
+ * element widened to float32 as it is loaded: every function below takes the form kv, a constant
+ * where inlined, so each form gets loops of its own); block_tables [B, max_pages] int32;
  * context_lens [B] int32. Token p of sequence b is in page
  * block_tables[b, p / page_size], slot p % page_size.
  */
@@ -25,8 +27,8 @@
 #include "cpu_common.h"
 
 typedef struct {
-    const float *k_cache, *v_cache;
-    int64_t page_size, row, page; /* floats between slots and between pages */
+    const char *k_cache, *v_cache; /* elements of KV_BYTES(kv) bytes */
+    int64_t page_size, row, page;  /* elements between slots and between pages */
     int64_t stride;               /* floats between the score rows of two heads */
     float scale;
     float softcap; /* > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: none */
@@ -42,19 +44,55 @@ INLINE void soft_cap(float *restrict s, int64_t n, float cap)
 
 /* ---- Portable version: one task per (sequence, kv head) ---- */
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(TRILLM_PORTABLE)
+/* AVX2 machines run this version: the compiler vectorises the float32 loops below by itself, but
+ * not a 16-bit cache's conversions (one scalar vcvtph2ps a value), so 8 lanes are loaded and
+ * widened here. The same FMAs in the same lanes as the float32 loops compile to. */
+#include <immintrin.h>
+#define WIDEN8 1
+INLINE __m256 load8(const char *base, int64_t i, int kv)
+{
+    if (kv == KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(base + 2 * i)));
+    if (kv == KV_BF16)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(base + 2 * i))), 16));
+    return _mm256_loadu_ps((const float *)(base + 4 * i));
+}
+#endif
+
 /* a . b with 8 partial sums added as a tree at the end. An `omp simd reduction`
  * is summed lane after lane without -ffast-math: a long dependency chain that
  * made the whole kernel about 3x slower. */
-INLINE float dot(const float *restrict a, const float *restrict b, int64_t D)
+INLINE float dot(const float *restrict a, const char *restrict b, int64_t D, int kv)
 {
     float part[8] = {0};
     int64_t d = 0;
+#ifdef WIDEN8
+    __m256 lanes = _mm256_setzero_ps();
+    for (; d + 8 <= D; d += 8)
+        lanes = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b, d, kv), lanes);
+    _mm256_storeu_ps(part, lanes);
+#else
     for (; d + 8 <= D; d += 8)
         for (int l = 0; l < 8; l++)
-            part[l] += a[d + l] * b[d + l];
+            part[l] += a[d + l] * kv_at(b, d + l, kv);
+#endif
     for (; d < D; d++)
-        part[0] += a[d] * b[d];
+        part[0] += a[d] * kv_at(b, d, kv);
     return tree_sum(part, 8);
+}
+
+/* acc[0..D) += w * row[0..D) */
+INLINE void add_scaled(float *restrict acc, float w, const char *restrict row, int64_t D, int kv)
+{
+    int64_t d = 0;
+#ifdef WIDEN8
+    for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(_mm256_set1_ps(w), load8(row, d, kv), _mm256_loadu_ps(acc + d)));
+#endif
+    for (; d < D; d++)
+        acc[d] += w * kv_at(row, d, kv);
 }
 
 /* The sum of x[0..n), with 8 partial sums for the same reason. */
@@ -84,22 +122,23 @@ INLINE float max_of(const float *restrict x, int64_t n)
 }
 
 /* Pages are scattered, so the hardware prefetcher cannot guess the next one. */
-INLINE void prefetch_page(const float *p, int64_t rows, int64_t row, int64_t D)
+INLINE void prefetch_page(const char *p, int64_t rows, int64_t row, int64_t D, int kv)
 {
     for (int64_t s = 0; s < rows; s++)
-        for (int64_t d = 0; d < D; d += 16)
-            __builtin_prefetch(p + s * row + d);
+        for (int64_t b = 0; b < D * KV_BYTES(kv); b += 64)
+            __builtin_prefetch(p + s * row * KV_BYTES(kv) + b);
 }
 
 /* This kv head's rows in the page holding token p0 (a multiple of page_size),
  * after prefetching them from the next page. */
-INLINE const float *page_start(const Layout *L, const float *cache, const int32_t *table, int64_t p0, int64_t n,
-                               int64_t D)
+INLINE const char *page_start(const Layout *L, const char *cache, const int32_t *table, int64_t p0, int64_t n,
+                              int64_t D, int kv)
 {
     const int64_t ps = L->page_size;
     if (p0 + ps < n)
-        prefetch_page(cache + (int64_t)table[p0 / ps + 1] * L->page, n - p0 - ps < ps ? n - p0 - ps : ps, L->row, D);
-    return cache + (int64_t)table[p0 / ps] * L->page;
+        prefetch_page(cache + (int64_t)table[p0 / ps + 1] * L->page * KV_BYTES(kv), n - p0 - ps < ps ? n - p0 - ps : ps, L->row,
+                      D, kv);
+    return cache + (int64_t)table[p0 / ps] * L->page * KV_BYTES(kv);
 }
 
 /* The G heads of kv head `kvh` over the n tokens of one sequence. Inlined with a
@@ -107,18 +146,19 @@ INLINE const float *page_start(const Layout *L, const float *cache, const int32_
  * scores: [G, L->stride]; acc: [G, D] then [G] reciprocal sums. */
 INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t skip, int64_t kvh, int64_t G, int64_t D,
                    const float *restrict sinks, const float *restrict qb, float *restrict ob, float *restrict scores,
-                   float *restrict acc)
+                   float *restrict acc, int kv)
 {
     const int64_t ps = L->page_size, row = L->row, stride = L->stride;
-    const float scale = L->scale, *k_cache = L->k_cache + kvh * D, *v_cache = L->v_cache + kvh * D;
+    const float scale = L->scale;
+    const char *k_cache = L->k_cache + kvh * D * KV_BYTES(kv), *v_cache = L->v_cache + kvh * D * KV_BYTES(kv);
     float *restrict inv = acc + G * D;
 
     for (int64_t p0 = 0; p0 < n; p0 += ps) {
-        const float *page = page_start(L, k_cache, table, p0, n, D);
+        const char *page = page_start(L, k_cache, table, p0, n, D, kv);
         const int64_t m = n - p0 < ps ? n - p0 : ps;
         for (int64_t s = 0; s < m; s++)
             for (int64_t g = 0; g < G; g++)
-                scores[g * stride + p0 + s] = dot(qb + g * D, page + s * row, D) * scale;
+                scores[g * stride + p0 + s] = dot(qb + g * D, page + s * row * KV_BYTES(kv), D, kv) * scale;
     }
     for (int64_t g = 0; g < G; g++) {
         soft_cap(scores + g * stride, n, L->softcap);
@@ -139,15 +179,12 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t ski
     }
     memset(acc, 0, sizeof(float) * (size_t)(G * D));
     for (int64_t p0 = 0; p0 < n; p0 += ps) {
-        const float *page = page_start(L, v_cache, table, p0, n, D);
+        const char *page = page_start(L, v_cache, table, p0, n, D, kv);
         const int64_t m = n - p0 < ps ? n - p0 : ps;
         for (int64_t g = 0; g < G; g++) { /* g outside, so acc[g] can stay in registers */
             float *restrict ag = acc + g * D;
-            for (int64_t s = 0; s < m; s++) {
-                const float w = scores[g * stride + p0 + s], *restrict r = page + s * row;
-                for (int64_t d = 0; d < D; d++)
-                    ag[d] += w * r[d];
-            }
+            for (int64_t s = 0; s < m; s++)
+                add_scaled(ag, scores[g * stride + p0 + s], page + s * row * KV_BYTES(kv), D, kv);
         }
     }
     for (int64_t g = 0; g < G; g++)
@@ -203,16 +240,28 @@ INLINE __m512 sum16(const __m512 v[16])
     return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
 }
 
+/* 16 float32 from element i of a cache of form kv at base (float16 widened by vcvtph2ps, bfloat16
+ * by a shift). */
+INLINE __m512 load16(const char *base, int64_t i, int kv)
+{
+    if (kv == KV_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(base + 2 * i)));
+    if (kv == KV_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(base + 2 * i))), 16));
+    return _mm512_loadu_ps((const float *)(base + 4 * i));
+}
+
 /* 16 token rows from p0, m of them real (the last one repeated after), as
- * offsets from base in the cache; base NULL: none. */
+ * element offsets from base in the cache; base NULL: none. */
 typedef struct {
-    const float *base;
+    const char *base;
     int64_t at[16];
     int m;
 } Rows;
 
 /* Page and slot step along: a division per token costs more than the rest. */
-INLINE void chunk_rows(Rows *r, const Layout *L, const float *base, const int32_t *table, int64_t p0, int64_t n)
+INLINE void chunk_rows(Rows *r, const Layout *L, const char *base, const int32_t *table, int64_t p0, int64_t n)
 {
     int64_t pi = p0 / L->page_size, slot = p0 % L->page_size;
     r->base = base;
@@ -224,32 +273,33 @@ INLINE void chunk_rows(Rows *r, const Layout *L, const float *base, const int32_
     }
 }
 
-/* Rows [t0, t1) of pf into L2, 16 * DV floats each from offset off. */
-INLINE void prefetch(const Rows *pf, int64_t off, int t0, int t1, int DV)
+/* Rows [t0, t1) of pf into L2, 16 * DV elements each from offset off. */
+INLINE void prefetch(const Rows *pf, int64_t off, int t0, int t1, int DV, int kv)
 {
     if (pf->base)
         for (int t = t0; t < (t1 < pf->m ? t1 : pf->m); t++)
-            for (int j = 0; j < DV; j++)
-                __builtin_prefetch(pf->base + off + pf->at[t] + 16 * j, 0, 2);
+            for (int b = 0; b < 16 * DV * KV_BYTES(kv); b += 64)
+                __builtin_prefetch(pf->base + (off + pf->at[t]) * KV_BYTES(kv) + b, 0, 2);
 }
 
 /* sc[g * stride + t] = scale * q_g . K row t of r (from offset off) for the 16
  * rows and the G heads whose q rows start at qh; before each head, prefetches
  * 1/G of pf's rows. */
 INLINE void scores16(const Rows *r, int64_t off, const float *qh, float scale, float *sc, int64_t stride,
-                     const Rows *pf, int G, int DV)
+                     const Rows *pf, int G, int DV, int kv)
 {
 #pragma GCC unroll 8
     for (int g = 0; g < G; g++) {
-        prefetch(pf, off, g * 16 / G, (g + 1) * 16 / G, DV);
+        prefetch(pf, off, g * 16 / G, (g + 1) * 16 / G, DV, kv);
         __m512 part[16];
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) { /* slot i holds token T16[i], so lane t is token t */
-            const float *k = r->base + off + r->at[T16[i]], *qg = qh + g * 16 * DV;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+            const int64_t k = off + r->at[T16[i]];
+            const float *qg = qh + g * 16 * DV;
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(r->base, k, kv));
 #pragma GCC unroll 8
             for (int j = 1; j < DV; j++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), _mm512_loadu_ps(k + 16 * j), a);
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), load16(r->base, k + 16 * j, kv), a);
             part[i] = a;
         }
         _mm512_storeu_ps(sc + g * stride, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
@@ -259,22 +309,22 @@ INLINE void scores16(const Rows *r, int64_t off, const float *qh, float scale, f
 /* out[g] += w[g * stride + t] * V row t of r (from offset off) for the m real
  * rows and G heads; prefetches pf's rows as it goes. */
 INLINE void values16(const Rows *r, int64_t off, const float *w, int64_t stride, __m512 *out, const Rows *pf, int G,
-                     int DV)
+                     int DV, int kv)
 {
     __m512 acc[MAX_G * MAX_DV]; /* a local copy stays in registers across rows */
     for (int i = 0; i < G * DV; i++)
         acc[i] = out[i];
     for (int t = 0; t < r->m; t++) {
-        prefetch(pf, off, t, t + 1, DV);
+        prefetch(pf, off, t, t + 1, DV, kv);
 #pragma GCC unroll 8
         for (int j = 0; j < DV; j++) {
-            const __m512 v = _mm512_loadu_ps(r->base + off + r->at[t] + 16 * j);
+            const __m512 v = load16(r->base, off + r->at[t] + 16 * j, kv);
 #pragma GCC unroll 8
             for (int g = 0; g < G; g++)
                 acc[g * DV + j] = _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride + t]), v, acc[g * DV + j]);
         }
     }
-    prefetch(pf, off, r->m, 16, DV);
+    prefetch(pf, off, r->m, 16, DV, kv);
     for (int i = 0; i < G * DV; i++)
         out[i] = acc[i];
 }
@@ -311,16 +361,16 @@ INLINE float softmax_row(float *x, int64_t n, float sink)
  * more than the score buffer sc (nh * G rows of L->stride). */
 INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t skip, int64_t h0, int nh, int G,
                      int DV, const float *restrict sinks, const float *restrict qb, float *restrict ob,
-                     float *restrict sc)
+                     float *restrict sc, int kv)
 {
     const int64_t D = 16 * DV, stride = L->stride;
-    const float *k = L->k_cache + h0 * D, *v = L->v_cache + h0 * D;
+    const char *k = L->k_cache + h0 * D * KV_BYTES(kv), *v = L->v_cache + h0 * D * KV_BYTES(kv);
     Rows r, pf = {0};
     for (int64_t p0 = 0; p0 < n; p0 += 16) {
         chunk_rows(&pf, L, p0 + 16 < n ? k : v, table, p0 + 16 < n ? p0 + 16 : 0, n);
         chunk_rows(&r, L, k, table, p0, n);
         for (int h = 0; h < nh; h++)
-            scores16(&r, h * D, qb + h * G * D, L->scale, sc + h * G * stride + p0, stride, &pf, G, DV);
+            scores16(&r, h * D, qb + h * G * D, L->scale, sc + h * G * stride + p0, stride, &pf, G, DV, kv);
     }
     float inv[MAX_HEADS * MAX_G];
     for (int i = 0; i < nh * G; i++) {
@@ -337,7 +387,7 @@ INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t s
         chunk_rows(&pf, L, p0 + 16 < n ? v : NULL, table, p0 + 16 < n ? p0 + 16 : 0, n);
         chunk_rows(&r, L, v, table, p0, n);
         for (int h = 0; h < nh; h++)
-            values16(&r, h * D, sc + h * G * stride + p0, stride, acc[h], &pf, G, DV);
+            values16(&r, h * D, sc + h * G * stride + p0, stride, acc[h], &pf, G, DV, kv);
     }
     for (int i = 0; i < nh * G; i++)
         for (int j = 0; j < DV; j++)
@@ -357,15 +407,18 @@ static int longer_first(const void *a, const void *b)
  * A context length of 0 gives zeros, as the reference does. window > 0: each row
  * attends only its last `window` tokens (a sliding-window layer); its pages before
  * the window are not read. sinks [H] (or NULL): a logit per query head added to each
- * softmax's denominator, its value row zero (gpt-oss). */
+ * softmax's denominator, its value row zero (gpt-oss). kv: the caches' form (KV_F32, KV_F16, KV_BF16). */
 int trillm_decode_attention(
-    const float *restrict q, const float *restrict k_cache, const float *restrict v_cache,
+    const float *restrict q, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict block_tables, const int32_t *restrict context_lens, float *restrict out,
     int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t num_pages, int64_t page_size,
-    int64_t max_pages, float scale, int num_threads, int64_t window, const float *restrict sinks, float softcap)
+    int64_t max_pages, float scale, int num_threads, int64_t window, const float *restrict sinks, float softcap,
+    int kv)
 {
     if (B == 0)
         return 0;
+    if (kv != KV_F32 && kv != KV_F16 && kv != KV_BF16)
+        return 1;
     if (B < 0 || H <= 0 || KVH <= 0 || D <= 0 || H % KVH != 0 || page_size <= 0 || num_threads < 1 || window < 0 ||
         !(softcap >= 0.0f))
         return 1;
@@ -385,6 +438,10 @@ int trillm_decode_attention(
     const int64_t G = H / KVH;
     const int64_t stride = (max_ctx + 15) / 16 * 16; /* attend16 writes 16 scores at a time */
     const Layout L = {k_cache, v_cache, page_size, KVH * D, page_size * KVH * D, stride, scale, softcap};
+    /* one call per cache form below, each inlined with its element size as a constant */
+#define ATTEND16(KV, nh_, G_, DV_) attend16(&L, table, n, skip, h0, nh_, G_, DV_, sinks, qb, ob, scores, KV)
+#define ATTEND(KV, D_) attend(&L, table, n, skip, h0, G, D_, sinks, qb, ob, scores, acc, KV)
+#define BY_FORM(F, ...) kv == KV_F16 ? F(KV_F16, __VA_ARGS__) : kv == KV_BF16 ? F(KV_BF16, __VA_ARGS__) : F(KV_F32, __VA_ARGS__)
 #ifdef AVX512_PATH
     const int avx = G <= MAX_G && D % 16 == 0 && D <= 16 * MAX_DV;
 #else
@@ -425,21 +482,36 @@ int trillm_decode_attention(
                 memset(ob, 0, sizeof(float) * (size_t)(nh * G * D));
 #ifdef AVX512_PATH
             else if (avx && G == 3 && D == 64 && nh == 3) /* SmolLM2, inlined with constants */
-                attend16(&L, table, n, skip, h0, 3, 3, 4, sinks, qb, ob, scores);
+                BY_FORM(ATTEND16, 3, 3, 4);
             else if (avx && G == 3 && D == 64 && nh == 1)
-                attend16(&L, table, n, skip, h0, 1, 3, 4, sinks, qb, ob, scores);
+                BY_FORM(ATTEND16, 1, 3, 4);
             else if (avx)
-                attend16(&L, table, n, skip, h0, (int)nh, (int)G, (int)(D / 16), sinks, qb, ob, scores);
+                BY_FORM(ATTEND16, (int)nh, (int)G, (int)(D / 16));
 #endif
             else if (D == 64)
-                attend(&L, table, n, skip, h0, G, 64, sinks, qb, ob, scores, acc);
+                BY_FORM(ATTEND, 64);
             else if (D == 128)
-                attend(&L, table, n, skip, h0, G, 128, sinks, qb, ob, scores, acc);
+                BY_FORM(ATTEND, 128);
             else
-                attend(&L, table, n, skip, h0, G, D, sinks, qb, ob, scores, acc);
+                BY_FORM(ATTEND, D);
         }
         free(scores);
     }
     free(order);
     return failed ? 2 : 0;
+}
+
+/* dst[0..n) = src[0..n) as a cache of form kv holds it (the fused loop's stores, cpu_common.h's
+ * store_kv; exported for tests). 0, or 1 for a form it does not know. */
+int trillm_kv_store(const float *restrict src, void *restrict dst, int64_t n, int kv)
+{
+    if (kv == KV_F16)
+        store_kv(dst, src, n, KV_F16);
+    else if (kv == KV_BF16)
+        store_kv(dst, src, n, KV_BF16);
+    else if (kv == KV_F32)
+        store_kv(dst, src, n, KV_F32);
+    else
+        return 1;
+    return 0;
 }

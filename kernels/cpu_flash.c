@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "cpu_amx.h"
+#include "cpu_common.h" /* the KV cache's forms */
 
 #define QB 32        /* query rows per block: two A tiles */
 #define KB 32        /* keys per block: two B tiles */
@@ -35,15 +36,27 @@
 #if AMX
 
 typedef struct {
-    const float *k_cache, *v_cache;
+    const char *k_cache, *v_cache;
     const int64_t *pages;
     int64_t page_size, kv_heads, D;
+    int kv; /* the caches' form (cpu_common.h): bfloat16 copied as it is, float32 and float16 rounded here */
 } Cache;
 
-static const float *cache_row(const Cache *c, const float *base, int64_t t, int64_t g)
+/* Element offset of key t's row of kv head g. */
+static int64_t cache_row(const Cache *c, int64_t t, int64_t g)
 {
     const int64_t slot = c->pages[t / c->page_size] * c->page_size + t % c->page_size;
-    return base + (slot * c->kv_heads + g) * c->D;
+    return (slot * c->kv_heads + g) * c->D;
+}
+
+/* 16 elements of a cache row as bfloat16: as stored, or rounded to nearest even. */
+static __m256i row16(const Cache *c, const char *base, int64_t at)
+{
+    if (c->kv == KV_BF16)
+        return _mm256_loadu_si256((const __m256i *)(base + 2 * at));
+    if (c->kv == KV_F16)
+        return (__m256i)_mm512_cvtneps_pbh(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(base + 2 * at))));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)(base + 4 * at)));
 }
 
 /* Keys of block b (KB of them, zero past ``length``) of kv head g as B tiles of S = Q K^T: pair p
@@ -55,14 +68,15 @@ static void layout_block(const Cache *c, int64_t length, int64_t g, int64_t b, u
     uint16_t k16[KB * MAX_D], v16[KB * MAX_D];
     for (int64_t i = 0; i < KB; i++) {
         const int64_t t = b * KB + i;
+        const int64_t at = t < length ? cache_row(c, t, g) : 0;
         for (int64_t d = 0; d < D; d += 16) {
-            __m512 kv = _mm512_setzero_ps(), vv = _mm512_setzero_ps();
+            __m256i kv = _mm256_setzero_si256(), vv = _mm256_setzero_si256();
             if (t < length) {
-                kv = _mm512_loadu_ps(cache_row(c, c->k_cache, t, g) + d);
-                vv = _mm512_loadu_ps(cache_row(c, c->v_cache, t, g) + d);
+                kv = row16(c, c->k_cache, at + d);
+                vv = row16(c, c->v_cache, at + d);
             }
-            _mm256_storeu_si256((__m256i *)(k16 + i * D + d), (__m256i)_mm512_cvtneps_pbh(kv));
-            _mm256_storeu_si256((__m256i *)(v16 + i * D + d), (__m256i)_mm512_cvtneps_pbh(vv));
+            _mm256_storeu_si256((__m256i *)(k16 + i * D + d), kv);
+            _mm256_storeu_si256((__m256i *)(v16 + i * D + d), vv);
         }
     }
     to_pairs(k16, D, KB, D, kp, KB); /* keys: rows of D / 2 pairs turned into columns */
@@ -184,9 +198,10 @@ static __thread size_t capacity = 0;
 /* One span: out[r, h] = softmax(q[r, h] . K^T * scale) V over its first ``length`` cached tokens,
  * row r at position length - n + r seeing keys up to its own (and, with window > 0, its last
  * ``window``). 0, or 1 without a buffer. */
-static int flash_span(const float *q, int64_t ldq, const float *k_cache, const float *v_cache, const int64_t *pages,
-                      int64_t page_size, int64_t n, int64_t length, int64_t heads, int64_t kv_heads, int64_t D,
-                      float scale, int64_t window, const float *sinks, float *out, int64_t ldo, int num_threads)
+static int flash_span(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
+                      const int64_t *pages, int64_t page_size, int64_t n, int64_t length, int64_t heads,
+                      int64_t kv_heads, int64_t D, float scale, int64_t window, const float *sinks, float *out,
+                      int64_t ldo, int num_threads)
 {
     if (n <= 0)
         return 0;
@@ -199,7 +214,7 @@ static int flash_span(const float *q, int64_t ldq, const float *k_cache, const f
             return 1;
         capacity = bytes;
     }
-    const Cache cache = {k_cache, v_cache, pages, page_size, kv_heads, D};
+    const Cache cache = {k_cache, v_cache, pages, page_size, kv_heads, D, kv};
     const Span span = {.q = q, .ldq = ldq, .out = out, .ldo = ldo, .n = n, .length = length, .heads = heads,
                        .kv_heads = kv_heads, .D = D, .window = window, .blocks = blocks,
                        .scale2 = scale * (float)M_LOG2E, .sinks = sinks, .kp = layout,
@@ -227,21 +242,22 @@ static int flash_span(const float *q, int64_t ldq, const float *k_cache, const f
 /* Every prefill span of a step in one call: span s is rows spans[4 s] .. spans[4 s + 1] of q and out,
  * attending its first spans[4 s + 2] cached tokens through the pages from pages + spans[4 s + 3]
  * (see flash_span). q and out: float32 rows of heads x D (strides ldq, ldo); caches [pages,
- * page_size, kv_heads, D]. 0; 1 no buffer; 3 no tiles here; 4 a head dim this kernel does not take. */
-int trillm_flash_prefill(const float *q, int64_t ldq, const float *k_cache, const float *v_cache,
+ * page_size, kv_heads, D] of form kv (cpu_common.h). 0; 1 no buffer; 3 no tiles here; 4 a head dim
+ * this kernel does not take. */
+int trillm_flash_prefill(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,
                          const int64_t *spans, const int64_t *pages, int64_t count, int64_t page_size, int64_t heads,
                          int64_t kv_heads, int64_t D, float scale, int64_t window, const float *sinks, float *out,
-                         int64_t ldo, int num_threads)
+                         int64_t ldo, int num_threads, int kv)
 {
 #if AMX
     if (!amx_granted())
         return 3;
-    if (D % 32 || D > MAX_D || heads % kv_heads)
+    if (D % 32 || D > MAX_D || heads % kv_heads || (kv != KV_F32 && kv != KV_F16 && kv != KV_BF16))
         return 4;
     int rc = 0;
     for (int64_t s = 0; s < count && !rc; s++) {
         const int64_t *span = spans + 4 * s;
-        rc = flash_span(q + span[0] * ldq, ldq, k_cache, v_cache, pages + span[3], page_size, span[1] - span[0],
+        rc = flash_span(q + span[0] * ldq, ldq, k_cache, v_cache, kv, pages + span[3], page_size, span[1] - span[0],
                         span[2], heads, kv_heads, D, scale, window, sinks, out + span[0] * ldo, ldo, num_threads);
     }
     if (capacity > KEEP_BYTES) {
@@ -253,7 +269,7 @@ int trillm_flash_prefill(const float *q, int64_t ldq, const float *k_cache, cons
 #else
     (void)q, (void)ldq, (void)k_cache, (void)v_cache, (void)spans, (void)pages, (void)count, (void)page_size;
     (void)heads, (void)kv_heads, (void)D, (void)scale, (void)window, (void)sinks, (void)out, (void)ldo;
-    (void)num_threads;
+    (void)num_threads, (void)kv;
     return 3;
 #endif
 }

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h" /* store_kv: a cache row in its form */
+
 typedef int (*MatmulFn)(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
                         int flags, int num_threads);
 typedef void (*RmsNormFn)(const float *x, int64_t x_stride, const float *w, float *out, int64_t T, int64_t N,
@@ -23,10 +25,10 @@ typedef void (*RmsNormFn)(const float *x, int64_t x_stride, const float *w, floa
 typedef void (*RotaryFn)(float *qk, int64_t row_stride, int64_t head_stride, const float *cos_, const float *sin_,
                          int64_t T, int64_t H, int64_t D, int num_threads);
 typedef void (*SiluMulFn)(const float *gu, int64_t gu_stride, float *out, int64_t T, int64_t I, int num_threads);
-typedef int (*DecodeFn)(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+typedef int (*DecodeFn)(const float *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         const int32_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH, int64_t D,
                         int64_t num_pages, int64_t page_size, int64_t max_pages, float scale, int num_threads,
-                        int64_t window, const float *sinks, float softcap);
+                        int64_t window, const float *sinks, float softcap, int kv);
 
 typedef int (*GroupedFn)(const float *x, int64_t ldx, int64_t x_step, int type, const uint8_t *const *ws, int64_t G,
                          int64_t row_bytes, int64_t N, int64_t K, float *out, int64_t ldo, int64_t out_step, int64_t M,
@@ -59,6 +61,7 @@ typedef struct { /* _Model in cpu_forward.py */
     GroupedFn grouped;         /* cpu_gguf's grouped matmul: a mixture's experts */
     int64_t swiglu_oai;        /* the gated MLP is gpt-oss's (gated_mul unused): clamped at limit, */
     float alpha, limit;        /* gate * sigmoid(alpha gate) * (up + 1) */
+    int64_t kv;                /* the KV cache's form: KV_F32, KV_F16 or KV_BF16 (cpu_common.h; stored rounded) */
 } Model;
 
 typedef struct {                 /* _Mixture in cpu_forward.py: a mixture of experts, a GGUF file's blocks */
@@ -77,7 +80,7 @@ typedef struct {                              /* _Layer in cpu_forward.py */
     const float *q_norm, *k_norm;             /* [head_dim] per-head norms (Qwen3, Gemma 3), or NULL */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden] norms of each block's output (Gemma), or NULL */
     const Projection *qkv, *o, *gate_up, *down;
-    float *k_cache, *v_cache;                 /* [num_pages, page_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;                  /* [num_pages, page_size, kv_heads, head_dim], as Model's kv */
     int64_t window;                           /* > 0: attends its last `window` tokens only (no sinks here:
                                                  gpt-oss's layers run the Python loop) */
     int64_t local_rope;                       /* rotates by the local tables (Gemma 3's windowed layers) */
@@ -310,12 +313,14 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
                   m->heads + KVH, m->rotary_dim, num_threads);
         for (int64_t r = 0; r < M; r++) {
             const float *row = qkv + r * qkv_size;
-            memcpy(L->k_cache + slots[r] * kv_size, row + q_size, sizeof(float) * (size_t)kv_size);
-            memcpy(L->v_cache + slots[r] * kv_size, row + q_size + kv_size, sizeof(float) * (size_t)kv_size);
+            const int64_t at = slots[r] * kv_size * KV_BYTES(m->kv);
+            store_kv((char *)L->k_cache + at, row + q_size, kv_size, (int)m->kv);
+            store_kv((char *)L->v_cache + at, row + q_size + kv_size, kv_size, (int)m->kv);
             memcpy(q + r * q_size, row, sizeof(float) * (size_t)q_size);
         }
         if ((rc = m->decode(q, L->k_cache, L->v_cache, block_tables, context_lens, attn, M, m->heads, KVH, D,
-                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, L->sinks, m->softcap)))
+                            m->num_pages, m->page_size, max_pages, m->scale, num_threads, L->window, L->sinks, m->softcap,
+                            (int)m->kv)))
             break;
         /* x is free once QKV is projected, and again once gate_up is: the blocks' outputs go there. */
         if ((rc = project_residual(m, L->o, L->o_bias, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))

@@ -126,15 +126,17 @@ class DecodeLayers:
             for what, (t, shape) in vectors.items():
                 if t is not None and not _float32_of(t, shape):
                     raise ValueError(f"{what} must be contiguous float32 CPU {list(shape)}")
+        if k0.dtype not in cpu_decode.KV_FORMS:
+            raise ValueError(f"the KV cache must be float32, float16 or bfloat16, not {k0.dtype}")
         for k, v in kv_cache:
-            if any(t.shape != k0.shape or t.dtype is not _F32 or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
-                raise ValueError("the KV cache must be contiguous float32 CPU tensors of one shape")
+            if any(t.shape != k0.shape or t.dtype != k0.dtype or not t.is_cpu or not t.is_contiguous() for t in (k, v)):
+                raise ValueError("the KV cache must be contiguous CPU tensors of one shape and dtype")
         if len(kv_cache) != len(layers):
             raise ValueError(f"{len(layers)} layers but {len(kv_cache)} caches")
         if activation not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(f"no C kernel for the activation {activation!r}")
         rms_norm, rotary, silu_mul, _, gelu_tanh_mul, *_ = cpu_ops._functions()
-        (decode,) = cpu_decode._KERNEL.functions()
+        decode = cpu_decode._KERNEL.functions()[0]  # trillm_decode_attention
         self.model = _Model(
             _address(rms_norm),
             _address(rotary),
@@ -155,6 +157,7 @@ class DecodeLayers:
             int(activation == "swiglu_oai"),
             swiglu[0],
             swiglu[1],
+            cpu_decode.KV_FORMS[k0.dtype],
         )
 
         def address(t: torch.Tensor | None) -> int | None:

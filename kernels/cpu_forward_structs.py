@@ -43,7 +43,7 @@ class _Model(ctypes.Structure):
             )
         ]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("grouped", _P)]
-        + [("swiglu_oai", _I64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float)]
+        + [("swiglu_oai", _I64), ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("kv", _I64)]
     )
 
 

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import torch
 
-from trillm.kernels import amx_tiles, cpu_build
+from trillm.kernels import amx_tiles, cpu_build, cpu_decode
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "trillm_flash_prefill": [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64]
-    + [ctypes.c_float, _I64, _P, _P, _I64, _INT],
+    + [ctypes.c_float, _I64, _P, _P, _I64, _INT, _INT],
 }
 _KERNEL = cpu_build.CKernel("cpu_flash", _SIGNATURES, ctypes.c_int)
 MAX_HEAD_DIM = 256  # head dims: multiples of 32 up to this
@@ -32,13 +32,13 @@ def available() -> bool:
 
 
 def handles(head_dim: int, heads: int, kv_heads: int, softcap: float, cache_dtype: torch.dtype) -> bool:
-    """Whether a layer of this shape attends here (no soft cap; a float32 cache)."""
+    """Whether a layer of this shape attends here (no soft cap; a cache the decode kernel reads too)."""
     return (
         not softcap
         and head_dim % 32 == 0
         and head_dim <= MAX_HEAD_DIM
         and heads % kv_heads == 0
-        and cache_dtype is torch.float32
+        and cache_dtype in cpu_decode.KV_FORMS
         and available()
     )
 
@@ -57,7 +57,7 @@ def span_table(spans: Sequence[tuple[int, int, int, torch.Tensor]]) -> tuple[tor
 
 def attend_spans(
     q: torch.Tensor,  # [T, H, D] float32, rows and heads of unit-stride head dims (a view into qkv)
-    k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D] float32
+    k_cache: torch.Tensor,  # [num_pages, page_size, KVH, D] float32, float16 or bfloat16
     v_cache: torch.Tensor,
     table: torch.Tensor,  # ``span_table``'s
     pages: torch.Tensor,
@@ -74,8 +74,12 @@ def attend_spans(
     for name, t in (("q", q), ("out", out)):
         if t.dtype is not torch.float32 or t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name} must be float32 [n, H, D] with whole rows of heads")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype is not torch.float32:
-        raise ValueError("the caches must be contiguous float32")
+    if (
+        not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.dtype not in cpu_decode.KV_FORMS
+        or v_cache.dtype != k_cache.dtype
+    ):
+        raise ValueError("the caches must be contiguous float32, float16 or bfloat16, both alike")
     if table.dtype is not torch.int64 or pages.dtype is not torch.int64 or not table.is_contiguous():
         raise ValueError("the span table and pages must be int64 (span_table)")
     sink = sinks.float().contiguous() if sinks is not None else None
@@ -97,6 +101,7 @@ def attend_spans(
         out.data_ptr(),
         out.stride(0),
         max(1, num_threads if num_threads is not None else torch.get_num_threads()),
+        cpu_decode.KV_FORMS[k_cache.dtype],
     )
     if rc:
         raise {1: MemoryError("no buffer for the keys' layout"), 3: RuntimeError("no AMX tiles here")}.get(

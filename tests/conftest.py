@@ -35,8 +35,9 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def model_parts(model_dir) -> tuple[Any, Any, frozenset[int]]:
-    """SmolLM2 in float32, so it can be compared with transformers exactly."""
-    return load_model(EngineConfig(dtype="float32"))
+    """SmolLM2 in float32 with a float32 KV cache (the default is float16: ``test_kv_cache_dtype``), so it
+    can be compared with transformers exactly."""
+    return load_model(EngineConfig(dtype="float32", kv_cache_dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -21,14 +21,24 @@ def variant(request, monkeypatch):
     return request.param
 
 
-def paged_inputs(lens: list[int], heads: int, kv_heads: int, dim: int, page_size: int, seed: int = 0):
-    """Random q and cache with each sequence's pages scattered through a shuffled pool."""
+@pytest.fixture(params=[torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def kv_dtype(request) -> torch.dtype:
+    """The cache's form (``--kv-cache-dtype``), widened as the kernel loads it."""
+    return request.param
+
+
+def paged_inputs(
+    lens: list[int], heads: int, kv_heads: int, dim: int, page_size: int, seed: int = 0, kv_dtype=torch.float32
+):
+    """Random q and cache with each sequence's pages scattered through a shuffled pool; the cache in
+    ``kv_dtype``, and a reference reads it widened back to float32 (the kernel must agree exactly so)."""
     gen = torch.Generator().manual_seed(seed)
     max_pages = max(-(-n // page_size) for n in lens) + 1  # one spare column, never read
     num_pages = len(lens) * max_pages + 3
     q = torch.randn(len(lens), heads, dim, generator=gen)
     k_cache = torch.randn(num_pages, page_size, kv_heads, dim, generator=gen)
     v_cache = torch.randn(num_pages, page_size, kv_heads, dim, generator=gen)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     pool = torch.randperm(num_pages, generator=gen)[: len(lens) * max_pages]
     tables = pool.view(len(lens), max_pages).to(torch.int32)
     for row, n in zip(tables, lens):
@@ -42,11 +52,11 @@ def test_available():
 
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 32), (9, 3, 64), (6, 2, 128), (4, 2, 20)])
-def test_matches_reference(variant: str, page_size: int, heads: int, kv_heads: int, dim: int):
+def test_matches_reference(variant: str, kv_dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int):
     lens = [1, 7, page_size, page_size + 1, 300, 1, 129]
-    q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size)
+    q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size, 0, kv_dtype)
     scale = dim**-0.5
-    want = reference.decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+    want = reference.decode_attention(q, k_cache.float(), v_cache.float(), tables, context_lens, scale)
     for threads in (1, 2, 3):
         got = cpu_decode.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, num_threads=threads)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -58,13 +68,13 @@ def test_matches_reference(variant: str, page_size: int, heads: int, kv_heads: i
 )
 @pytest.mark.parametrize("lens", [[35], [2000], [16, 17], [15, 33, 64, 31, 48, 1000, 2]])
 def test_more_shapes_and_task_splits(
-    variant: str, heads: int, kv_heads: int, dim: int, page_size: int, lens: list[int]
+    variant: str, kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int, page_size: int, lens: list[int]
 ):
     """Pages that do not divide 16 tokens, fewer sequences than threads (a task per kv head
     then), more heads per kv head than the vector version takes, and long contexts."""
-    q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size, seed=len(lens))
+    q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size, len(lens), kv_dtype)
     scale = dim**-0.5
-    want = reference.decode_attention(q, k_cache, v_cache, tables, context_lens, scale)
+    want = reference.decode_attention(q, k_cache.float(), v_cache.float(), tables, context_lens, scale)
     for threads in (1, 2, 3):
         got = cpu_decode.decode_attention(q, k_cache, v_cache, tables, context_lens, scale, num_threads=threads)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -107,6 +117,10 @@ def test_rejects_other_dtypes_and_bad_tables():
         cpu_decode.decode_attention(q.half(), k_cache.half(), v_cache.half(), tables, context_lens, 1.0)
     with pytest.raises(ValueError):
         cpu_decode.decode_attention(q.half(), k_cache, v_cache, tables, context_lens, 1.0)
+    with pytest.raises(ValueError, match="float16 or bfloat16 cache"):  # a float64 cache, or K and V unlike
+        cpu_decode.decode_attention(q, k_cache.double(), v_cache.double(), tables, context_lens, 1.0)
+    with pytest.raises(ValueError, match="float16 or bfloat16 cache"):
+        cpu_decode.decode_attention(q, k_cache.bfloat16(), v_cache, tables, context_lens, 1.0)
     bad = tables.clone()
     bad[0, 0] = k_cache.shape[0]
     with pytest.raises(ValueError):
@@ -116,16 +130,45 @@ def test_rejects_other_dtypes_and_bad_tables():
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 32), (6, 2, 128), (4, 2, 20)])
-def test_soft_capped_scores_match_the_reference(variant: str, heads: int, kv_heads: int, dim: int):
+def test_soft_capped_scores_match_the_reference(
+    variant: str, kv_dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+):
     """Gemma 2's cap (each score s as cap * tanh(s / cap) before the softmax), windows or not, sinks or not."""
-    q, k_cache, v_cache, tables, lens = paged_inputs([1, 9, 40, 300], heads, kv_heads, dim, 16, seed=3)
+    q, k_cache, v_cache, tables, lens = paged_inputs([1, 9, 40, 300], heads, kv_heads, dim, 16, 3, kv_dtype)
     q = q * 3  # scores of several units: the cap bends them
     sinks = torch.randn(heads)
+    wide = k_cache.float(), v_cache.float()
     for window, sink in ((0, None), (7, None), (0, sinks), (7, sinks)):
-        want = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, sink, 1.5)
+        want = reference.decode_attention(q, *wide, tables, lens, dim**-0.5, window, sink, 1.5)
         got = cpu_decode.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, sink, 1.5)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        plain = reference.decode_attention(q, k_cache, v_cache, tables, lens, dim**-0.5, window, sink)
+        plain = reference.decode_attention(q, *wide, tables, lens, dim**-0.5, window, sink)
         assert not torch.allclose(plain, want, atol=1e-3)  # the cap changes the result
     with pytest.raises(ValueError):
         cpu_decode.decode_attention(q, k_cache, v_cache, tables, lens, 0.1, softcap=float("nan"))
+
+
+def _awkward_values() -> torch.Tensor:
+    """Values where conversions go wrong: float16's subnormals and its least normal, ties of both
+    16-bit forms, its range's end and past it, infinities, NaN, signed zeros, and random scales."""
+    gen = torch.Generator().manual_seed(5)
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8, 2**-24, 3 * 2**-25, 2**-14 - 2**-25])
+    edges = torch.tensor([65504.0, 65519.0, 65520.0, 7e4, 1e30, float("inf"), float("nan"), 0.0, -0.0, 6.1e-5, 5.96e-8])
+    spread = torch.randn(4000, generator=gen) * torch.logspace(-9, 6, 4000)
+    x = torch.cat([ties, edges, spread])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_stores_round_as_torch_does_and_float16_saturates(variant: str, dtype: torch.dtype):
+    """The fused loop's stores (the portable build: integer arithmetic, no F16C) give the bits the
+    Python path's stores give: torch's rounding to nearest even, float16 clamped to +-65504 first."""
+    x = _awkward_values()
+    want = (x.clamp(-65504, 65504) if dtype is torch.float16 else x).to(dtype)
+    got = cpu_decode.stored(x, dtype)
+    same = (got.view(torch.int16) == want.view(torch.int16)) if dtype is not torch.float32 else got == want
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert bool(same[~nan].all()), x[~nan][~same[~nan]][:8]
+    if dtype is torch.float16:
+        assert got.float()[x == float("inf")].eq(65504).all() and got.float()[x == 7e4].eq(65504).all()

@@ -104,6 +104,18 @@ def test_decode_steps_in_c_equal_the_python_loop(fusing_model):
     _fused_equals_plain(model, calls)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_cache_is_stored_and_read_alike_by_both_loops(fusing_model, kv_dtype):
+    """--kv-cache-dtype: the C loop's stores round as the Python path's, and both attend through the
+    same kernel: still bit for bit."""
+    model, calls = fusing_model
+    model.kv_dtype = kv_dtype
+    try:
+        _fused_equals_plain(model, calls)
+    finally:
+        model.kv_dtype = torch.float32
+
+
 @pytest.mark.skipif(not cpu_gguf.available(), reason="needs a C compiler")
 def test_a_gguf_files_own_blocks_decode_in_c_as_in_python(tmp_path, monkeypatch):
     """A Q4_K_M-style file: Q and K in Q4_K beside V in Q6_K (parts side by side), gate/up and down

@@ -45,8 +45,9 @@ def test_it_runs_exactly_where_the_tiles_do():
     assert flash_prefill.available() == (amx_tiles.available() and flash_prefill._KERNEL.available())
     assert not flash_prefill.handles(64, 8, 2, 30.0, torch.float32)  # a soft cap: the torch path
     assert not flash_prefill.handles(80, 8, 2, 0.0, torch.float32)  # a head dim not a multiple of 32
-    assert not flash_prefill.handles(64, 8, 2, 0.0, torch.bfloat16)  # a bfloat16 cache
-    assert flash_prefill.handles(64, 8, 2, 0.0, torch.float32) == flash_prefill.available()
+    assert not flash_prefill.handles(64, 8, 2, 0.0, torch.float64)  # a cache no kernel reads
+    for cache in (torch.float32, torch.float16, torch.bfloat16):
+        assert flash_prefill.handles(64, 8, 2, 0.0, cache) == flash_prefill.available()
 
 
 CASES = [  # rows, context, heads, kv heads, head dim, window, sinks
@@ -79,6 +80,16 @@ def test_each_row_attends_what_it_sees_within_bfloat16_rounding(
     # unit-variance values, far less on average
     error = (out.double() - exact).abs()
     assert error.max() < 0.03 and error.mean() < 1.5e-3
+    # a bfloat16 cache (--kv-cache-dtype) holds what the kernel rounds a float32 one to: the same output;
+    # a float16 one gives what its values widened to a float32 cache give
+    for half, widened in ((torch.bfloat16, out), (torch.float16, None)):
+        k16, v16 = k_cache.to(half), v_cache.to(half)
+        if widened is None:
+            widened = torch.full_like(out, float("nan"))
+            flash_prefill.attend(q, k16.float(), v16.float(), pages, length, scale, window, sinks, widened)
+        got = torch.full_like(out, float("nan"))
+        flash_prefill.attend(q, k16, v16, pages, length, scale, window, sinks, got)
+        assert torch.equal(got, widened)
 
 
 @needs_tiles

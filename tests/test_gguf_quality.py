@@ -96,12 +96,20 @@ def test_a_file_of_every_type_agrees_with_transformers_reading_it(tokenizer, tmp
         theirs = hf(torch.tensor([ids])).logits[0]
     exact = _agreement(_all_logits(ours, ids, 4096), theirs, ids)  # float32 activations: the same values
     integer = _agreement(_all_logits(ours, ids, 4), theirs, ids)  # 4 rows a step: int16 activations
+    ours.kv_dtype = torch.float16  # the default cache where the projections are blocks (--kv-cache-dtype)
+    half = _agreement(_all_logits(ours, ids, 4), theirs, ids)
+    ours.kv_dtype = torch.bfloat16
+    brain = _agreement(_all_logits(ours, ids, 4), theirs, ids)
+    ours.kv_dtype = torch.float32
     cpu.gemm_bf16 = True  # --gemm-dtype bfloat16: the panels' GEMMs and the attention round to bfloat16
     rounded = _agreement(_all_logits(ours, ids, 96), theirs, ids)  # 96 rows a step: from bf16_panels.ROWS on
     print(
         f"{sorted(kinds)}: float32 path {exact[0]:.4f} / {exact[1]:.5f}, int16 path {integer[0]:.4f} / "
-        f"{integer[1]:.5f}, bfloat16 prefill {rounded[0]:.4f} / {rounded[1]:.5f}"
+        f"{integer[1]:.5f}, bfloat16 prefill {rounded[0]:.4f} / {rounded[1]:.5f}, float16 KV {half[0]:.4f} / "
+        f"{half[1]:.5f}, bfloat16 KV {brain[0]:.4f} / {brain[1]:.5f}"
     )
     assert exact[0] >= 0.99 and exact[1] <= 0.01
     assert integer[0] >= 0.99 and integer[1] <= 0.01  # int8 activations: 98.0 % / 0.083 here
     assert rounded[0] >= 0.95 and rounded[1] <= 0.05  # the issue's bar for a path that rounds
+    assert half[0] >= 0.99 and half[1] <= 0.01  # the default cache: as close as float32's
+    assert brain[0] >= 0.95 and brain[1] <= 0.05

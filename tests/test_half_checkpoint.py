@@ -70,7 +70,8 @@ def test_auto_serves_it_in_float32_with_its_rows_kept(bf16_dir):
 
 
 def test_its_logits_and_greedy_tokens_are_transformers_float32_ones(bf16_dir, hf_model):
-    model = loading.load_model(EngineConfig(model=str(bf16_dir), gemm_dtype="float32"))[0]
+    # a float32 cache: the exact path (the default float16 one: test_the_engine_gives_transformers_greedy_tokens)
+    model = loading.load_model(EngineConfig(model=str(bf16_dir), gemm_dtype="float32", kv_cache_dtype="float32"))[0]
     ids = list(range(40, 140))
     with torch.inference_mode():
         theirs = hf_model(torch.tensor([ids])).logits[0]

@@ -335,7 +335,10 @@ def test_embed_gives_the_servers_vectors_over_the_same_engine(llm, model_dir):
     for text, vector in zip(texts, vectors):
         with torch.inference_mode():
             h = hf(torch.tensor([llm.tokenizer(text)["input_ids"]])).last_hidden_state[0].mean(0)
-        torch.testing.assert_close(torch.tensor(vector), torch.nn.functional.normalize(h, dim=0), atol=1e-5, rtol=1e-4)
+        want = torch.nn.functional.normalize(h, dim=0)
+        # The default float16 KV cache rounds K/V (1.2e-4 at most here; a float32 cache: within 1e-5).
+        torch.testing.assert_close(torch.tensor(vector), want, atol=4e-4, rtol=1e-3)
+        assert float(torch.tensor(vector) @ want) > 1 - 1e-6
     cat, mat, stocks = (torch.tensor(v) for v in vectors)
     assert float(cat @ mat) > float(cat @ stocks) + 0.1
     assert idle(llm)

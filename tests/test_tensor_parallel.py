@@ -184,15 +184,19 @@ async def test_tp_2_gives_tp_1s_greedy_tokens_frees_pages_and_fails_fast(model_p
     0's books; a rank that stops answering (SIGSTOP) stops the engine within ``--dist-timeout``."""
     settings = dict(dtype="float32", num_pages=128, page_size=16, max_num_seqs=8, max_batch_tokens=128)
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
-    one = Engine(EngineConfig(**settings), *model_parts)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(one.run)
-        expected = await outputs_by_prompt(one, tokenizer, PROMPTS, params)
-        nursery.cancel_scope.cancel()
+    model_parts[0].kv_dtype = torch.float16  # the default cache, as both ranks of ``two`` choose it
+    try:
+        one = Engine(EngineConfig(**settings), *model_parts)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(one.run)
+            expected = await outputs_by_prompt(one, tokenizer, PROMPTS, params)
+            nursery.cancel_scope.cancel()
+    finally:
+        model_parts[0].kv_dtype = torch.float32
 
     two = await trio.to_thread.run_sync(Engine.load, EngineConfig(**settings, tp=2, dist_timeout=3.0))
     workers = two.ranks
-    assert workers is not None
+    assert workers is not None and two.model.kv_dtype is torch.float16
     assert len(workers.processes) == 1 and two.model.shape.num_heads == 6  # rank 0: two of the three groups
     with pytest.raises(ExceptionGroup) as failure:
         async with trio.open_nursery() as nursery:

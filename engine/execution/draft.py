@@ -106,7 +106,7 @@ class DraftModel:
         self.page_size = page_size
         s = model.shape
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
-        zeros = lambda: lazy_zeros(shape, model.dtype, model.device)  # noqa: E731  (resident as written)
+        zeros = lambda: lazy_zeros(shape, model.kv_dtype, model.device)  # noqa: E731  (resident as written)
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self.bound = model.backend.bind(model, self.kv_cache)
 

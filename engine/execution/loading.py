@@ -13,7 +13,13 @@ import torch
 
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.backends import Backend, CpuBackend, create_backend
-from trillm.engine.execution.dtype_choice import DtypeChoice, block_weights_wanted, choose_dtype
+from trillm.engine.execution.dtype_choice import (
+    DtypeChoice,
+    block_weights_wanted,
+    choose_dtype,
+    choose_kv_dtype,
+    kv_dtype_asked,
+)
 from trillm.engine.execution.file_checks import check_gguf
 from trillm.engine.execution.gguf_header import GGUFHeader
 from trillm.engine.execution.gguf_model import gguf_config
@@ -172,6 +178,7 @@ def plan_load(config: EngineConfig) -> LoadPlan:
     dtype_choice = choose_dtype(config, device, source, model_config)
     if config.dtype == "auto":  # a dtype asked for needs no reason
         log.info("dtype %s: %s", dtype_choice.name, dtype_choice.reason)
+    kv_dtype_asked(config, device, dtype_choice.dtype)  # refused here, before any weight is read
     gguf = source if isinstance(source, GGUFHeader) else None
     return LoadPlan(config, folder, model_config, device, dtype_choice, gguf)
 
@@ -227,6 +234,9 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
             f"weight_format blocks: only {model.num_block_weights} of {len(model.projections())} "
             f"projections of {config.model} are in blocks (exact Q4_1/Q8_0 blocks or a GGUF file's own)"
         )
+    kv = choose_kv_dtype(config, model)
+    model.kv_dtype = kv.dtype
+    log.info("KV cache %s: %s", kv.name, kv.reason)
     tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
     if isinstance(backend, CpuBackend) and backend.gemm_bf16:
         tiles = amx_tiles.available()

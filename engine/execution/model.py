@@ -2,12 +2,11 @@
 (Llama, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 2, Gemma 3, Phi-3, Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss), one
 implementation read by its switches.
 
-Weights are plain tensors held by the model; Q/K/V and gate/up projections are
-fused into one matmul each at load time. ``transformers`` supplies only the config.
-The model embeds tokens and projects logits; its backend (``backends/``), chosen by
-the composition root (``loading.py``) and handed in, runs the decoder layers. Where
-the backend allows it (the CPU fast path in float32), projections whose values are
-exactly GGUF blocks (as the default model's are) stay in those blocks (``kernels/block_weights.py``).
+Weights are plain tensors held by the model; Q/K/V and gate/up projections are fused into one
+matmul each at load time. ``transformers`` supplies only the config. The model embeds tokens and
+projects logits; its backend (``backends/``), chosen by the composition root (``loading.py``) and
+handed in, runs the decoder layers. Where the backend allows it (the CPU fast path in float32),
+projections whose values are exactly GGUF blocks stay in those blocks (``kernels/block_weights.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +86,7 @@ class DecoderModel:
         self.tp = tp
         self.fingerprint = ""  # of the whole checkpoint (``sharded``): ranks compare it at start
         self.dtype = dtype
+        self.kv_dtype = dtype  # the KV cache's (``dtype_choice.choose_kv_dtype``: bfloat16 under float32 on CPUs)
         self.device = torch.device(device)
         self.backend = backend
         if (self.backend.device.type, self.backend.dtype) != (self.device.type, dtype):

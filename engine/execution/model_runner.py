@@ -90,7 +90,7 @@ def token_scores(
 
 
 def kv_bytes_per_token(model: DecoderModel) -> int:
-    return model.shape.kv_bytes_per_token(model.dtype)
+    return model.shape.kv_bytes_per_token(model.kv_dtype)
 
 
 @attrs.define
@@ -128,7 +128,7 @@ class ModelRunner:
         self.page_size = page_size
         s = model.shape
         shape = (num_pages, page_size, s.num_kv_heads, s.head_dim)
-        zeros = lambda: lazy_zeros(shape, model.dtype, model.device)  # noqa: E731  (resident as written)
+        zeros = lambda: lazy_zeros(shape, model.kv_dtype, model.device)  # noqa: E731  (resident as written)
         self.kv_cache = [(zeros(), zeros()) for _ in range(s.num_layers)]
         self._bound: Any = self.backend.bind(model, self.kv_cache)  # the backend's state over this cache
         self._last_sampled: list[int] | None = None  # the tokens of the step that ran last

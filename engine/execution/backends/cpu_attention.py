@@ -8,7 +8,8 @@ length. Decode rows are attended together with a padded page table; prefill
 chunks one sequence at a time with a causal mask shifted by what is cached.
 In float32, decode rows go instead to a small C kernel (``kernels/cpu_decode.c``)
 that reads the pages in place: no gather, each K/V row read once per kv head
-(2.3-3x faster than gather + SDPA, measured).
+(2.3-3x faster than gather + SDPA, measured). The cache may be float16 or bfloat16 under
+float32 activations (``--kv-cache-dtype``): K/V are rounded as they are stored and widened as read.
 """
 
 from __future__ import annotations
@@ -91,14 +92,25 @@ def _span_table(prefills: tuple[PrefillSpan, ...]) -> tuple[torch.Tensor, torch.
     return flash_prefill.span_table([(p.start, p.end, p.context_len, p.context_pages) for p in prefills])
 
 
-def _gather(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """[B, P] or [P] pages -> [B, P * page_size, KVH, D] or [P * page_size, KVH, D].
+F16_MAX = 65504.0  # float16's largest: a float16 cache saturates there, as the C loop's stores do
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` holds it."""
+    if dtype is torch.float16 and x.dtype is not torch.float16:
+        return x.clamp(-F16_MAX, F16_MAX).to(dtype)
+    return x.to(dtype)
+
+
+def _gather(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, P] or [P] pages -> [B, P * page_size, KVH, D] or [P * page_size, KVH, D], in ``dtype``
+    (the activations', where the cache is bfloat16 under float32).
 
     ``index_select`` over whole pages copies contiguous blocks; it is several
     times faster on CPUs than advanced indexing with the same result.
     """
     blocks = cache.index_select(0, pages.flatten())  # [B * P, page_size, KVH, D]
-    return blocks.view(*pages.shape[:-1], -1, *cache.shape[2:])
+    return blocks.view(*pages.shape[:-1], -1, *cache.shape[2:]).to(dtype)
 
 
 def _attention(
@@ -153,8 +165,8 @@ def paged_attention(
     ``prefill_dtype``: the prefill spans attend in it, bfloat16 for AMX tiles, the cache unchanged;
     ``out``: a [T, H, D] tensor to write into, else a fresh one)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _stored(k, k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _stored(v, v_cache.dtype))
     gqa = q.shape[1] != kv_heads
     d = meta.decode_rows
     if d is not None and d.rows is None:  # a decode-only step: no row shuffling (1/3 of it at one row)
@@ -171,8 +183,8 @@ def paged_attention(
 
     for group in meta.decodes:
         qd = q.index_select(0, group.rows).unsqueeze(2)  # [Bd, H, 1, D]
-        kd = _gather(k_cache, group.pages).transpose(1, 2)  # [Bd, KVH, L, D]
-        vd = _gather(v_cache, group.pages).transpose(1, 2)
+        kd = _gather(k_cache, group.pages, q.dtype).transpose(1, 2)  # [Bd, KVH, L, D]
+        vd = _gather(v_cache, group.pages, q.dtype).transpose(1, 2)
         od = _attention(qd, kd, vd, group.window_mask(window), scale, gqa, sinks, softcap)
         out.index_copy_(0, group.rows, od.squeeze(2))
 
@@ -189,8 +201,8 @@ def paged_attention(
             out[span.start : span.end] = op
             continue
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kp = _gather(k_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
-        vp = _gather(v_cache, span.context_pages)[: span.context_len].transpose(0, 1).unsqueeze(0)
+        kp = _gather(k_cache, span.context_pages, q.dtype)[: span.context_len].transpose(0, 1).unsqueeze(0)
+        vp = _gather(v_cache, span.context_pages, q.dtype)[: span.context_len].transpose(0, 1).unsqueeze(0)
         op = _attention(qp, kp, vp, span.window_mask(window), scale, gqa, sinks, softcap)
         out[span.start : span.end] = op.squeeze(0).transpose(0, 1)
     return out
@@ -226,7 +238,7 @@ def _padded_attention(
     qp[0, :, :n] = q[span.start : span.end].transpose(0, 1)
     kv = []
     for cache in (k_cache, v_cache):
-        gathered = _gather(cache, span.context_pages)[:length]
+        gathered = _gather(cache, span.context_pages, dtype)[:length]
         padded = torch.zeros(1, kv_heads, keys, head_dim, dtype=dtype)
         padded[0, :, :length] = gathered.transpose(0, 1)
         kv.append(padded)
