@@ -51,3 +51,40 @@ def test_regression_one_large_free_no_longer_moves_mib_blocks_into_the_arenas():
 def test_an_operators_malloc_mmap_threshold_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
     assert native_memory.pin_mmap_threshold() is False
+
+
+# In a fresh process with the server's pinned threshold: Gemma 3's file loaded (the heap then holds
+# freed blocks of the load, which calloc reuses and must zero by hand), then a float16 KV pool made as
+# the runner makes it (1,820 pages: 18 layers of 14.2 MiB each for K and for V, under the threshold).
+# With SmolLM2's load the heap held no such blocks and calloc's pages stayed untouched.
+POOL = """
+import gc, torch
+from trillm.engine.config import EngineConfig
+from trillm.engine.execution import loading, native_memory
+from trillm.engine.execution.model_runner import ModelRunner
+native_memory.pin_mmap_threshold()
+def status(key):
+    return int([l for l in open("/proc/self/status") if l.startswith(key)][0].split()[1]) << 10
+model = loading.load_model(EngineConfig(model="gemma-3-270m-q4_k_m", prefault=False))[0]
+native_memory.trim()
+anon, size = status("RssAnon"), status("VmSize")
+runner = ModelRunner(model, 1820, 16)
+made = status("RssAnon") - anon
+runner.kv_cache[3][0][7].fill_(1.5)
+written = status("RssAnon") - anon
+del runner
+gc.collect()
+print(made, written, status("VmSize") - size)
+"""
+
+
+@glibc
+def test_regression_the_kv_pool_is_resident_only_as_written_whatever_its_layers_size():
+    """Below malloc's mmap threshold, calloc zeroed a layer's pages by hand where it reused freed heap
+    blocks: 241 MiB of Gemma 3's 530 MiB float16 pool was resident at start. Now each layer is a
+    mapping of its own, unmapped with it."""
+    out = subprocess.run([sys.executable, "-c", POOL], capture_output=True, text=True, check=True)
+    made, written, left = (int(v) for v in out.stdout.split())
+    assert made < 16 << 20, f"{made >> 20} MiB of the pool resident before anything was written"
+    assert 4096 <= written < made + (8 << 20)
+    assert left < 64 << 20  # its 512 MiB of mappings went with it
