@@ -206,7 +206,7 @@ INLINE void attend(const Layout *L, const int32_t *table, int64_t n, int64_t ski
 #include <immintrin.h>
 #define AVX512_PATH 1
 #define MAX_G 8
-#define MAX_DV 8 /* vectors of 16 floats per row */
+#define MAX_DV 16 /* vectors of 16 floats per row (head dims up to 256: Gemma's) */
 
 /* e^x for x <= 0 (NaN stays NaN) within 1.3 ulp: 2^n * e^r, |r| <= ln2 / 2, with
  * Cephes expf's polynomial. Inline: no call, and no libmvec ABI name to declare. */
@@ -306,7 +306,7 @@ INLINE void scores16(const Rows *r, int64_t off, const float *qh, float scale, f
     }
 }
 
-/* out[g] += w[g * stride + t] * V row t of r (from offset off) for the m real
+/* out[g] += w[g * stride + t] * V row t of r (from offset off, DV vectors) for the m real
  * rows and G heads; prefetches pf's rows as it goes. */
 INLINE void values16(const Rows *r, int64_t off, const float *w, int64_t stride, __m512 *out, const Rows *pf, int G,
                      int DV, int kv)
@@ -379,6 +379,10 @@ INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t s
             sc[i * stride + p] = -INFINITY;
         inv[i] = softmax_row(sc + i * stride, n, sinks ? sinks[h0 * G + i] : -INFINITY);
     }
+    /* Rows of over 8 vectors (Gemma's 256 dims) in parts whose G x part accumulators stay in registers:
+     * part c0 .. c0 + width(c0) of every head at acc[h] + G * c0, [g][width] */
+    const int part = DV <= 8 ? DV : 24 / G > 1 ? 24 / G : 1;
+#define WIDTH(c0) (DV - (c0) < part ? DV - (c0) : part)
     __m512 acc[MAX_HEADS][MAX_G * MAX_DV];
     for (int h = 0; h < nh; h++)
         for (int i = 0; i < G * DV; i++)
@@ -387,11 +391,17 @@ INLINE void attend16(const Layout *L, const int32_t *table, int64_t n, int64_t s
         chunk_rows(&pf, L, p0 + 16 < n ? v : NULL, table, p0 + 16 < n ? p0 + 16 : 0, n);
         chunk_rows(&r, L, v, table, p0, n);
         for (int h = 0; h < nh; h++)
-            values16(&r, h * D, sc + h * G * stride + p0, stride, acc[h], &pf, G, DV, kv);
+            for (int c0 = 0; c0 < DV; c0 += part)
+                values16(&r, h * D + 16 * c0, sc + h * G * stride + p0, stride, acc[h] + G * c0, &pf, G, WIDTH(c0),
+                         kv);
     }
     for (int i = 0; i < nh * G; i++)
-        for (int j = 0; j < DV; j++)
-            _mm512_storeu_ps(ob + i * D + 16 * j, _mm512_mul_ps(acc[i / G][i % G * DV + j], _mm512_set1_ps(inv[i])));
+        for (int j = 0; j < DV; j++) {
+            const int c0 = j / part * part;
+            const __m512 sum = acc[i / G][G * c0 + i % G * WIDTH(c0) + j - c0];
+            _mm512_storeu_ps(ob + i * D + 16 * j, _mm512_mul_ps(sum, _mm512_set1_ps(inv[i])));
+        }
+#undef WIDTH
 }
 #endif
 

@@ -51,7 +51,10 @@ def test_available():
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 32), (9, 3, 64), (6, 2, 128), (4, 2, 20)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim",  # Gemma 3's 256 (the vector version in parts) and 144 (9 vectors: parts of 6 and 3)
+    [(4, 4, 32), (8, 2, 32), (9, 3, 64), (6, 2, 128), (4, 2, 20), (4, 1, 256), (8, 2, 144), (2, 1, 256)],
+)
 def test_matches_reference(variant: str, kv_dtype: torch.dtype, page_size: int, heads: int, kv_heads: int, dim: int):
     lens = [1, 7, page_size, page_size + 1, 300, 1, 129]
     q, k_cache, v_cache, tables, context_lens = paged_inputs(lens, heads, kv_heads, dim, page_size, 0, kv_dtype)
