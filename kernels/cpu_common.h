@@ -62,33 +62,39 @@ INLINE float dot16(const float *restrict a, const float *restrict b, int64_t K)
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 #define KV_BYTES(kv) ((kv) == KV_F32 ? 4 : 2)
 
-INLINE float bf16_float(uint16_t b)
+/* A float32's bits and back (memcpy: no aliasing rules broken, one move once compiled). */
+INLINE uint32_t bits_of(float f)
 {
-    union {
-        uint32_t u;
-        float f;
-    } x = {(uint32_t)b << 16};
-    return x.f;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
 }
+
+INLINE float float_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE float bf16_float(uint16_t b) { return float_of((uint32_t)b << 16); }
 
 /* Rounded to nearest even as AVX512-BF16's vcvtneps2bf16 and torch round, so that a cache row holds
  * what the AMX flash kernel would round a float32 row to; a NaN stays a (quiet) NaN. */
 INLINE uint16_t float_bf16(float f)
 {
-    union {
-        float f;
-        uint32_t u;
-    } x = {f};
-    if ((x.u & 0x7FFFFFFFu) > 0x7F800000u)
-        return (uint16_t)(x.u >> 16 | 0x40);
-    return (uint16_t)((x.u + 0x7FFFu + (x.u >> 16 & 1u)) >> 16);
+    const uint32_t u = bits_of(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)(u >> 16 | 0x40);
+    return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
 }
 
 #define F16_MAX 65504.0f /* values past it are stored as it (saturated), not as infinity */
 
 #if defined(__FLT16_MAX__) && !defined(TRILLM_PORTABLE)
-/* The compiler's _Float16 (GCC 12, clang 15): with F16C (every AVX2 CPU) its conversions are
- * vcvtph2ps / vcvtps2ph, and loops over them vectorise; without, library calls, still exact. */
+/* The compiler's _Float16 (GCC 12, clang 15): with F16C (every AVX2 CPU) each conversion is one
+ * vcvtph2ps / vcvtps2ph, a value at a time (GCC 12 does not vectorise loops over them: the decode
+ * kernel loads 8 or 16 lanes itself); without F16C, library calls, still exact. */
 INLINE float f16_float(uint16_t h)
 {
     _Float16 v;
@@ -107,39 +113,31 @@ INLINE uint16_t float_f16(float f)
 INLINE float f16_float(uint16_t h)
 {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h >> 10 & 0x1Fu, man = h & 0x3FFu;
-    union {
-        uint32_t u;
-        float f;
-    } x;
     if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        x.f = (float)man * 5.9604644775390625e-8f;
-        x.u |= sign;
-    } else
-        x.u = sign | (exp == 0x1F ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13);
-    return x.f;
+        const float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return float_of(sign | (exp == 0x1F ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13));
 }
 
 INLINE uint16_t float_f16(float f)
 {
-    union {
-        float f;
-        uint32_t u;
-    } x = {f};
-    const uint16_t sign = (uint16_t)(x.u >> 16 & 0x8000u);
-    if ((x.u & 0x7FFFFFFFu) > 0x7F800000u)
+    uint32_t u = bits_of(f);
+    const uint16_t sign = (uint16_t)(u >> 16 & 0x8000u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
         return sign | 0x7E00u;
-    x.u &= 0x7FFFFFFFu;
-    if (x.f > F16_MAX)
-        x.f = F16_MAX;
-    if (x.f < 6.103515625e-5f) { /* under 2^-14: a subnormal, man = |f| * 2^24 rounded to nearest even */
-        const float scaled = x.f * 16777216.0f;
+    float a = float_of(u & 0x7FFFFFFFu);
+    if (a > F16_MAX)
+        a = F16_MAX;
+    if (a < 6.103515625e-5f) { /* under 2^-14: a subnormal, man = |f| * 2^24 rounded to nearest even */
+        const float scaled = a * 16777216.0f;
         uint32_t man = (uint32_t)scaled;
         const float rest = scaled - (float)man;
         man += rest > 0.5f || (rest == 0.5f && (man & 1u)); /* 1024 rounds up to the least normal: right */
         return sign | (uint16_t)man;
     }
-    x.u += 0xFFFu + (x.u >> 13 & 1u); /* 23 bits of mantissa to 10, to nearest even */
-    return sign | (uint16_t)((x.u >> 13) - (112u << 10));
+    u = bits_of(a) + 0xFFFu + (bits_of(a) >> 13 & 1u); /* 23 bits of mantissa to 10, to nearest even */
+    return sign | (uint16_t)((u >> 13) - (112u << 10));
 }
 #endif
 

@@ -7,6 +7,7 @@ every block type in ``test_gguf_quality``."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -74,3 +75,33 @@ def test_the_default_cache_gives_transformers_greedy_tokens_in_every_step_shape(
             for _ in range(2):
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_without_c_kernels_a_16_bit_cache_is_read_as_the_c_kernels_read_it(model_dir):
+    """Where no C compiler exists the torch path gathers the pages and widens them: the logits of
+    decode steps and of chunks beside a cached prefix are the C path's over the same cache form,
+    within its rounding."""
+    from trillm.engine.execution.backends import CpuBackend
+    from trillm.engine.execution.model import DecoderModel
+
+    from tests.test_gguf_quality import _all_logits
+
+    config = json.loads((model_dir / "config.json").read_text())
+    models = {
+        c: DecoderModel.load(
+            model_dir, config, torch.float32, 512, backend=CpuBackend(torch.device("cpu"), torch.float32, c)
+        )
+        for c in (True, False)
+    }
+    ids = list(range(300, 324))
+    for kv_dtype, bound in ((torch.float16, 0.02), (torch.bfloat16, 0.1)):
+        for chunk in (1, 7):  # a token a step (the C decode kernel, or gather + SDPA), then 7-token chunks
+            logits = {}
+            for c, model in models.items():
+                model.kv_dtype = kv_dtype
+                logits[c] = _all_logits(model, ids, chunk)
+            # Not bit for bit: float32 differences of the two paths' kernels (~1e-6) move a K or V value
+            # across a 16-bit rounding boundary now and then, and that one step (float16 5e-4, bfloat16
+            # 4e-3 relative) is what reaches the logits; bytes misread would be whole units off.
+            assert (logits[True] - logits[False]).abs().max() < bound
+            assert (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean() >= 0.95
