@@ -1,5 +1,6 @@
 /* What the CPU kernels share: the inline marker, glibc's vector expf, the tree that
- * adds (or takes the maximum of) a row's partial results, a dot product by it, and a
+ * adds (or takes the maximum of) a row's partial results, a dot product by it, the KV
+ * cache's forms (float32, float16, bfloat16: their conversions, loads and stores) and a
  * per-thread scratch buffer.
  *
  * Partial sums: a single running sum is a long dependency chain that, without

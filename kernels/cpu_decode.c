@@ -1,7 +1,8 @@
-/* Paged decode attention on the CPU, float32 (the cache float32 or bfloat16), for kernels/cpu_decode.py (ctypes).
+/* Paged decode attention on the CPU in float32 (the cache float32, float16 or bfloat16), for
+ * kernels/cpu_decode.py (ctypes).
  *
- * Just over our ~400-line guide on purpose: one kernel, its AVX-512 path beside
- * the portable one it must agree with.
+ * Over our ~400-line guide on purpose: one kernel, its AVX-512 path and AVX2 loads beside the
+ * portable version they must agree with (and, for tests, the stores the fused loop makes).
  *
  * out[b, h, :] = softmax(scale * q[b, h, :] . K[tokens of seq b, h / G, :]) @ V[...]
  * with G = H / KVH query heads per kv head. A task handles the G query heads of
