@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from trillm import LLM, SamplingParams
 from trillm.engine.config import EngineConfig
@@ -58,23 +57,44 @@ def test_kernels_that_keep_the_models_dtype_refuse_another_before_loading(monkey
         EngineConfig(kv_cache_dtype="float8")
 
 
-def test_the_default_cache_gives_transformers_greedy_tokens_in_every_step_shape(model_dir):
+TEXTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Water boils at one hundred degrees Celsius at sea level because",
+]
+
+
+DECISIVE = 0.01  # a top-2 log-probability gap the cache's rounding cannot close (it moved them by 0.0023 at most)
+
+
+def _decisive_prefix(tokens: list[int], logprobs: tuple) -> int:
+    """How many of ``tokens`` come before the first one the reference chose by less than ``DECISIVE``."""
+    for i, entry in enumerate(logprobs):
+        if len(entry.top) > 1 and entry.top[0][1] - entry.top[1][1] < DECISIVE:
+            return i
+    return len(tokens)
+
+
+def test_the_default_cache_gives_the_float32_caches_greedy_tokens_in_every_step_shape(tokenizer):
     """Whole prompts, prompts in 8-token chunks (later chunks read earlier ones from the float16
-    pages), decode steps in the C loop; the prefix cache hit by the second round."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [list(range(200, 260)), [1, 504, 2329, 282, 253, 1565, 30], list(range(1000, 1033))]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = []
-    for prompt in prompts:
-        with torch.inference_mode():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, min_new_tokens=24)
-        want.append(out[0, len(prompt) :].tolist())
+    pages), decode steps in the C loop, the prefix cache hit by the second round: the tokens of the
+    same engine over a float32 cache, up to a position where that engine's top two were within
+    ``DECISIVE`` (56 of the 72 tokens: the first prompt has such a near-tie at its ninth token, where
+    the path's int16 activations already part from transformers). Agreement with transformers is
+    measured teacher-forced in ``test_gguf_quality``."""
+    prompts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(kv_cache_dtype="float32", speculative="off") as llm:
+        ref = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [list(r.token_ids)[: _decisive_prefix(list(r.token_ids), r.logprobs)] for r in ref]
+    assert sum(map(len, want)) >= 48  # most of the 72 tokens are decisive: the test compares something
     for budget in (2048, 8 + 3):  # three decode rows and an 8-token chunk a step
         with LLM(max_batch_tokens=budget, max_num_seqs=3, speculative="off") as llm:
             assert llm._engine.model.kv_dtype is torch.float16
             for _ in range(2):
                 outs = llm.generate(prompts, params, use_tqdm=False)
-                assert [list(o.outputs[0].token_ids) for o in outs] == want
+                got = [list(o.outputs[0].token_ids) for o in outs]
+                assert [g[: len(w)] for g, w in zip(got, want)] == want
 
 
 def test_without_c_kernels_a_16_bit_cache_is_read_as_the_c_kernels_read_it(model_dir):
