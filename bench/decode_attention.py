@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import time
-from collections.abc import Callable
 
 import torch
 
+from trillm.bench.gguf_kernels import call_times
 from trillm.kernels import cpu_build, cpu_decode
 
 FORMS = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,16 +35,6 @@ def paged(
     v = torch.randn(pages, page, kv_heads, dim, generator=gen).to(dtype)
     tables = torch.randperm(pages, generator=gen).view(seqs, per_seq).to(torch.int32)
     return q, k, v, tables, torch.full((seqs,), tokens, dtype=torch.int32)
-
-
-def best_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def main() -> None:
@@ -68,7 +57,7 @@ def main() -> None:
     for dtype in FORMS:
         inputs = paged(args.seqs, args.tokens, heads, kv_heads, dim, dtype)
         call = functools.partial(cpu_decode.decode_attention, *inputs, dim**-0.5)
-        ms = best_ms(call, args.repeat)
+        ms = 1e3 * min(call_times(call, args.repeat))
         read = 2 * args.seqs * args.tokens * kv_heads * dim * dtype.itemsize
         print(f"| {str(dtype).removeprefix('torch.')} | {ms:.3f} | {read / ms / 1e6:.1f} |")
 

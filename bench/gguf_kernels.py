@@ -10,7 +10,9 @@ float32 ``torch.mm``. Run on an idle machine; threads: ``torch.get_num_threads()
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,14 +38,19 @@ def random_weight(name: str, N: int, K: int) -> GGUFWeight:
     return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(raw).reshape(N, -1)), K)
 
 
-def seconds(fn, repeat: int = 30) -> float:
+def call_times(fn: Callable[[], object], repeat: int = 30) -> list[float]:
+    """Seconds of ``repeat`` calls of ``fn``, after one untimed (builds, first touches)."""
     fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return times
+
+
+def seconds(fn: Callable[[], object], repeat: int = 30) -> float:
+    return float(np.median(call_times(fn, repeat)))
 
 
 def main() -> None:
@@ -63,7 +70,7 @@ def main() -> None:
     )
     dense = torch.randn(K, N)
     xs = {m: torch.randn(m, K) for m in rows}
-    base = {m: seconds(lambda m=m: torch.mm(xs[m], dense)) for m in rows}
+    base = {m: seconds(functools.partial(torch.mm, xs[m], dense)) for m in rows}
     print(
         f"{'F32':>8} {'torch.mm':>10} "
         + " ".join(f"{base[m] * 1e6:12.1f} {N * K * 4 / base[m] / 1e9:6.1f} {1:6.2f}" for m in rows)
