@@ -30,7 +30,6 @@
 #define MAX_D 256    /* head dims up to this */
 #define RAISE 8.0f   /* base-2 units a score may pass the running maximum by before it is raised */
 #define KEEP_BYTES (64 << 20) /* a larger layout buffer is freed after its call */
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 #if AMX

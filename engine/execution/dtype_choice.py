@@ -167,10 +167,10 @@ def kv_dtype_asked(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     cache in the model's dtype (only the CPU path converts): checked when the load is planned."""
     if config.kv_cache_dtype == "auto":
         return None
-    asked = KV_DTYPES[config.kv_cache_dtype]
-    if asked is not dtype and resolve_backend(config.kernels, device) != "cpu":
+    asked, kernels = KV_DTYPES[config.kv_cache_dtype], resolve_backend(config.kernels, device)
+    if asked is not dtype and kernels != "cpu":
         raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype}: the {resolve_backend(config.kernels, device)} kernels keep "
+            f"--kv-cache-dtype {config.kv_cache_dtype}: the {kernels} kernels keep "
             f"the KV cache in the model's dtype ({DTYPE_NAMES.get(dtype, dtype)}); only the CPU path converts it"
         )
     return asked

@@ -86,7 +86,7 @@ class DecoderModel:
         self.tp = tp
         self.fingerprint = ""  # of the whole checkpoint (``sharded``): ranks compare it at start
         self.dtype = dtype
-        self.kv_dtype = dtype  # the KV cache's (``dtype_choice.choose_kv_dtype``: bfloat16 under float32 on CPUs)
+        self.kv_dtype = dtype  # the KV cache's (``dtype_choice.choose_kv_dtype``: float16 where CPUs serve blocks)
         self.device = torch.device(device)
         self.backend = backend
         if (self.backend.device.type, self.backend.dtype) != (self.device.type, dtype):

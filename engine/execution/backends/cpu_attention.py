@@ -104,7 +104,7 @@ def _stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _gather(cache: torch.Tensor, pages: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, P] or [P] pages -> [B, P * page_size, KVH, D] or [P * page_size, KVH, D], in ``dtype``
-    (the activations', where the cache is bfloat16 under float32).
+    (the activations', where a 16-bit cache serves float32 ones).
 
     ``index_select`` over whole pages copies contiguous blocks; it is several
     times faster on CPUs than advanced indexing with the same result.
