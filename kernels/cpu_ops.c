@@ -10,7 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_common.h" /* INLINE, vector expf for the silu loop, tree_sum */
+#include "cpu_common.h" /* INLINE, vector expf for the silu loop, tree_sum, the KV cache's stores */
 
 /* Floats read below which one thread does all rows. Measured on the 2-core Xeon
  * VM with libgomp: a parallel region costs about 1 us while the other thread still
@@ -54,6 +54,24 @@ void trillm_rms_norm(const float *restrict x, int64_t x_stride, const float *res
 #pragma omp parallel for if (T > 1 && T * N >= PARALLEL_MIN_WORK) num_threads(num_threads)
     for (int64_t t = 0; t < T; t++)
         rms_norm_row(x + t * x_stride, w, out + t * N, N, eps);
+}
+
+/* This step's keys and values into their cache slots: row t of k and v (``width`` floats at
+ * k + t * ld, v + t * ld: the K and V columns of the fused QKV product) into slot slots[t] of
+ * each cache (rows of ``width`` values of form kv, cpu_common.h's store_kv: the C decode loop's
+ * stores). Slots below zero are skipped. What torch took in a clamp, a conversion and an
+ * index_copy_ a cache (2 ms a layer at 2,000 rows) is one pass over the rows. */
+void trillm_kv_scatter(const float *k, const float *v, int64_t ld, int64_t T, int64_t width, const int64_t *slots,
+                       void *k_cache, void *v_cache, int kv, int num_threads)
+{
+    const int64_t row = width * KV_BYTES(kv);
+#pragma omp parallel for if (T > 1 && 2 * T * width >= PARALLEL_MIN_WORK) num_threads(num_threads)
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        store_kv((char *)k_cache + slots[t] * row, k + t * ld, width, kv);
+        store_kv((char *)v_cache + slots[t] * row, v + t * ld, width, kv);
+    }
 }
 
 /* Rotate-half, the same products and sums as engine.rope.apply_rotary:

@@ -3,7 +3,8 @@
 RMSNorm, rotary embedding (in place), SiLU- and GELU(tanh)-and-multiply, each one C call in
 place of several small torch ops whose per-op overhead dominates at decode batch sizes; and the
 sampler's draw from softmax(logits / temperature), which in torch made a fresh copy of every
-step's logits (32 x 262,144 floats for Gemma 3: page faults, then four passes).
+step's logits (32 x 262,144 floats for Gemma 3: page faults, then four passes); and a step's
+keys and values stored into their cache slots in the cache's form (``kv_scatter``).
 Float32 CPU tensors only (ValueError otherwise); results match the torch versions
 (``F.rms_norm``, ``trillm.engine.execution.rope.apply_rotary``, ``F.silu(g) * u``,
 ``F.gelu(g, approximate="tanh") * u``) up to rounding.
@@ -26,13 +27,14 @@ _SIGNATURES = {
     "trillm_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
     "trillm_gelu_tanh_mul": [_P, _I64, _P, _I64, _I64, _INT],
     "trillm_sample_rows": [_P, _I64, _I64, _I64, _P, _P, _P, _INT],
+    "trillm_kv_scatter": [_P, _P, _I64, _I64, _I64, _P, _P, _P, _INT, _INT],
 }
 # Lets GCC call glibc's vector expf in silu_mul (errno is never read); not -ffast-math.
 _EXTRA_FLAGS = ("-fno-math-errno",)
 _F32, _CPU = torch.float32, torch.device("cpu")
 
 _KERNEL = cpu_build.CKernel("cpu_ops", _SIGNATURES, None, _EXTRA_FLAGS)
-_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask, gelu_tanh_mul, sample_rows)
+_functions = _KERNEL.functions  # (rms_norm, rotary, silu_mul, apply_bitmask, gelu_tanh_mul, sample_rows, kv_scatter)
 available = _KERNEL.available
 
 
@@ -188,3 +190,49 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], uniforms: torch
         if bool((out < 0).any()):
             raise MemoryError("cpu_ops.sample_rows could not allocate its block sums")
     return out
+
+
+_KV_FORMS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # as cpu_common.h numbers them
+
+
+def kv_scatter(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """``cache.view(-1, KVH, D)[slots] = k`` (and v) for k, v [T, KVH, D] float32 whose heads lie
+    side by side in each row (the K and V columns of a fused QKV product: any row stride), stored
+    as the cache's dtype holds them (``cpu_decode.stored``: nearest even, float16 saturating).
+    False, nothing written, where the tensors are not of that kind: the caller stores in torch."""
+    T, kv_heads, head_dim = k.shape
+    width = kv_heads * head_dim
+    form = _KV_FORMS.get(k_cache.dtype)
+    if (
+        form is None
+        or v_cache.dtype is not k_cache.dtype
+        or k.dtype is not _F32
+        or v.dtype is not _F32
+        or v.shape != k.shape
+        or k.stride()[1:] != (head_dim, 1)
+        or v.stride() != k.stride()
+        or slots.dtype is not torch.int64
+        or slots.shape != (T,)
+        or not (k.is_cpu and k_cache.is_cpu and v_cache.is_cpu and slots.is_contiguous())
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.numel() % width
+        or v_cache.shape != k_cache.shape
+        or not available()
+    ):
+        return False
+    if T:
+        _functions()[6](
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride()[0],
+            T,
+            width,
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            form,
+            _threads(None),
+        )
+    return True

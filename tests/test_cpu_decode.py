@@ -9,13 +9,16 @@ import torch
 
 from trillm.kernels import cpu_build, cpu_decode, reference
 
+BUILDS = {"portable": ("-DTRILLM_PORTABLE",), "avx2": ("-march=haswell",)}
 
-@pytest.fixture(params=["native", "portable"])
+
+@pytest.fixture(params=["native", "avx2", "portable"])
 def variant(request, monkeypatch):
-    """The library as built for this CPU, or its plain-C fallback (built with -DTRILLM_PORTABLE),
-    which is what machines without AVX-512 run."""
-    if request.param == "portable":
-        lib = ctypes.CDLL(str(cpu_build._build("cpu_decode", ("-fno-math-errno", "-DTRILLM_PORTABLE"))))
+    """The library as built for this CPU, for an AVX2 + FMA + F16C one (8 lanes a load and store;
+    this CPU runs that code too), or its plain-C fallback (built with -DTRILLM_PORTABLE), which is
+    what machines with neither run."""
+    if request.param != "native":
+        lib = ctypes.CDLL(str(cpu_build._build("cpu_decode", ("-fno-math-errno", *BUILDS[request.param]))))
         cpu_decode._KERNEL.declare(lib)
         monkeypatch.setattr(cpu_decode, "_library", lambda: lib)
     return request.param

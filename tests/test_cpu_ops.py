@@ -193,3 +193,48 @@ def test_apply_bitmask_matches_xgrammar(vocab: int):
     cpu_ops.apply_bitmask(logits, bitmask, rows)
     assert torch.equal(logits, expected)
     assert torch.isfinite(logits[4]).all()  # a row not listed is untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kv_scatter_stores_the_fused_columns_as_the_decode_loop_does(dtype: torch.dtype):
+    """K and V straight from a fused QKV product (a row stride wider than the heads) into shuffled
+    slots, each value as ``cpu_decode.stored`` rounds it (nearest even, float16 saturating; NaN and
+    infinities among them); a negative slot is skipped; nothing else in the caches changes."""
+    from trillm.kernels import cpu_decode
+
+    gen = torch.Generator().manual_seed(2)
+    T, heads, kv_heads, D, page_size, pages = 37, 4, 2, 64, 8, 9
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * D, generator=gen) * torch.logspace(-8, 5, T).unsqueeze(1)
+    qkv[3, heads * D + 5] = float("inf")
+    qkv[4, (heads + kv_heads) * D + 9] = float("nan")
+    qkv[5, heads * D] = 7e4
+    k = qkv[:, heads * D : (heads + kv_heads) * D].view(T, kv_heads, D)
+    v = qkv[:, (heads + kv_heads) * D :].view(T, kv_heads, D)
+    slots = torch.randperm(pages * page_size, generator=gen)[:T]
+    slots[6] = -1
+    k_cache = torch.randn(pages, page_size, kv_heads, D, generator=gen).to(dtype)
+    v_cache = torch.randn(pages, page_size, kv_heads, D, generator=gen).to(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    kept = slots >= 0
+    for want, x in ((want_k, k), (want_v, v)):
+        want.view(-1, kv_heads, D)[slots[kept]] = cpu_decode.stored(x[kept].contiguous(), dtype)
+    assert cpu_ops.kv_scatter(k, v, slots, k_cache, v_cache)
+    for got, want in ((k_cache, want_k), (v_cache, want_v)):
+        bits = torch.int32 if dtype is torch.float32 else torch.int16
+        assert torch.equal(got.view(bits), want.view(bits))
+    if dtype is torch.float16:
+        assert k_cache.view(-1, kv_heads, D)[slots[5], 0, 0].item() == 65504
+        assert k_cache.view(-1, kv_heads, D)[slots[3], 0, 5].item() == 65504
+
+
+def test_kv_scatter_declines_what_it_cannot_store():
+    """Heads not side by side, a foreign dtype or 32-bit slots: False and nothing written (the
+    caller's torch stores take them)."""
+    k = torch.randn(4, 2, 8)
+    cache = torch.zeros(2, 4, 2, 8, dtype=torch.float16)
+    slots = torch.arange(4)
+    assert not cpu_ops.kv_scatter(k.transpose(0, 1).contiguous().transpose(0, 1), k, slots, cache, cache.clone())
+    assert not cpu_ops.kv_scatter(k.double(), k.double(), slots, cache, cache.clone())
+    assert not cpu_ops.kv_scatter(k, k, slots.int(), cache, cache.clone())
+    assert not cpu_ops.kv_scatter(k, k, slots, cache.to(torch.int16), cache.to(torch.int16))
+    assert cache.eq(0).all()

@@ -18,7 +18,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from trillm.kernels import cpu_decode, flash_prefill
+from trillm.kernels import cpu_decode, cpu_ops, flash_prefill
 
 
 @attrs.frozen
@@ -165,8 +165,9 @@ def paged_attention(
     ``prefill_dtype``: the prefill spans attend in it, bfloat16 for AMX tiles, the cache unchanged;
     ``out``: a [T, H, D] tensor to write into, else a fresh one)."""
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _stored(k, k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _stored(v, v_cache.dtype))
+    if not cpu_ops.kv_scatter(k, v, meta.slot_mapping, k_cache, v_cache):
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _stored(k, k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, _stored(v, v_cache.dtype))
     gqa = q.shape[1] != kv_heads
     d = meta.decode_rows
     if d is not None and d.rows is None:  # a decode-only step: no row shuffling (1/3 of it at one row)
