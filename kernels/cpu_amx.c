@@ -61,12 +61,13 @@ typedef struct {           /* _Layout in amx_tiles.py */
     int64_t stride;
 } AmxLayout;
 
-/* A per-thread buffer kept between calls (slot 0: the caller's x, slot 1: a worker's panel), grown
+/* A per-thread buffer kept between calls (slot 0: the caller's x, slot 1: a worker's panel, slot 2:
+ * its groups' pairs, kept from a wide call's first pass of rows for the later ones), grown
  * to the largest call: a fresh one would be an mmap with page faults every call. */
 static __attribute__((unused)) void *grown(int slot, size_t bytes)
 {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
     if (bytes > cap[slot]) {
         free(buf[slot]);
         cap[slot] = 0;
@@ -209,12 +210,16 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0
 
 /* Weight rows of groups g0 .. g1 (NB each): a panel decoded (or read in place), multiplied with every
  * row of x, the results written or added into out. ``wide``: x16 in tile order is the A operand, the
- * panel turned into pairs once (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS
- * rows on) and the tiles stored straight into out; else x in pairs (xs) is the B operand and the
- * transposed sums are turned after the last panel of K. */
-static int groups(const AmxLayout *L, const void *xs, int wide, int64_t Kp, int64_t M, int64_t Mp, float *out,
-                  int64_t ldo, int accumulate, int64_t g0, int64_t g1)
+ * panel turned into pairs (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS rows on)
+ * and the tiles stored straight into out; else x in pairs (xs) is the B operand and the transposed
+ * sums are turned after the last panel of K. A wide call's pairs of all a thread's groups are made
+ * in its first pass of rows and kept for the later ones (``call`` names the call; the thread's
+ * buffer says which call and groups it holds): at 2,000 rows and K 1,536 a call has seven passes,
+ * and turning every panel again in each was a sixth of its time. */
+static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, int64_t Kp, int64_t M, int64_t Mp,
+                  float *out, int64_t ldo, int accumulate, int64_t g0, int64_t g1)
 {
+    static __thread int64_t kept_call = -1, kept_g0, kept_g1;
     const int64_t kc_max = MIN(KC, Kp);
     /* row: kc_max floats; panel: NB x kc_max bfloat16; then pairs as many and an edge of 32 x NB floats
      * (wide), or the sums, NB x Mp floats */
@@ -224,22 +229,29 @@ static int groups(const AmxLayout *L, const void *xs, int wide, int64_t Kp, int6
     if (!row)
         return 1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
-    float *acc = row + kc_max + kc_max / 2 * NB; /* the sums, or the pairs then the edge */
+    float *acc = row + kc_max + kc_max / 2 * NB; /* the sums, or the edge */
+    uint32_t *kept = wide ? grown(2, (size_t)(g1 - g0) * (size_t)(Kp / 2 * NB) * 4) : NULL; /* every group's pairs */
+    if (wide && !kept)
+        return 1;
+    const int fresh = !(kept_call == call && kept_g0 == g0 && kept_g1 == g1); /* else its pairs are kept */
+    kept_call = wide ? call : -1, kept_g0 = g0, kept_g1 = g1;
     configure();
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n0 = g * NB, cols = MIN(NB, L->N - n0);
         for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
             const int64_t kc = MIN(KC, Kp - k0);
-            int64_t ps;
-            const uint16_t *at = panel_at(L, n0, k0, kc, row, panel, &ps);
+            uint32_t *pairs = wide ? kept + (g - g0) * (Kp / 2 * NB) + k0 / 2 * NB : NULL;
+            int64_t ps = 0;
+            const uint16_t *at = wide && !fresh ? panel : panel_at(L, n0, k0, kc, row, panel, &ps);
             if (!at) {
+                kept_call = -1;
                 _tile_release();
                 return 2;
             }
             if (wide) {
-                to_pairs(at, ps, NB, kc, (uint32_t *)acc, NB); /* turned once: out comes in its own layout */
-                multiply_rows(xs, Kp, M, k0, kc, (uint32_t *)acc, cols, out + n0, ldo, accumulate || k0 > 0,
-                              acc + kc_max / 2 * NB);
+                if (fresh)
+                    to_pairs(at, ps, NB, kc, pairs, NB); /* turned once: out comes in its own layout */
+                multiply_rows(xs, Kp, M, k0, kc, pairs, cols, out + n0, ldo, accumulate || k0 > 0, acc);
             } else {
                 multiply(xs, Mp, k0, kc, at, ps, acc, k0 == 0);
             }
@@ -282,56 +294,57 @@ static inline __m512 gated16(__m512 g, __m512 u, int activation)
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
-/* acc[m, 0..64) (+)= x16[m] . (gate pairs | up pairs) over k0 .. k0 + kc, 16 rows of x at a time:
- * four C tiles (gate and up, 32 columns each), one A tile, three B tiles taking turns. */
+/* acc[m, 0..64) (+)= x16[m] . (gate pairs | up pairs) over k0 .. k0 + kc (M a multiple of 32): for
+ * each 32 rows of x and each half of the group's 32 columns, the 2 x 2 block of tile products (two A
+ * tiles of x, the half's gate and up B tiles): one tile load a product, and the second half finds
+ * its rows of x still in L1. */
 static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *gate,
                            const uint32_t *up, float *acc, int first)
 {
     const int64_t xs = KSTEP * 2, ps = NB * 4, cs = 2 * NB * 4, tile = 16 * KSTEP;
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-        float *c = acc + m0 * 2 * NB;
-        start_tiles(first, c, c + 16, c + NB, c + NB + 16, cs);
-        const uint16_t *a = x16 + m0 * Kp + k0 * 16;
-        for (int64_t s = 0; s < kc / KSTEP; s++) {
-            _tile_loadd(4, a + s * tile, xs);
-            _tile_loadd(5, gate + s * 16 * NB, ps);
-            _tile_loadd(6, gate + s * 16 * NB + 16, ps);
-            _tile_loadd(7, up + s * 16 * NB, ps);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, up + s * 16 * NB + 16, ps);
-            _tile_dpbf16ps(3, 4, 5);
+    for (int64_t m0 = 0; m0 < M; m0 += 32)
+        for (int64_t half = 0; half < NB; half += 16) {
+            float *c = acc + m0 * 2 * NB + half; /* gate columns; up's NB further on */
+            start_tiles(first, c, c + NB, c + 16 * 2 * NB, c + 16 * 2 * NB + NB, cs);
+            const uint16_t *a = x16 + m0 * Kp + k0 * 16;
+            for (int64_t s = 0; s < kc / KSTEP; s++)
+                dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, gate + s * 16 * NB + half, up + s * 16 * NB + half, ps);
+            store_tiles(c, c + NB, c + 16 * 2 * NB, c + 16 * 2 * NB + NB, cs);
         }
-        store_tiles(c, c + 16, c + NB, c + NB + 16, cs);
-    }
 }
 
 /* Groups g0 .. g1 of the gated MLP's columns: gate rows gate0 + n and up rows up0 + n of their
- * weights (one weight with both, or two), decoded and paired panel by panel; after the last panel
- * of K, out[m, n] = act(gate) * up. */
+ * weights (one weight with both, or two), decoded and paired panel by panel (in the call's first
+ * pass of rows, kept for the later ones as groups() keeps them); after the last panel of K,
+ * out[m, n] = act(gate) * up. */
 static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, int64_t up0, int64_t I,
-                        const uint16_t *x16, int64_t Kp, int64_t M, float *out, int64_t ldo, int activation, int64_t g0,
-                        int64_t g1)
+                        const uint16_t *x16, int64_t call, int64_t Kp, int64_t M, float *out, int64_t ldo,
+                        int activation, int64_t g0, int64_t g1)
 {
-    const int64_t kc_max = MIN(KC, Kp), Mp = (M + 15) / 16 * 16;
-    /* row: kc_max floats; panel: NB x kc_max bfloat16; two pairs of as many; acc: Mp x 2 NB floats */
-    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB * 3 + (size_t)Mp * 2 * NB;
+    static __thread int64_t kept_call = -1, kept_g0, kept_g1;
+    const int64_t kc_max = MIN(KC, Kp), Mp = (M + 31) / 32 * 32;
+    /* row: kc_max floats; panel: NB x kc_max bfloat16; acc: Mp x 2 NB floats */
+    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (size_t)Mp * 2 * NB;
     float *row = grown(1, words * 4);
-    if (!row)
+    const int64_t group_words = Kp / 2 * NB * 2; /* a group's gate pairs, then its up pairs */
+    uint32_t *kept = grown(2, (size_t)(g1 - g0) * (size_t)group_words * 4);
+    if (!row || !kept)
         return 1;
+    const int fresh = !(kept_call == call && kept_g0 == g0 && kept_g1 == g1);
+    kept_call = call, kept_g0 = g0, kept_g1 = g1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
-    uint32_t *gate = (uint32_t *)(panel + kc_max * NB), *up = gate + kc_max / 2 * NB;
-    float *acc = (float *)(up + kc_max / 2 * NB);
+    float *acc = (float *)(panel + kc_max * NB);
     configure();
     for (int64_t g = g0; g < g1; g++) {
         const int64_t n0 = g * NB, cols = MIN(NB, I - n0);
         for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
             const int64_t kc = MIN(KC, Kp - k0);
-            for (int part = 0; part < 2; part++) {
+            uint32_t *gate = kept + (g - g0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
+            for (int part = 0; part < 2 && fresh; part++) {
                 int64_t ps;
                 const uint16_t *at = panel_at(part ? U : G, (part ? up0 : gate0) + n0, k0, kc, row, panel, &ps);
                 if (!at) {
+                    kept_call = -1;
                     _tile_release();
                     return 2;
                 }
@@ -376,7 +389,7 @@ static void pack_pairs(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64
  * the A operand, below in pairs as the B). 0; 1 when a buffer could not be had; 2 when the decoder
  * failed. */
 static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M, int flags,
-                      int num_threads)
+                      int64_t call, int num_threads)
 {
     const int wide = M >= WIDE_ROWS;
     const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = wide ? (M + 31) / 32 * 32 : (M + 15) / 16 * 16;
@@ -393,7 +406,7 @@ static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *ou
             pack_pairs(x, ldx, M, Mp, K, Kp, xs);
         const int t = omp_get_thread_num(), T = omp_get_num_threads();
         const int64_t g0 = G * t / T, g1 = G * (t + 1) / T;
-        const int rc = g1 > g0 ? groups(L, xs, wide, Kp, M, Mp, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
+        const int rc = g1 > g0 ? groups(L, xs, wide, call, Kp, M, Mp, out, ldo, flags & ACCUMULATE, g0, g1) : 0;
         if (rc)
 #pragma omp atomic write
             failed = rc;
@@ -425,10 +438,14 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
 #if AMX
     if (!trillm_amx_available())
         return 3;
+    static int64_t calls = 0; /* names each call for the pairs its threads keep between passes */
+    int64_t call;
+#pragma omp atomic capture
+    call = ++calls;
     const int64_t rows = pass_rows((L->K + KSTEP - 1) / KSTEP * KSTEP, M >= WIDE_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0);
-        const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags, num_threads);
+        const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags, call, num_threads);
         if (rc)
             return rc;
     }
@@ -457,6 +474,10 @@ int trillm_amx_gated(const float *x, int64_t ldx, const void *gate, int64_t gate
     const int64_t K = G->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP;
     const int64_t rows = pass_rows(Kp, 1);
     const int64_t groups = (I + NB - 1) / NB;
+    static int64_t calls = 0; /* names each call for the pairs its threads keep between passes */
+    int64_t call;
+#pragma omp atomic capture
+    call = ++calls;
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0), Mp = (m + 31) / 32 * 32;
         uint16_t *x16 = grown(0, (size_t)(Mp * Kp) * 2);
@@ -469,7 +490,7 @@ int trillm_amx_gated(const float *x, int64_t ldx, const void *gate, int64_t gate
             const int t = omp_get_thread_num(), T = omp_get_num_threads();
             const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
             const int rc =
-                g1 > g0 ? groups_gated(G, gate0, U, up0, I, x16, Kp, m, out + m0 * ldo, ldo, activation, g0, g1) : 0;
+                g1 > g0 ? groups_gated(G, gate0, U, up0, I, x16, call, Kp, m, out + m0 * ldo, ldo, activation, g0, g1) : 0;
             if (rc)
 #pragma omp atomic write
                 failed = rc;
