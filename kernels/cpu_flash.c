@@ -101,6 +101,40 @@ typedef struct {
     const uint32_t *kp, *vp;
 } Span;
 
+/* One row's scores of a key block (row, KB floats) into its weights (prow, bfloat16) against the
+ * running maximum m (base 2) and sums l, its output row o rescaled where the maximum is raised.
+ * seen0/seen1: the keys it sees; ``whole`` (a constant where this is inlined): all of them, no
+ * masking at all. */
+static inline __attribute__((always_inline)) void softmax_row(const float *row, uint16_t *prow, float *m, __m512 *l,
+                                                              float *o, int64_t D, float scale2, __mmask16 seen0,
+                                                              __mmask16 seen1, int whole)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), k2 = _mm512_set1_ps(scale2);
+    const __m512 s0 = whole ? _mm512_mul_ps(_mm512_loadu_ps(row), k2) : _mm512_mask_mul_ps(ninf, seen0, _mm512_loadu_ps(row), k2);
+    const __m512 s1 = whole ? _mm512_mul_ps(_mm512_loadu_ps(row + 16), k2)
+                            : _mm512_mask_mul_ps(ninf, seen1, _mm512_loadu_ps(row + 16), k2);
+    /* The running maximum is raised only when a score passes it by more than RAISE (weights up to
+     * 2^RAISE then): most blocks leave it, the output and the sums as they are, and need no
+     * horizontal maximum. */
+    const __m512 limit = _mm512_set1_ps(*m + RAISE);
+    if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        const __m512 alpha = _mm512_set1_ps(*m == -INFINITY ? 0.0f : exp2f(*m - top));
+        *m = top;
+        *l = _mm512_mul_ps(alpha, *l);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + d)));
+    }
+    const __m512 mv = _mm512_set1_ps(*m);
+    __m512 p0 = exp2_ps(_mm512_sub_ps(s0, mv)), p1 = exp2_ps(_mm512_sub_ps(s1, mv));
+    if (!whole) { /* exp2_ps(-inf) is its floor, 2^-126, not 0 */
+        p0 = _mm512_maskz_mov_ps(seen0, p0);
+        p1 = _mm512_maskz_mov_ps(seen1, p1);
+    }
+    *l = _mm512_add_ps(*l, _mm512_add_ps(p0, p1));
+    _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+}
+
 /* Query head h, rows r0 .. r0 + QB of the span (positions length - n + r). */
 static void attend_block(const Span *s, int64_t h, int64_t r0)
 {
@@ -130,43 +164,28 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
             dp_2x2(q16 + d, q16 + 16 * D + d, D * 2, kb + d / 2 * KB, kb + d / 2 * KB + 16, KB * 4);
         store_tiles(sc, sc + 16, sc + 16 * KB, sc + 16 * KB + 16, KB * 4);
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        for (int64_t r = 0; r < QB; r++) {
-            __mmask16 seen[2] = {0, 0};
-            if (r < rows) { /* keys b*KB + c with max(lo_r, 0) <= key <= pos */
-                const int64_t pos = first + r, from = s->window > 0 ? pos - s->window + 1 : 0;
-                for (int half = 0; half < 2; half++) {
-                    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(b * KB + 16 * half)));
-                    seen[half] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos))
-                               & _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)MAX(from, 0)));
+        /* a block every row sees whole (below the diagonal, inside every row's window): no masks */
+        const int whole = rows == QB && b * KB + KB - 1 <= first && (s->window <= 0 || b * KB > last - s->window);
+        if (whole)
+            for (int64_t r = 0; r < QB; r++)
+                softmax_row(sc + r * KB, p16 + r * KB, &m[r], &l[r], o + r * D, D, s->scale2, 0xffff, 0xffff, 1);
+        else
+            for (int64_t r = 0; r < QB; r++) {
+                __mmask16 seen[2] = {0, 0};
+                if (r < rows) { /* keys b*KB + c with max(lo_r, 0) <= key <= pos */
+                    const int64_t pos = first + r, from = s->window > 0 ? pos - s->window + 1 : 0;
+                    for (int half = 0; half < 2; half++) {
+                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(b * KB + 16 * half)));
+                        seen[half] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos))
+                                   & _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)MAX(from, 0)));
+                    }
                 }
+                if (!(seen[0] | seen[1])) { /* nothing seen here (a padding row, or before its window) */
+                    memset(p16 + r * KB, 0, sizeof(uint16_t) * KB);
+                    continue;
+                }
+                softmax_row(sc + r * KB, p16 + r * KB, &m[r], &l[r], o + r * D, D, s->scale2, seen[0], seen[1], 0);
             }
-            float *row = sc + r * KB;
-            uint16_t *prow = p16 + r * KB;
-            if (!(seen[0] | seen[1])) { /* nothing seen here (a padding row, or before its window) */
-                memset(prow, 0, sizeof(uint16_t) * KB);
-                continue;
-            }
-            const __m512 ninf = _mm512_set1_ps(-INFINITY), k2 = _mm512_set1_ps(s->scale2);
-            const __m512 s0 = _mm512_mask_mul_ps(ninf, seen[0], _mm512_loadu_ps(row), k2);
-            const __m512 s1 = _mm512_mask_mul_ps(ninf, seen[1], _mm512_loadu_ps(row + 16), k2);
-            /* The running maximum is raised only when a score passes it by more than RAISE (weights up to
-             * 2^RAISE then): most blocks leave it, the output and the sums as they are, and need no
-             * horizontal maximum. */
-            const __m512 limit = _mm512_set1_ps(m[r] + RAISE);
-            if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
-                const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-                const __m512 alpha = _mm512_set1_ps(m[r] == -INFINITY ? 0.0f : exp2f(m[r] - top));
-                m[r] = top;
-                l[r] = _mm512_mul_ps(alpha, l[r]);
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + r * D + d)));
-            }
-            const __m512 mv = _mm512_set1_ps(m[r]);
-            const __m512 p0 = _mm512_maskz_mov_ps(seen[0], exp2_ps(_mm512_sub_ps(s0, mv)));
-            const __m512 p1 = _mm512_maskz_mov_ps(seen[1], exp2_ps(_mm512_sub_ps(s1, mv)));
-            l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
         _tile_loadd(4, p16, KB * 2);
         _tile_loadd(5, p16 + 16 * KB, KB * 2);
         for (int64_t d = 0; d < D; d += 32) {
