@@ -20,6 +20,7 @@ import functools
 import weakref
 from typing import Any
 
+import attrs
 import torch
 
 from trillm.kernels import cpu_build, cpu_gguf, cpu_matmul
@@ -33,6 +34,9 @@ _SIGNATURES = {
     "trillm_amx_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
     "trillm_amx_layout_matmul": [_P, _I64, _P, _P, _I64, _I64, _INT, _INT],
     "trillm_amx_gated": [_P, _I64, _P, _I64, _P, _I64, _I64, _P, _I64, _I64, _INT, _INT],
+    "trillm_amx_matmul_tiles": [_P, _P, _P, _I64, _I64, _INT, _INT],
+    "trillm_amx_gated_tiles": [_P, _P, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _INT, _INT],
+    "trillm_amx_pack": [_P, _I64, _P, ctypes.c_float, _I64, _I64, _P, _INT],
 }
 _KERNEL = cpu_build.CKernel("cpu_amx", _SIGNATURES, ctypes.c_int)
 _ACCUMULATE = 1
@@ -85,6 +89,68 @@ def min_rows(weight: object) -> int:
 
 
 WIDE_ROWS = 128  # cpu_amx.c's: from these rows of x the tiles take x as their A operand
+_STEP = 32  # values of K per tile product, rows of x per block: TileRows pad both to it
+
+
+def _padded(n: int) -> int:
+    return -(-n // _STEP) * _STEP
+
+
+@attrs.frozen
+class TileRows:
+    """x [rows, cols] rounded to bfloat16 in the tiles' own order (each 16 rows' 32 values of each step of
+    K side by side; rows and cols padded with zeros to multiples of 32): what one kernel of a wide step
+    hands the next on the tiles (a norm to its projection, the gated product to the down projection),
+    instead of float32 rows each consumer would round and reorder again."""
+
+    data: torch.Tensor  # int16, at least _padded(rows) * _padded(cols) values, contiguous
+    rows: int
+    cols: int
+
+    @classmethod
+    def empty(cls, rows: int, cols: int) -> TileRows:
+        return cls(torch.empty(_padded(rows) * _padded(cols), dtype=torch.int16), rows, cols)
+
+    def __attrs_post_init__(self) -> None:
+        if self.data.dtype is not torch.int16 or not self.data.is_contiguous() or not self.data.is_cpu:
+            raise ValueError("TileRows hold a contiguous int16 CPU buffer")
+        if self.data.numel() < _padded(self.rows) * _padded(self.cols):
+            raise ValueError(f"a buffer of {self.data.numel()} values cannot hold {self.rows} x {self.cols} in tiles")
+
+    def floats(self) -> torch.Tensor:
+        """The values as float32 [rows, cols] (for checks: the kernels read them in place)."""
+        R, C = _padded(self.rows), _padded(self.cols)
+        blocks = self.data[: R * C].view(R // 16, C // _STEP, 16, _STEP)  # [row block, K step, row, value]
+        bits = blocks.permute(0, 2, 1, 3).reshape(R, C)[: self.rows, : self.cols]
+        return (bits.to(torch.int32) << 16).view(torch.float32)
+
+
+def pack(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    out: TileRows | None = None,
+    num_threads: int | None = None,
+) -> TileRows:
+    """float32 x [M, K] (unit column stride) as ``TileRows``, each row first RMS-normed with
+    ``norm_weight`` (as ``cpu_ops.rms_norm`` norms it, the same floats) where one is given."""
+    if x.dtype is not _F32 or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1) or not x.is_cpu:
+        raise ValueError(f"x must be float32 [M, K] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    M, K = x.shape
+    if norm_weight is not None and (norm_weight.dtype is not _F32 or norm_weight.shape != (K,)):
+        raise ValueError(f"norm_weight must be float32 [{K}]")
+    out = TileRows.empty(M, K) if out is None else out
+    if (out.rows, out.cols) != (M, K):
+        raise ValueError(f"out holds {out.rows} x {out.cols}, not {M} x {K}")
+    w = norm_weight.contiguous() if norm_weight is not None else None
+    threads = max(1, num_threads if num_threads is not None else torch.get_num_threads())
+    rc = _KERNEL.functions()[6](
+        x.data_ptr(), x.stride(0), w.data_ptr() if w is not None else None, eps, M, K, out.data.data_ptr(), threads
+    )
+    _raise_for(rc)
+    return out
+
+
 GATED = {"silu": 1, "gelu_tanh": 2}  # the gated MLP activations ``gated`` applies as products leave the tiles
 
 
@@ -104,31 +170,57 @@ def gated_parts(weight: object) -> tuple[Any, int, Any, int, int] | None:
     return None
 
 
-def gated(x: torch.Tensor, weight: object, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def gated(
+    x: torch.Tensor | TileRows, weight: object, activation: str, out: torch.Tensor | TileRows | None = None
+) -> Any:
     """act(x @ Wgate.T) * (x @ Wup.T) in one pass on the tiles (``gated_parts`` says which weights):
     the rounding of ``matmul`` for both products, no [M, 2 I] product in memory, the activation
     applied as the sums leave the tiles (cpu_ops' forms, its exp within 3e-6). For wide steps:
-    every row of x past panels paired once per call."""
+    every row of x past panels paired once per call. x float32 rows or ``TileRows``; into float32
+    rows, or (``out`` a ``TileRows``) rounded to bfloat16 in the tiles' order for the next product."""
     parts = gated_parts(weight)
     if parts is None or activation not in GATED:
         raise ValueError(f"no gated product on the tiles for {type(weight).__name__} / {activation}")
     gate, gate0, up, up0, size = parts
     K = gate.shape[1]
-    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != K or (K > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be float32 [M, {K}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
-    M = x.shape[0]
+    M = _rows_of(x, K)
     if out is None:
         out = torch.empty(M, size, dtype=_F32)
+    elif isinstance(out, TileRows):
+        if (out.rows, out.cols) != (M, size):
+            raise ValueError(f"out holds {out.rows} x {out.cols}, not {M} x {size}")
     elif out.dtype is not _F32 or out.shape != (M, size) or (size > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be float32 [{M}, {size}] with unit column stride")
     g, u = _cached(gate), _cached(up)
     threads = max(1, torch.get_num_threads())
-    rc = _KERNEL.functions()[3](
-        x.data_ptr(), x.stride(0), g.address, gate0, u.address, up0, size, out.data_ptr(), out.stride(0), M,
-        GATED[activation], threads,
-    )  # fmt: skip
+    rows_out = out if isinstance(out, torch.Tensor) else None
+    tiles_out = out.data.data_ptr() if isinstance(out, TileRows) else None
+    if isinstance(x, TileRows):
+        rc = _KERNEL.functions()[5](
+            x.data.data_ptr(), g.address, gate0, u.address, up0, size,
+            rows_out.data_ptr() if rows_out is not None else None, rows_out.stride(0) if rows_out is not None else 0,
+            tiles_out, M, GATED[activation], threads,
+        )  # fmt: skip
+    elif rows_out is not None:
+        rc = _KERNEL.functions()[3](
+            x.data_ptr(), x.stride(0), g.address, gate0, u.address, up0, size, rows_out.data_ptr(),
+            rows_out.stride(0), M, GATED[activation], threads,
+        )  # fmt: skip
+    else:
+        return gated(pack(x), weight, activation, out)
     _raise_for(rc)
     return out
+
+
+def _rows_of(x: torch.Tensor | TileRows, K: int) -> int:
+    """Rows of x, checked to be float32 [M, K] with unit column stride or ``TileRows`` of K values."""
+    if isinstance(x, TileRows):
+        if x.cols != K:
+            raise ValueError(f"x holds rows of {x.cols} values, not {K}")
+        return x.rows
+    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != K or (K > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be float32 [M, {K}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
+    return x.shape[0]
 
 
 def _raise_for(rc: int) -> None:
@@ -208,19 +300,17 @@ def _cached(weight: GGUFWeight | BlockWeight) -> AmxWeight:
 
 
 def matmul(
-    x: torch.Tensor,
+    x: torch.Tensor | TileRows,
     weight: GGUFWeight | BlockWeight,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     num_threads: int | None = None,
 ) -> torch.Tensor:
     """out[M, N] (float32) = x @ W.T on the tiles, or += with ``accumulate``; x float32 [M, K]
-    with unit column stride."""
+    with unit column stride, or ``TileRows`` (read as they are)."""
     amx = _cached(weight)
     N, K = amx.shape
-    if x.dtype is not _F32 or x.dim() != 2 or x.shape[1] != K or (K > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be float32 [M, {K}] with unit column stride, got {x.dtype} {tuple(x.shape)}")
-    M = x.shape[0]
+    M = _rows_of(x, K)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True adds into out, so out must be given")
@@ -228,6 +318,11 @@ def matmul(
     elif out.dtype is not _F32 or out.shape != (M, N) or (N > 1 and out.stride(1) != 1):
         raise ValueError(f"out must be float32 [{M}, {N}] with unit column stride")
     threads = max(1, num_threads if num_threads is not None else torch.get_num_threads())
+    flags = _ACCUMULATE if accumulate else 0
+    if isinstance(x, TileRows):
+        rc = _KERNEL.functions()[4](x.data.data_ptr(), amx.address, out.data_ptr(), out.stride(0), M, flags, threads)
+        _raise_for(rc)
+        return out
     rc = _KERNEL.functions()[1](
         x.data_ptr(),
         x.stride(0),

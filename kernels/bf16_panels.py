@@ -115,7 +115,7 @@ def _blocks(
 
 
 def matmul(
-    x: torch.Tensor,
+    x: torch.Tensor | amx_tiles.TileRows,
     weight: object,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
@@ -124,8 +124,18 @@ def matmul(
     """out[M, N] (float32) = x @ W, or += with ``accumulate``; x is float32 or bfloat16 [M, K] (rounded
     to bfloat16 here) and ``weight`` any form the CPU backend serves: a file's blocks, exact Q4_1/Q8_0
     blocks, ``Stacked`` parts, or a dense float32 [K, N] (``layers.transposed``). ``scratch``: buffers
-    to reuse (fresh ones when None)."""
+    to reuse (fresh ones when None). x may be ``amx_tiles.TileRows``: read in place on the tiles."""
     scratch = scratch if scratch is not None else Scratch()
+    parts = weight.parts if isinstance(weight, Stacked) else (weight,)
+    on_tiles = all(amx_tiles.handles(p) for p in parts) and amx_tiles.available()
+    if isinstance(x, amx_tiles.TileRows):
+        if on_tiles and x.rows >= amx_tiles.WIDE_ROWS:
+            out = torch.empty(x.rows, out_features(weight), dtype=_F32) if out is None else out
+            if out.dtype is not _F32 or out.shape != (x.rows, out_features(weight)):
+                raise ValueError(f"out must be float32 [{x.rows}, {out_features(weight)}]")
+            _on_tiles(x, parts, out, accumulate)
+            return out
+        x = x.floats()
     if x.dtype not in (_BF16, _F32) or x.dim() != 2:
         raise ValueError(f"x must be float32 or bfloat16 [M, K], got {x.dtype} {tuple(x.shape)}")
     M, K = x.shape
@@ -138,8 +148,7 @@ def matmul(
         out = torch.empty(M, N, dtype=_F32)
     elif out.dtype is not _F32 or out.shape != (M, N):
         raise ValueError(f"out must be float32 [{M}, {N}]")
-    parts = weight.parts if isinstance(weight, Stacked) else (weight,)
-    if all(amx_tiles.handles(p) for p in parts) and amx_tiles.available():
+    if on_tiles:
         _on_tiles(x.float(), parts, out, accumulate)  # x rounded to bfloat16 in C
         return out
     # x's rows rounded up to a power of two (the extra rows' products are not read): oneDNN builds and
@@ -154,7 +163,7 @@ def matmul(
     return out
 
 
-def _on_tiles(x: torch.Tensor, parts: tuple, out: torch.Tensor, accumulate: bool) -> None:
+def _on_tiles(x: torch.Tensor | amx_tiles.TileRows, parts: tuple, out: torch.Tensor, accumulate: bool) -> None:
     """Panels decoded in L2 (or a file's BF16 rows read in place) onto AMX tiles: the same rounding of
     x and W, the float32 sums not rounded again; no panels, x or product in memory. At every width:
     from 2,048-row steps down they beat oneDNN's panels counted with their conversions (a 2,000-token

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "cpu_amx.h"
+#include "cpu_common.h" /* MIN, rms_norm_row: the norm cpu_ops.c runs */
 
 #define NB 32     /* weight rows per panel: two B tiles */
 #define KSTEP 32  /* values of K per tile product: 16 pairs */
@@ -35,7 +36,6 @@
 #define X_BLOCK_BYTES (1 << 20) /* rows of x per pass: their bfloat16 stays in L2 (each pass decodes W again) */
 #define WIDE_ROWS 128 /* rows of x from which x is the A operand (multiply_rows) */
 #define WIDE_PASS 4096 /* its rows per pass at most */
-#define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 enum { ACCUMULATE = 1 };
@@ -316,10 +316,11 @@ static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k
 /* Groups g0 .. g1 of the gated MLP's columns: gate rows gate0 + n and up rows up0 + n of their
  * weights (one weight with both, or two), decoded and paired panel by panel (in the call's first
  * pass of rows, kept for the later ones as groups() keeps them); after the last panel of K,
- * out[m, n] = act(gate) * up. */
+ * out[m, n] = act(gate) * up, or (out16 not NULL) the same rounded to bfloat16 into out16 in tile
+ * order (rows of Ip values, every row up to a multiple of 32: the down projection's x). */
 static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, int64_t up0, int64_t I,
                         const uint16_t *x16, int64_t call, int64_t Kp, int64_t M, float *out, int64_t ldo,
-                        int activation, int64_t g0, int64_t g1)
+                        uint16_t *out16, int64_t Ip, int activation, int64_t g0, int64_t g1)
 {
     static __thread int64_t kept_call = -1, kept_g0, kept_g1;
     const int64_t kc_max = MIN(KC, Kp), Mp = (M + 31) / 32 * 32;
@@ -353,11 +354,20 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
             multiply_gated(x16, Kp, M, k0, kc, gate, up, acc, k0 == 0);
         }
         const __mmask16 lo = (__mmask16)((1u << MIN(16, cols)) - 1), hi = (__mmask16)((1u << MAX(0, cols - 16)) - 1);
-        for (int64_t m = 0; m < M; m++) {
+        for (int64_t m = 0; m < (out16 ? Mp : M); m++) {
             const float *a = acc + m * 2 * NB;
+            const __m512 v0 = gated16(_mm512_loadu_ps(a), _mm512_loadu_ps(a + NB), activation);
+            const __m512 v1 = gated16(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + NB + 16), activation);
+            if (out16) { /* this group's 32 values of row m: one run of the tile order; zeros past I and M */
+                const __m512 z = _mm512_setzero_ps();
+                const __m512 w0 = m < M ? _mm512_mask_mov_ps(z, lo, v0) : z, w1 = m < M ? _mm512_mask_mov_ps(z, hi, v1) : z;
+                _mm512_storeu_si512(out16 + (m / 16) * 16 * Ip + (n0 / KSTEP) * 16 * KSTEP + (m % 16) * KSTEP,
+                                    (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+                continue;
+            }
             float *o = out + m * ldo + n0;
-            _mm512_mask_storeu_ps(o, lo, gated16(_mm512_loadu_ps(a), _mm512_loadu_ps(a + NB), activation));
-            _mm512_mask_storeu_ps(o + 16, hi, gated16(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + NB + 16), activation));
+            _mm512_mask_storeu_ps(o, lo, v0);
+            _mm512_mask_storeu_ps(o + 16, hi, v1);
         }
     }
     _tile_release();
@@ -388,19 +398,21 @@ static void pack_pairs(const float *x, int64_t ldx, int64_t M, int64_t Mp, int64
 /* out[M, N] (+)= x . W^T on the tiles, x packed by every thread (from WIDE_ROWS rows in tile order as
  * the A operand, below in pairs as the B). 0; 1 when a buffer could not be had; 2 when the decoder
  * failed. */
-static int amx_matmul(const float *x, int64_t ldx, const AmxLayout *L, float *out, int64_t ldo, int64_t M, int flags,
-                      int64_t call, int num_threads)
+static int amx_matmul(const float *x, int64_t ldx, const uint16_t *given, const AmxLayout *L, float *out, int64_t ldo,
+                      int64_t M, int flags, int64_t call, int num_threads)
 {
-    const int wide = M >= WIDE_ROWS;
+    const int wide = M >= WIDE_ROWS || given;
     const int64_t K = L->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = wide ? (M + 31) / 32 * 32 : (M + 15) / 16 * 16;
-    void *xs = grown(0, (size_t)(Mp * Kp) * 2);
+    void *xs = given ? (void *)given : grown(0, (size_t)(Mp * Kp) * 2);
     if (!xs)
         return 1;
     const int64_t G = (L->N + NB - 1) / NB;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (wide || G > 1)
     {
-        if (wide)
+        if (given)
+            ; /* x came in tile order */
+        else if (wide)
             pack_tile_order(x, ldx, M, Mp, K, Kp, xs);
         else
             pack_pairs(x, ldx, M, Mp, K, Kp, xs);
@@ -428,9 +440,9 @@ int trillm_amx_available(void)
     return amx_granted();
 }
 
-/* out[M, N] (+)= x . W^T on the tiles, whatever M. 0; 1 no buffer; 2 the decoder failed; 3 no tiles here. */
-int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M, int flags,
-                      int num_threads)
+/* out[M, N] (+)= x . W^T on the tiles, x float32 rows or (``given``, not NULL) already in tile order. */
+static int matmul_passes(const float *x, int64_t ldx, const uint16_t *given, const void *layout, float *out, int64_t ldo,
+                         int64_t M, int flags, int num_threads)
 {
     const AmxLayout *L = layout;
     if (M <= 0 || L->N <= 0)
@@ -442,16 +454,124 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
     int64_t call;
 #pragma omp atomic capture
     call = ++calls;
-    const int64_t rows = pass_rows((L->K + KSTEP - 1) / KSTEP * KSTEP, M >= WIDE_ROWS);
+    const int64_t Kp = (L->K + KSTEP - 1) / KSTEP * KSTEP, rows = pass_rows(Kp, M >= WIDE_ROWS || given);
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0);
-        const int rc = amx_matmul(x + m0 * ldx, ldx, L, out + m0 * ldo, ldo, m, flags, call, num_threads);
+        const int rc = amx_matmul(given ? NULL : x + m0 * ldx, ldx, given ? given + m0 * Kp : NULL, L, out + m0 * ldo,
+                                  ldo, m, flags, call, num_threads);
         if (rc)
             return rc;
     }
     return 0;
 #else
-    (void)x, (void)ldx, (void)out, (void)ldo, (void)flags, (void)num_threads;
+    (void)x, (void)ldx, (void)given, (void)out, (void)ldo, (void)flags, (void)num_threads;
+    return 3;
+#endif
+}
+
+/* out[M, N] (+)= x . W^T on the tiles, whatever M. 0; 1 no buffer; 2 the decoder failed; 3 no tiles here. */
+int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M, int flags,
+                      int num_threads)
+{
+    return matmul_passes(x, ldx, NULL, layout, out, ldo, M, flags, num_threads);
+}
+
+/* trillm_amx_matmul with x16 (M rows of the layout's K) already in tile order (trillm_amx_pack's layout). */
+int trillm_amx_matmul_tiles(const uint16_t *x16, const void *layout, float *out, int64_t ldo, int64_t M, int flags,
+                            int num_threads)
+{
+    return matmul_passes(NULL, 0, x16, layout, out, ldo, M, flags, num_threads);
+}
+
+/* x16 = x [M, K] rounded to bfloat16 in tile order: for each 16 rows, their 32 values of each step of
+ * K side by side (1 KiB); rows M .. up to a multiple of 32 and values K .. up to one of 32 zero. With
+ * ``weight`` (not NULL), each row is first RMS-normed with it (eps), as cpu_ops' rms_norm norms it:
+ * a wide step's norm hands its output to the tiles without a float32 copy in memory. 0; 1 no
+ * buffer; 3 no tiles here. */
+int trillm_amx_pack(const float *x, int64_t ldx, const float *weight, float eps, int64_t M, int64_t K, uint16_t *x16,
+                    int num_threads)
+{
+#if AMX
+    const int64_t Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Mp = (M + 31) / 32 * 32;
+    if (!weight) {
+#pragma omp parallel num_threads(num_threads)
+        pack_tile_order(x, ldx, M, Mp, K, Kp, x16);
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *row = grown(1, (size_t)Kp * 4);
+        if (!row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < Mp; m++) {
+            uint16_t *r = x16 + (m / 16) * 16 * Kp + (m % 16) * KSTEP;
+            if (!row)
+                continue;
+            if (m < M)
+                rms_norm_row(x + m * ldx, weight, row, K, eps);
+            memset(row + (m < M ? K : 0), 0, sizeof(float) * (size_t)(m < M ? Kp - K : Kp));
+            for (int64_t k = 0; k < Kp; k += KSTEP)
+                _mm512_storeu_si512(r + (k / KSTEP) * 16 * KSTEP,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + k + 16), _mm512_loadu_ps(row + k)));
+        }
+    }
+    return failed;
+#else
+    (void)x, (void)ldx, (void)weight, (void)eps, (void)M, (void)K, (void)x16, (void)num_threads;
+    return 3;
+#endif
+}
+
+/* act(x . Wg^T) * (x . Wu^T) in passes of rows: x float32 rows or (``given``) in tile order; into out
+ * (float32 rows) or (``out16``) bfloat16 in tile order. */
+static int gated_passes(const float *x, int64_t ldx, const uint16_t *given, const void *gate, int64_t gate0,
+                        const void *up, int64_t up0, int64_t I, float *out, int64_t ldo, uint16_t *out16, int64_t M,
+                        int activation, int num_threads)
+{
+    const AmxLayout *G = gate, *U = up;
+    if (M <= 0 || I <= 0)
+        return 0;
+    if (G->K != U->K || gate0 + I > G->N || up0 + I > U->N || (activation != SILU && activation != GELU_TANH))
+        return 4;
+#if AMX
+    if (!trillm_amx_available())
+        return 3;
+    const int64_t K = G->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Ip = (I + KSTEP - 1) / KSTEP * KSTEP;
+    const int64_t rows = pass_rows(Kp, 1);
+    const int64_t groups = (I + NB - 1) / NB;
+    static int64_t calls = 0; /* names each call for the pairs its threads keep between passes */
+    int64_t call;
+#pragma omp atomic capture
+    call = ++calls;
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t m = MIN(rows, M - m0), Mp = (m + 31) / 32 * 32;
+        const uint16_t *x16 = given ? given + m0 * Kp : grown(0, (size_t)(Mp * Kp) * 2);
+        if (!x16)
+            return 1;
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+        {
+            if (!given)
+                pack_tile_order(x + m0 * ldx, ldx, m, Mp, K, Kp, (uint16_t *)x16);
+            const int t = omp_get_thread_num(), T = omp_get_num_threads();
+            const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
+            const int rc = g1 > g0 ? groups_gated(G, gate0, U, up0, I, x16, call, Kp, m, out16 ? NULL : out + m0 * ldo,
+                                                  ldo, out16 ? out16 + m0 * Ip : NULL, Ip, activation, g0, g1)
+                                   : 0;
+            if (rc)
+#pragma omp atomic write
+                failed = rc;
+        }
+        if (failed)
+            return failed;
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)given, (void)out, (void)ldo, (void)out16, (void)num_threads;
     return 3;
 #endif
 }
@@ -463,46 +583,16 @@ int trillm_amx_matmul(const float *x, int64_t ldx, const void *layout, float *ou
 int trillm_amx_gated(const float *x, int64_t ldx, const void *gate, int64_t gate0, const void *up, int64_t up0,
                      int64_t I, float *out, int64_t ldo, int64_t M, int activation, int num_threads)
 {
-    const AmxLayout *G = gate, *U = up;
-    if (M <= 0 || I <= 0)
-        return 0;
-    if (G->K != U->K || gate0 + I > G->N || up0 + I > U->N || (activation != SILU && activation != GELU_TANH))
-        return 4;
-#if AMX
-    if (!trillm_amx_available())
-        return 3;
-    const int64_t K = G->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP;
-    const int64_t rows = pass_rows(Kp, 1);
-    const int64_t groups = (I + NB - 1) / NB;
-    static int64_t calls = 0; /* names each call for the pairs its threads keep between passes */
-    int64_t call;
-#pragma omp atomic capture
-    call = ++calls;
-    for (int64_t m0 = 0; m0 < M; m0 += rows) {
-        const int64_t m = MIN(rows, M - m0), Mp = (m + 31) / 32 * 32;
-        uint16_t *x16 = grown(0, (size_t)(Mp * Kp) * 2);
-        if (!x16)
-            return 1;
-        int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-        {
-            pack_tile_order(x + m0 * ldx, ldx, m, Mp, K, Kp, x16);
-            const int t = omp_get_thread_num(), T = omp_get_num_threads();
-            const int64_t g0 = groups * t / T, g1 = groups * (t + 1) / T;
-            const int rc =
-                g1 > g0 ? groups_gated(G, gate0, U, up0, I, x16, call, Kp, m, out + m0 * ldo, ldo, activation, g0, g1) : 0;
-            if (rc)
-#pragma omp atomic write
-                failed = rc;
-        }
-        if (failed)
-            return failed;
-    }
-    return 0;
-#else
-    (void)x, (void)ldx, (void)out, (void)ldo, (void)num_threads;
-    return 3;
-#endif
+    return gated_passes(x, ldx, NULL, gate, gate0, up, up0, I, out, ldo, NULL, M, activation, num_threads);
+}
+
+/* trillm_amx_gated with x16 in tile order (trillm_amx_pack's layout) and, where out16 is not NULL, the
+ * product rounded to bfloat16 into out16 in tile order instead of out: the down projection's x as
+ * trillm_amx_matmul_tiles takes it (I rounded up to 32 values a row, M to 32 rows, zeros there). */
+int trillm_amx_gated_tiles(const uint16_t *x16, const void *gate, int64_t gate0, const void *up, int64_t up0, int64_t I,
+                           float *out, int64_t ldo, uint16_t *out16, int64_t M, int activation, int num_threads)
+{
+    return gated_passes(NULL, 0, x16, gate, gate0, up, up0, I, out, ldo, out16, M, activation, num_threads);
 }
 
 /* cpu_forward.c's MatmulFn: from min_rows rows on the tiles, below them the weight's own matmul. */

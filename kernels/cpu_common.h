@@ -1,5 +1,5 @@
 /* What the CPU kernels share: the inline marker, glibc's vector expf, the tree that
- * adds (or takes the maximum of) a row's partial results, a dot product by it, the KV
+ * adds (or takes the maximum of) a row's partial results, a dot product by it, a row of RMSNorm, the KV
  * cache's forms (float32, float16, bfloat16: their conversions, loads and stores) and a
  * per-thread scratch buffer.
  *
@@ -11,6 +11,7 @@
 #ifndef TRILLM_CPU_COMMON_H
 #define TRILLM_CPU_COMMON_H
 
+#include <math.h>   /* rms_norm_row: sqrtf */
 #include <stdint.h>
 #if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h> /* store_kv's conversions */
@@ -58,6 +59,31 @@ INLINE float dot16(const float *restrict a, const float *restrict b, int64_t K)
     for (int l = 0; k < K; k++, l++)
         part[l] += a[k] * b[k];
     return tree_sum(part, 16);
+}
+
+/* Sum of squares with 16 partial sums added as a tree at the end (as `dot` in
+ * cpu_decode.c: a single running sum is a long dependency chain, and without
+ * -ffast-math the compiler may not reorder it). 16 rather than 8: one AVX-512 or
+ * two AVX2 registers; with 8, GCC 12 unrolled N = 576 into shuffles, 6x slower. */
+INLINE float sum_squares(const float *restrict x, int64_t N)
+{
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= N; i += 16)
+        for (int l = 0; l < 16; l++)
+            part[l] += x[i + l] * x[i + l];
+    for (; i < N; i++)
+        part[0] += x[i] * x[i];
+    return tree_sum(part, 16);
+}
+
+/* One row of RMSNorm as torch computes it (cpu_ops.c's rms_norm, cpu_amx.c's norm into tiles: the
+ * same floats). */
+INLINE void rms_norm_row(const float *restrict x, const float *restrict w, float *restrict o, int64_t N, float eps)
+{
+    const float inv = 1.0f / sqrtf(sum_squares(x, N) / (float)N + eps);
+    for (int64_t i = 0; i < N; i++)
+        o[i] = (x[i] * inv) * w[i]; /* torch: (x * rsqrt(mean + eps)) * weight */
 }
 
 /* The KV cache's forms (``--kv-cache-dtype``): float32, or 16 bits a value. float16 (llama.cpp's

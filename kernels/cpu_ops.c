@@ -24,29 +24,6 @@
 #define PARALLEL_MIN_WORK (1 << 17)
 #endif
 
-/* Sum of squares with 16 partial sums added as a tree at the end (as `dot` in
- * cpu_decode.c: a single running sum is a long dependency chain, and without
- * -ffast-math the compiler may not reorder it). 16 rather than 8: one AVX-512 or
- * two AVX2 registers; with 8, GCC 12 unrolled N = 576 into shuffles, 6x slower. */
-INLINE float sum_squares(const float *restrict x, int64_t N)
-{
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= N; i += 16)
-        for (int l = 0; l < 16; l++)
-            part[l] += x[i + l] * x[i + l];
-    for (; i < N; i++)
-        part[0] += x[i] * x[i];
-    return tree_sum(part, 16);
-}
-
-INLINE void rms_norm_row(const float *restrict x, const float *restrict w, float *restrict o, int64_t N, float eps)
-{
-    const float inv = 1.0f / sqrtf(sum_squares(x, N) / (float)N + eps);
-    for (int64_t i = 0; i < N; i++)
-        o[i] = (x[i] * inv) * w[i]; /* torch: (x * rsqrt(mean + eps)) * weight */
-}
-
 /* out[t, :] = x[t, :] / sqrt(mean(x[t, :]^2) + eps) * w, out contiguous [T, N]. */
 void trillm_rms_norm(const float *restrict x, int64_t x_stride, const float *restrict w, float *restrict out,
                      int64_t T, int64_t N, float eps, int num_threads)

@@ -151,6 +151,50 @@ def test_the_gated_product_is_the_activation_of_the_two_matmuls(name, M, activat
     assert ((got - want).abs() <= 2e-5 * scale + 1e-5 * want.abs()).all()
 
 
+@needs_tiles
+@pytest.mark.parametrize("M, K", [(2100, 512), (130, 100), (33, 64), (1000, 4352)])
+def test_rows_packed_into_the_tiles_order_are_the_rounded_rows_and_norms(M, K):
+    """``pack`` holds x (a strided view) rounded as the matmul rounds it (AVX512-BF16 flushes float32
+    subnormals: none here), and with a norm weight the rows ``cpu_ops.rms_norm`` makes, rounded; rows
+    and values past x are zeros."""
+    x = torch.randn(M, K + 8)[:, 3:-5] * 3
+    packed = amx_tiles.pack(x)
+    assert torch.equal(packed.floats(), x.bfloat16().float())
+    w = torch.rand(K) + 0.5
+    normed = amx_tiles.pack(x, w, 1e-5)
+    assert torch.equal(normed.floats(), cpu_ops.rms_norm(x, w, 1e-5).bfloat16().float())
+    R, C = -(-M // 32) * 32, -(-K // 32) * 32
+    full = amx_tiles.TileRows(normed.data, R, C).floats()
+    assert full[M:].eq(0).all() and full[:, K:].eq(0).all()
+    with pytest.raises(ValueError):
+        amx_tiles.pack(x, out=amx_tiles.TileRows.empty(M, K + 1))
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", ["BF16 | BF16", "Q5_K K=4352", "Q4_K | Q6_K"])
+@pytest.mark.parametrize("M", [130, 300, 2100])
+def test_products_of_packed_rows_are_the_products_of_float_rows(name, M):
+    """x handed over in the tiles' order (a norm's output, the gated product) gives the very floats
+    the float32 rows give, in passes of rows too; the gated product into the tiles' order is its
+    float32 product packed (zeros past its rows and columns: the down projection reads them)."""
+    weight = GATED_FORMS[name]
+    gate, *_, size = amx_tiles.gated_parts(weight)
+    x = torch.randn(M, gate.shape[1])
+    packed = amx_tiles.pack(x)
+    assert torch.equal(amx_tiles.matmul(packed, gate), amx_tiles.matmul(x, gate))
+    h = torch.randn(M, gate.shape[0])
+    added = amx_tiles.matmul(packed, gate, out=h.clone(), accumulate=True)
+    want = amx_tiles.matmul(x, gate, out=h.clone(), accumulate=True)
+    # a last pass of float rows under 128 adds its sums to out after the tiles, packed rows before them
+    torch.testing.assert_close(added, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    rows = amx_tiles.gated(x, weight, "silu")
+    assert torch.equal(amx_tiles.gated(packed, weight, "silu"), rows)
+    padded = -(-M // 32) * 32 * -(-size // 32) * 32
+    into = amx_tiles.TileRows(torch.full((padded,), 7, dtype=torch.int16), M, size)
+    assert amx_tiles.gated(packed, weight, "silu", out=into) is into
+    assert torch.equal(into.data, amx_tiles.pack(rows).data)
+
+
 def test_a_gated_product_needs_two_parts_of_one_size():
     if not FORMS:
         return

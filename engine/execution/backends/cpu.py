@@ -266,26 +266,45 @@ class CpuBackend(Backend):
                 found = buffers[name] = torch.empty(*shape)
             return found
 
-        def normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # a layer's input norms
+        tile_buffers: dict[str, amx_tiles.TileRows] = {}
+        wide_tiles = rows >= amx_tiles.WIDE_ROWS and self.c_ops and amx_tiles.available()
+
+        def on_tiles(w: Weight) -> bool:
+            """Whether a wide step's product with w runs whole on the AMX tiles, x in their own order."""
+            parts = w.parts if isinstance(w, Stacked) else (w,)
+            return wide_tiles and self._in_bf16(w, rows) and all(amx_tiles.handles(p) for p in parts)
+
+        def tile_rows(name: str, cols: int) -> amx_tiles.TileRows:
+            found = tile_buffers.get(name)
+            if found is None:
+                found = tile_buffers[name] = amx_tiles.TileRows.empty(rows, cols)
+            return found
+
+        def normed(x: torch.Tensor, weight: torch.Tensor, tiles: bool = False) -> torch.Tensor | amx_tiles.TileRows:
+            """A layer's input norms; for a product on the tiles (``tiles``) normed straight into their order."""
+            if tiles:
+                return amx_tiles.pack(x, weight, s.rms_norm_eps, out=tile_rows("normed", x.shape[1]))
             if self.c_ops:
                 return cpu_ops.rms_norm(x, weight, s.rms_norm_eps, out=buffer("normed", *x.shape))
             return rms_norm(x, weight, s.rms_norm_eps)
 
-        def proj(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        def proj(x: torch.Tensor | amx_tiles.TileRows, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
             """x @ W (+ bias). A wide step writes into one buffer per width for all its layers (each
             layer's output is dead when the next one's is made): fresh multi-MiB tensors are new pages
             each time, and faulting them in cost a third of a prefill chunk's GEMMs."""
             if not self._in_bf16(w, rows):
+                assert isinstance(x, torch.Tensor)
                 return project(x, w, bias)
             width = out_features(w)
             out = outputs.get(width)
             if out is None:
-                out = outputs[width] = torch.empty(x.shape[0], width)
+                out = outputs[width] = torch.empty(rows, width)
             bf16_panels.matmul(x, w, out=out, scratch=self.scratch)
             return out if bias is None else out.add_(bias)
 
-        def proj_add(h: torch.Tensor, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        def proj_add(h: torch.Tensor, x: torch.Tensor | amx_tiles.TileRows, w: Weight) -> torch.Tensor:
             if not self._in_bf16(w, rows):
+                assert isinstance(x, torch.Tensor)
                 return project_add(h, x, w, reduce)
             if reduce is not None:
                 return h.add_(reduce(proj(x, w)))
@@ -307,7 +326,7 @@ class CpuBackend(Backend):
             return h + (out if out_norm is None else norm(out, out_norm, s.rms_norm_eps))
 
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(model.layers, kv_cache)):
-            x = normed(h, layer.input_norm)
+            x = normed(h, layer.input_norm, on_tiles(layer.qkv))
             qkv = proj(x, layer.qkv, layer.qkv_bias)
             # Q and K sit side by side in the fused projection: one rotary pass for both.
             qk = qkv[:, : q_size + kv_size].view(-1, s.num_heads + s.num_kv_heads, s.head_dim)
@@ -338,16 +357,25 @@ class CpuBackend(Backend):
                 h = proj_add(h, attn.reshape(-1, q_size), layer.o_proj)
             else:
                 h = add_block(h, proj(attn.reshape(-1, q_size), layer.o_proj), layer.o_bias, layer.attn_out_norm)
-            x = normed(h, layer.post_norm)
+            gated_on_tiles = (
+                layer.moe is None
+                and layer.gate_up is not None
+                and self._gated_on_tiles(layer.gate_up, rows, s.activation)
+            )
+            x = normed(h, layer.post_norm, gated_on_tiles)
             if layer.moe is not None:  # a mixture all-reduces and adds its experts' biases itself
+                assert isinstance(x, torch.Tensor)
                 out = moe_mlp(x, layer.moe, act, reduce)
                 h = h + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, s.rms_norm_eps))
                 continue
             assert layer.gate_up is not None and layer.down is not None
-            if self._gated_on_tiles(layer.gate_up, rows, s.activation):  # gate, up and act in one pass
+            gated: torch.Tensor | amx_tiles.TileRows
+            if gated_on_tiles:  # gate, up and act in one pass, handed to the down projection in the tiles' order
                 size = out_features(layer.gate_up) // 2
-                gated = amx_tiles.gated(x, layer.gate_up, s.activation, out=buffer("gated", rows, size))
+                into = tile_rows("gated", size) if on_tiles(layer.down) else buffer("gated", rows, size)
+                gated = amx_tiles.gated(x, layer.gate_up, s.activation, out=into)
             else:
+                assert isinstance(x, torch.Tensor)
                 gate_up = proj(x, layer.gate_up)
                 gated = act(gate_up, buffer("gated", rows, gate_up.shape[1] // 2))
             if layer.mlp_out_norm is None:
