@@ -27,6 +27,8 @@
 
 #define QB 32        /* query rows per block: two A tiles */
 #define KB 32        /* keys per block: two B tiles */
+#define STEP (2 * KB) /* keys per softmax step: two blocks */
+#define VECS (STEP / 16) /* a row's scores of a step, 16 a vector */
 #define MAX_D 256    /* head dims up to this */
 #define RAISE 8.0f   /* base-2 units a score may pass the running maximum by before it is raised */
 #define KEEP_BYTES (64 << 20) /* a larger layout buffer is freed after its call */
@@ -101,49 +103,60 @@ typedef struct {
     const uint32_t *kp, *vp;
 } Span;
 
-/* One row's scores of a key block (row, KB floats) into its weights (prow, bfloat16) against the
+/* One row's scores of a step's keys (row, STEP floats) into its weights (prow, bfloat16) against the
  * running maximum m (base 2) and sums l, its output row o rescaled where the maximum is raised.
- * seen0/seen1: the keys it sees; ``whole`` (a constant where this is inlined): all of them, no
+ * seen: the keys it sees, 16 a mask; ``whole`` (a constant where this is inlined): all of them, no
  * masking at all. */
 static inline __attribute__((always_inline)) void softmax_row(const float *row, uint16_t *prow, float *m, __m512 *l,
-                                                              float *o, int64_t D, float scale2, __mmask16 seen0,
-                                                              __mmask16 seen1, int whole)
+                                                              float *o, int64_t D, float scale2, const __mmask16 *seen,
+                                                              int whole)
 {
     const __m512 ninf = _mm512_set1_ps(-INFINITY), k2 = _mm512_set1_ps(scale2);
-    const __m512 s0 = whole ? _mm512_mul_ps(_mm512_loadu_ps(row), k2) : _mm512_mask_mul_ps(ninf, seen0, _mm512_loadu_ps(row), k2);
-    const __m512 s1 = whole ? _mm512_mul_ps(_mm512_loadu_ps(row + 16), k2)
-                            : _mm512_mask_mul_ps(ninf, seen1, _mm512_loadu_ps(row + 16), k2);
+    __m512 sv[VECS], p[VECS];
+    for (int i = 0; i < VECS; i++)
+        sv[i] = whole ? _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), k2)
+                      : _mm512_mask_mul_ps(ninf, seen[i], _mm512_loadu_ps(row + 16 * i), k2);
     /* The running maximum is raised only when a score passes it by more than RAISE (weights up to
-     * 2^RAISE then): most blocks leave it, the output and the sums as they are, and need no
+     * 2^RAISE then): most steps leave it, the output and the sums as they are, and need no
      * horizontal maximum. */
     const __m512 limit = _mm512_set1_ps(*m + RAISE);
-    if (_mm512_cmp_ps_mask(s0, limit, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, limit, _CMP_GT_OQ)) {
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-        const __m512 alpha = _mm512_set1_ps(*m == -INFINITY ? 0.0f : exp2f(*m - top));
-        *m = top;
+    __mmask16 over = 0;
+    for (int i = 0; i < VECS; i++)
+        over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
+    if (over) {
+        __m512 top = sv[0];
+        for (int i = 1; i < VECS; i++)
+            top = _mm512_max_ps(top, sv[i]);
+        const float t = _mm512_reduce_max_ps(top);
+        const __m512 alpha = _mm512_set1_ps(*m == -INFINITY ? 0.0f : exp2f(*m - t));
+        *m = t;
         *l = _mm512_mul_ps(alpha, *l);
         for (int64_t d = 0; d < D; d += 16)
             _mm512_storeu_ps(o + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + d)));
     }
     const __m512 mv = _mm512_set1_ps(*m);
-    __m512 p0 = exp2_ps(_mm512_sub_ps(s0, mv)), p1 = exp2_ps(_mm512_sub_ps(s1, mv));
-    if (!whole) { /* exp2_ps(-inf) is its floor, 2^-126, not 0 */
-        p0 = _mm512_maskz_mov_ps(seen0, p0);
-        p1 = _mm512_maskz_mov_ps(seen1, p1);
+    for (int i = 0; i < VECS; i++) {
+        p[i] = exp2_ps(_mm512_sub_ps(sv[i], mv));
+        if (!whole) /* exp2_ps(-inf) is its floor, 2^-126, not 0 */
+            p[i] = _mm512_maskz_mov_ps(seen[i], p[i]);
     }
-    *l = _mm512_add_ps(*l, _mm512_add_ps(p0, p1));
-    _mm512_storeu_si512(prow, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    *l = _mm512_add_ps(*l, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
+    for (int i = 0; i < VECS; i += 2)
+        _mm512_storeu_si512(prow + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(p[i + 1], p[i]));
 }
 
-/* Query head h, rows r0 .. r0 + QB of the span (positions length - n + r). */
+/* Query head h, rows r0 .. r0 + QB of the span (positions length - n + r). A step takes two key
+ * blocks (STEP keys): their scores by S = Q K^T on the tiles, one softmax pass over both, then
+ * O += P V with the output's tiles loaded and stored once for both (one block a step cost a third
+ * more tile loads and stores and twice the rows' bookkeeping). */
 static void attend_block(const Span *s, int64_t h, int64_t r0)
 {
     const int64_t D = s->D, g = h / (s->heads / s->kv_heads), rows = MIN(QB, s->n - r0);
     const int64_t first = s->length - s->n + r0, last = first + rows - 1; /* positions of the rows */
     static __thread uint16_t q16[QB * MAX_D] __attribute__((aligned(64)));
     static __thread float o[QB * MAX_D] __attribute__((aligned(64)));
-    static __thread float sc[QB * KB] __attribute__((aligned(64)));
-    static __thread uint16_t p16[QB * KB] __attribute__((aligned(64)));
+    static __thread float sc[QB * STEP] __attribute__((aligned(64)));
+    static __thread uint16_t p16[QB * STEP] __attribute__((aligned(64)));
     static __thread __m512 l[QB]; /* each row's softmax denominator, 16 partial sums (added up at the end) */
     float m[QB];
     for (int64_t r = 0; r < QB; r++) {
@@ -157,46 +170,48 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
     memset(o, 0, sizeof(float) * QB * (size_t)D);
     const int64_t lo = s->window > 0 ? MAX(0, first - s->window + 1) : 0;
     const uint32_t *kp = s->kp + g * s->blocks * KB * D / 2, *vp = s->vp + g * s->blocks * KB * D / 2;
-    for (int64_t b = lo / KB; b <= last / KB; b++) {
-        const uint32_t *kb = kp + b * KB * D / 2, *vb = vp + b * KB * D / 2;
-        start_tiles(1, NULL, NULL, NULL, NULL, 0);
-        for (int64_t d = 0; d < D; d += 32) /* S = Q K^T */
-            dp_2x2(q16 + d, q16 + 16 * D + d, D * 2, kb + d / 2 * KB, kb + d / 2 * KB + 16, KB * 4);
-        store_tiles(sc, sc + 16, sc + 16 * KB, sc + 16 * KB + 16, KB * 4);
-        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-        /* a block every row sees whole (below the diagonal, inside every row's window): no masks */
-        const int whole = rows == QB && b * KB + KB - 1 <= first && (s->window <= 0 || b * KB > last - s->window);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t b = lo / KB; b <= last / KB; b += 2) {
+        const int two = b + 1 <= last / KB; /* the second block has keys some row sees */
+        for (int half = 0; half < 1 + two; half++) { /* S = Q K^T, a block's 32 columns of sc at a time */
+            const uint32_t *kb = kp + (b + half) * KB * D / 2;
+            float *c = sc + half * KB;
+            start_tiles(1, NULL, NULL, NULL, NULL, 0);
+            for (int64_t d = 0; d < D; d += 32)
+                dp_2x2(q16 + d, q16 + 16 * D + d, D * 2, kb + d / 2 * KB, kb + d / 2 * KB + 16, KB * 4);
+            store_tiles(c, c + 16, c + 16 * STEP, c + 16 * STEP + 16, STEP * 4);
+        }
+        /* a step every row sees whole (below the diagonal, inside every row's window): no masks */
+        const int whole = rows == QB && two && b * KB + STEP - 1 <= first && (s->window <= 0 || b * KB > last - s->window);
         if (whole)
             for (int64_t r = 0; r < QB; r++)
-                softmax_row(sc + r * KB, p16 + r * KB, &m[r], &l[r], o + r * D, D, s->scale2, 0xffff, 0xffff, 1);
+                softmax_row(sc + r * STEP, p16 + r * STEP, &m[r], &l[r], o + r * D, D, s->scale2, NULL, 1);
         else
             for (int64_t r = 0; r < QB; r++) {
-                __mmask16 seen[2] = {0, 0};
-                if (r < rows) { /* keys b*KB + c with max(lo_r, 0) <= key <= pos */
+                __mmask16 seen[VECS] = {0};
+                __mmask16 any = 0;
+                if (r < rows) { /* keys b*KB + c with max(lo_r, 0) <= key <= pos, in a block that is there */
                     const int64_t pos = first + r, from = s->window > 0 ? pos - s->window + 1 : 0;
-                    for (int half = 0; half < 2; half++) {
-                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(b * KB + 16 * half)));
-                        seen[half] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos))
-                                   & _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)MAX(from, 0)));
+                    for (int i = 0; i < VECS && (i < VECS / 2 || two); i++) {
+                        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(b * KB + 16 * i)));
+                        seen[i] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos))
+                                & _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)MAX(from, 0)));
+                        any |= seen[i];
                     }
                 }
-                if (!(seen[0] | seen[1])) { /* nothing seen here (a padding row, or before its window) */
-                    memset(p16 + r * KB, 0, sizeof(uint16_t) * KB);
+                if (!any) { /* nothing seen here (a padding row, or before its window) */
+                    memset(p16 + r * STEP, 0, sizeof(uint16_t) * STEP);
                     continue;
                 }
-                softmax_row(sc + r * KB, p16 + r * KB, &m[r], &l[r], o + r * D, D, s->scale2, seen[0], seen[1], 0);
+                softmax_row(sc + r * STEP, p16 + r * STEP, &m[r], &l[r], o + r * D, D, s->scale2, seen, 0);
             }
-        _tile_loadd(4, p16, KB * 2);
-        _tile_loadd(5, p16 + 16 * KB, KB * 2);
+        const uint32_t *vb = vp + b * KB * D / 2;
         for (int64_t d = 0; d < D; d += 32) {
             float *c = o + d; /* O += P V, the rows' sums passed through the tiles */
             start_tiles(0, c, c + 16, c + 16 * D, c + 16 * D + 16, D * 4);
-            _tile_loadd(6, vb + d, D * 4);
-            _tile_loadd(7, vb + d + 16, D * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            for (int half = 0; half < 1 + two; half++) /* P's rows of this block's keys, its values' dims d .. d + 32 */
+                dp_2x2(p16 + half * KB, p16 + 16 * STEP + half * KB, STEP * 2, vb + half * KB * D / 2 + d,
+                       vb + half * KB * D / 2 + d + 16, D * 4);
             store_tiles(c, c + 16, c + 16 * D, c + 16 * D + 16, D * 4);
         }
     }
