@@ -228,53 +228,81 @@ static void attend_block(const Span *s, int64_t h, int64_t r0)
 static __thread uint32_t *layout = NULL; /* the calling thread's (the forward's) */
 static __thread size_t capacity = 0;
 
-/* One span: out[r, h] = softmax(q[r, h] . K^T * scale) V over its first ``length`` cached tokens,
- * row r at position length - n + r seeing keys up to its own (and, with window > 0, its last
- * ``window``). 0, or 1 without a buffer. */
-static int flash_span(const float *q, int64_t ldq, const void *k_cache, const void *v_cache, int kv,
-                      const int64_t *pages, int64_t page_size, int64_t n, int64_t length, int64_t heads,
-                      int64_t kv_heads, int64_t D, float scale, int64_t window, const float *sinks, float *out,
-                      int64_t ldo, int num_threads)
+/* Every span of a step (span s: rows spans[4 s] .. spans[4 s + 1] of q and out, its first spans[4 s + 2]
+ * cached tokens through the pages from pages + spans[4 s + 3]) in one parallel region: first every
+ * span's keys and values laid out for the tiles, then every (span, head, block of query rows) handed
+ * out in turn, each span's last blocks (which see the most keys) first. A region and its barriers a
+ * span cost more than the attention of a 128-token prompt. 0, or 1 without a buffer. */
+static int flash_spans(const float *q, int64_t ldq, const Cache *cache, const int64_t *spans, const int64_t *pages,
+                       int64_t count, int64_t heads, float scale, int64_t window, const float *sinks, float *out,
+                       int64_t ldo, int num_threads)
 {
-    if (n <= 0)
-        return 0;
-    const int64_t blocks = (length + KB - 1) / KB;
-    const size_t bytes = (size_t)(kv_heads * blocks * KB * D) * 4; /* keys and values: 2 bytes each */
+    const int64_t kv_heads = cache->kv_heads, D = cache->D;
+    Span *all = malloc(sizeof(Span) * (size_t)count);
+    Cache *caches = malloc(sizeof(Cache) * (size_t)count);
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(2 * count + 2)); /* prefix sums: layout items, tasks */
+    if (!all || !caches || !starts) {
+        free(all), free(caches), free(starts);
+        return 1;
+    }
+    int64_t *tasks = starts + count + 1, words = 0;
+    starts[0] = tasks[0] = 0;
+    for (int64_t s = 0; s < count; s++) { /* each span's place in the layout buffer, and its work */
+        const int64_t *sp = spans + 4 * s, n = sp[1] - sp[0], length = sp[2], blocks = (length + KB - 1) / KB;
+        caches[s] = *cache;
+        caches[s].pages = pages + sp[3];
+        all[s] = (Span){.q = q + sp[0] * ldq, .ldq = ldq, .out = out + sp[0] * ldo, .ldo = ldo, .n = n,
+                        .length = length, .heads = heads, .kv_heads = kv_heads, .D = D, .window = window,
+                        .blocks = blocks, .scale2 = scale * (float)M_LOG2E, .sinks = sinks,
+                        .kp = (const uint32_t *)(size_t)words, .vp = (const uint32_t *)(size_t)(words + kv_heads * blocks * KB * D / 2)};
+        words += kv_heads * blocks * KB * D; /* keys and values, a u32 (a pair of bfloat16) each half */
+        starts[s + 1] = starts[s] + kv_heads * blocks;
+        tasks[s + 1] = tasks[s] + (n > 0 ? heads * ((n + QB - 1) / QB) : 0);
+    }
+    const size_t bytes = (size_t)words * 4;
     if (bytes > capacity) {
         free(layout);
         capacity = 0;
-        if (posix_memalign((void **)&layout, 64, bytes))
+        if (posix_memalign((void **)&layout, 64, bytes)) {
+            free(all), free(caches), free(starts);
             return 1;
+        }
         capacity = bytes;
     }
-    const Cache cache = {k_cache, v_cache, pages, page_size, kv_heads, D, kv};
-    const Span span = {.q = q, .ldq = ldq, .out = out, .ldo = ldo, .n = n, .length = length, .heads = heads,
-                       .kv_heads = kv_heads, .D = D, .window = window, .blocks = blocks,
-                       .scale2 = scale * (float)M_LOG2E, .sinks = sinks, .kp = layout,
-                       .vp = layout + kv_heads * blocks * KB * D / 2};
-    const int64_t query_blocks = (n + QB - 1) / QB;
+    for (int64_t s = 0; s < count; s++) { /* offsets into the buffer, now that it is there */
+        all[s].kp = layout + (size_t)all[s].kp;
+        all[s].vp = layout + (size_t)all[s].vp;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
+        int64_t s = 0;
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < kv_heads * blocks; i++) {
-            const int64_t g = i / blocks, b = i % blocks;
-            layout_block(&cache, length, g, b, (uint32_t *)span.kp + (g * blocks + b) * KB * D / 2,
-                         (uint32_t *)span.vp + (g * blocks + b) * KB * D / 2);
+        for (int64_t i = 0; i < starts[count]; i++) {
+            while (i >= starts[s + 1]) /* the span of item i (each thread's items come in order) */
+                s++;
+            const int64_t blocks = all[s].blocks, g = (i - starts[s]) / blocks, b = (i - starts[s]) % blocks;
+            layout_block(&caches[s], all[s].length, g, b, (uint32_t *)all[s].kp + (g * blocks + b) * KB * D / 2,
+                         (uint32_t *)all[s].vp + (g * blocks + b) * KB * D / 2);
         }
         configure();
-        /* the last query blocks see the most keys: handed out first */
+        s = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < heads * query_blocks; i++)
-            attend_block(&span, i % heads, (query_blocks - 1 - i / heads) * QB);
+        for (int64_t i = 0; i < tasks[count]; i++) {
+            while (i >= tasks[s + 1] || i < tasks[s]) /* dynamic: i only grows for a thread */
+                s = i >= tasks[s + 1] ? s + 1 : 0;
+            const int64_t j = i - tasks[s], query_blocks = (all[s].n + QB - 1) / QB;
+            attend_block(&all[s], j % heads, (query_blocks - 1 - j / heads) * QB);
+        }
         _tile_release();
     }
+    free(all), free(caches), free(starts);
     return 0;
 }
 #endif
 
 /* Every prefill span of a step in one call: span s is rows spans[4 s] .. spans[4 s + 1] of q and out,
  * attending its first spans[4 s + 2] cached tokens through the pages from pages + spans[4 s + 3]
- * (see flash_span). q and out: float32 rows of heads x D (strides ldq, ldo); caches [pages,
+ * (see flash_spans). q and out: float32 rows of heads x D (strides ldq, ldo); caches [pages,
  * page_size, kv_heads, D] of form kv (cpu_common.h). 0; 1 no buffer; 3 no tiles here; 4 a head dim
  * this kernel does not take. */
 int trillm_flash_prefill(const float *q, int64_t ldq, const void *k_cache, const void *v_cache,
@@ -287,12 +315,10 @@ int trillm_flash_prefill(const float *q, int64_t ldq, const void *k_cache, const
         return 3;
     if (D % 32 || D > MAX_D || heads % kv_heads || (kv != KV_F32 && kv != KV_F16 && kv != KV_BF16))
         return 4;
-    int rc = 0;
-    for (int64_t s = 0; s < count && !rc; s++) {
-        const int64_t *span = spans + 4 * s;
-        rc = flash_span(q + span[0] * ldq, ldq, k_cache, v_cache, kv, pages + span[3], page_size, span[1] - span[0],
-                        span[2], heads, kv_heads, D, scale, window, sinks, out + span[0] * ldo, ldo, num_threads);
-    }
+    const Cache cache = {k_cache, v_cache, pages, page_size, kv_heads, D, kv};
+    const int rc = count > 0 ? flash_spans(q, ldq, &cache, spans, pages, count, heads, scale, window, sinks, out, ldo,
+                                           num_threads)
+                             : 0;
     if (capacity > KEEP_BYTES) {
         free(layout);
         layout = NULL;
