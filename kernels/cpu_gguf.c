@@ -383,7 +383,7 @@ static void rows_int(BlockType bt, DirectKernel direct, const uint8_t *w, int64_
             acc_zero(&acc[i]);
         const uint8_t *row = w + n * row_bytes;
 #if defined(__AVX2__)
-        if (n + PREFETCH_ROWS < n1)
+        if (!direct && n + PREFETCH_ROWS < n1) /* the direct kernels read ahead themselves (read_ahead) */
             for (int64_t c = 0; c < row_bytes; c += 64)
                 _mm_prefetch((const char *)(row + PREFETCH_ROWS * row_bytes + c), _MM_HINT_T0);
 #endif
