@@ -36,7 +36,12 @@
 #define X_BLOCK_BYTES (1 << 20) /* rows of x per pass: their bfloat16 stays in L2 (each pass decodes W again) */
 #define WIDE_ROWS 128 /* rows of x from which x is the A operand (multiply_rows) */
 #define WIDE_PASS 4096 /* its rows per pass at most */
+#ifndef PAIRS_L2_BYTES /* (both overridable for the tests' builds) */
 #define PAIRS_L2_BYTES (640 << 10) /* a wide call's weight pairs multiplied with each 32 rows of x in turn */
+#endif
+#ifndef KEEP_PAIRS_BYTES
+#define KEEP_PAIRS_BYTES (8 << 20) /* a thread's pairs of a wide call kept for its later passes up to this */
+#endif
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 
 enum { ACCUMULATE = 1 };
@@ -214,56 +219,59 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t m_
  * row of x, the results written or added into out. ``wide``: x16 in tile order is the A operand, the
  * panel turned into pairs (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS rows on)
  * and the tiles stored straight into out; else x in pairs (xs) is the B operand and the transposed
- * sums are turned after the last panel of K. A wide call's pairs of all a thread's groups are made
- * in its first pass of rows and kept for the later ones (``call`` names the call; the thread's
- * buffer says which call and groups it holds): at 2,000 rows and K 1,536 a call has seven passes,
- * and turning every panel again in each was a sixth of its time. */
+ * sums are turned after the last panel of K. A wide call takes a thread's groups in blocks whose pairs
+ * fit PAIRS_L2_BYTES of L2, every 32 rows of x against each group of a block in turn: the rows' tiles
+ * of x are reread from L1 after the first group, and out is written a row's runs in order (each group
+ * against every row of the pass in turn read x from L2 for every group and stored its sums 1.5-2 KiB
+ * apart: 0.7-1.2 TFLOP/s a core, against 1.5 so). Where all of a thread's pairs take at most
+ * KEEP_PAIRS_BYTES they are made in the call's first pass of rows and kept for the later ones
+ * (``call`` names the call; the thread's buffer says which call and groups it holds: at 2,000 rows
+ * and K 1,536 a call has seven passes, and turning every panel again in each was a sixth of its
+ * time); a larger weight's are made a block at a time in every pass. */
 static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, int64_t Kp, int64_t M, int64_t Mp,
                   float *out, int64_t ldo, int accumulate, int64_t g0, int64_t g1)
 {
     static __thread int64_t kept_call = -1, kept_g0, kept_g1;
-    const int64_t kc_max = MIN(KC, Kp);
-    /* row: kc_max floats; panel: NB x kc_max bfloat16; then pairs as many and an edge of 32 x NB floats
-     * (wide), or the sums, NB x Mp floats */
-    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (wide ? (size_t)kc_max / 2 * NB + 32 * NB
-                                                                            : (size_t)Mp * NB);
+    const int64_t kc_max = MIN(KC, Kp), group_words = Kp / 2 * NB;
+    /* row: kc_max floats; panel: NB x kc_max bfloat16; then an edge of 32 x NB floats (wide), or the
+     * sums, NB x Mp floats */
+    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (wide ? 32 * NB : (size_t)Mp * NB);
     float *row = grown(1, words * 4);
     if (!row)
         return 1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
     float *acc = row + kc_max + kc_max / 2 * NB; /* the sums, or the edge */
-    uint32_t *kept = wide ? grown(2, (size_t)(g1 - g0) * (size_t)(Kp / 2 * NB) * 4) : NULL; /* every group's pairs */
-    if (wide && !kept)
+    const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
+    const int keep = (size_t)(g1 - g0) * (size_t)group_words * 4 <= KEEP_PAIRS_BYTES;
+    uint32_t *pairs = wide ? grown(2, (size_t)(keep ? g1 - g0 : per_block) * (size_t)group_words * 4) : NULL;
+    if (wide && !pairs)
         return 1;
-    const int fresh = !(kept_call == call && kept_g0 == g0 && kept_g1 == g1); /* else its pairs are kept */
-    kept_call = wide ? call : -1, kept_g0 = g0, kept_g1 = g1;
+    const int fresh = !(keep && kept_call == call && kept_g0 == g0 && kept_g1 == g1); /* else its pairs are kept */
+    kept_call = wide && keep ? call : -1, kept_g0 = g0, kept_g1 = g1;
     configure();
     if (wide) {
-        const int64_t group_words = Kp / 2 * NB;
-        for (int64_t g = g0; g < g1 && fresh; g++) /* every group's panels turned once: out comes in its own layout */
-            for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
-                const int64_t kc = MIN(KC, Kp - k0);
-                int64_t ps;
-                const uint16_t *at = panel_at(L, g * NB, k0, kc, row, panel, &ps);
-                if (!at) {
-                    kept_call = -1;
-                    _tile_release();
-                    return 2;
+        for (int64_t b0 = g0; b0 < g1; b0 += per_block) {
+            const int64_t b1 = MIN(g1, b0 + per_block);
+            uint32_t *block = pairs + (keep ? b0 - g0 : 0) * group_words; /* group g's pairs: (g - b0) further */
+            for (int64_t g = b0; g < b1 && fresh; g++) /* the block's panels turned: out comes in its own layout */
+                for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+                    const int64_t kc = MIN(KC, Kp - k0);
+                    int64_t ps;
+                    const uint16_t *at = panel_at(L, g * NB, k0, kc, row, panel, &ps);
+                    if (!at) {
+                        kept_call = -1;
+                        _tile_release();
+                        return 2;
+                    }
+                    to_pairs(at, ps, NB, kc, block + (g - b0) * group_words + k0 / 2 * NB, NB);
                 }
-                to_pairs(at, ps, NB, kc, kept + (g - g0) * group_words + k0 / 2 * NB, NB);
-            }
-        /* Blocks of groups whose pairs stay in L2; in each, every 32 rows of x against each group in turn:
-         * the rows' tiles of x are read from L1 after the first group, and out is written a row's runs in
-         * order. (Each group against every row of the pass in turn read x from L2 for every group and
-         * stored its sums 1.5-2 KiB apart: 0.7-1.2 TFLOP/s a core, against 1.5 so.) */
-        const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
-        for (int64_t b0 = g0; b0 < g1; b0 += per_block)
             for (int64_t m0 = 0; m0 < M; m0 += 32)
-                for (int64_t g = b0; g < MIN(g1, b0 + per_block); g++)
+                for (int64_t g = b0; g < b1; g++)
                     for (int64_t k0 = 0; k0 < Kp; k0 += KC)
                         multiply_rows(xs, Kp, M, m0, m0 + 32, k0, MIN(KC, Kp - k0),
-                                      kept + (g - g0) * group_words + k0 / 2 * NB, MIN(NB, L->N - g * NB),
+                                      block + (g - b0) * group_words + k0 / 2 * NB, MIN(NB, L->N - g * NB),
                                       out + g * NB, ldo, accumulate || k0 > 0, acc);
+        }
         _tile_release();
         return 0;
     }
@@ -350,37 +358,41 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
     const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + 32 * 2 * NB;
     float *row = grown(1, words * 4);
     const int64_t group_words = Kp / 2 * NB * 2; /* a group's gate pairs, then its up pairs */
-    uint32_t *kept = grown(2, (size_t)(g1 - g0) * (size_t)group_words * 4);
-    if (!row || !kept)
+    /* as groups(): blocks of groups whose pairs stay in L2, every 32 rows of x against each in turn; a
+     * thread's pairs kept for the call's later passes where they take at most KEEP_PAIRS_BYTES */
+    const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
+    const int keep = (size_t)(g1 - g0) * (size_t)group_words * 4 <= KEEP_PAIRS_BYTES;
+    uint32_t *pairs = grown(2, (size_t)(keep ? g1 - g0 : per_block) * (size_t)group_words * 4);
+    if (!row || !pairs)
         return 1;
-    const int fresh = !(kept_call == call && kept_g0 == g0 && kept_g1 == g1);
-    kept_call = call, kept_g0 = g0, kept_g1 = g1;
+    const int fresh = !(keep && kept_call == call && kept_g0 == g0 && kept_g1 == g1);
+    kept_call = keep ? call : -1, kept_g0 = g0, kept_g1 = g1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
     float *acc = (float *)(panel + kc_max * NB);
     configure();
-    for (int64_t g = g0; g < g1 && fresh; g++) /* every group's gate and up panels turned into pairs once */
-        for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
-            const int64_t kc = MIN(KC, Kp - k0);
-            uint32_t *gate = kept + (g - g0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
-            for (int part = 0; part < 2; part++) {
-                int64_t ps;
-                const uint16_t *at = panel_at(part ? U : G, (part ? up0 : gate0) + g * NB, k0, kc, row, panel, &ps);
-                if (!at) {
-                    kept_call = -1;
-                    _tile_release();
-                    return 2;
+    for (int64_t b0 = g0; b0 < g1; b0 += per_block) {
+        const int64_t b1 = MIN(g1, b0 + per_block);
+        uint32_t *block = pairs + (keep ? b0 - g0 : 0) * group_words; /* group g's pairs: (g - b0) further */
+        for (int64_t g = b0; g < b1 && fresh; g++) /* the block's gate and up panels turned into pairs */
+            for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
+                const int64_t kc = MIN(KC, Kp - k0);
+                uint32_t *gate = block + (g - b0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
+                for (int part = 0; part < 2; part++) {
+                    int64_t ps;
+                    const uint16_t *at = panel_at(part ? U : G, (part ? up0 : gate0) + g * NB, k0, kc, row, panel, &ps);
+                    if (!at) {
+                        kept_call = -1;
+                        _tile_release();
+                        return 2;
+                    }
+                    to_pairs(at, ps, NB, kc, part ? up : gate, NB);
                 }
-                to_pairs(at, ps, NB, kc, part ? up : gate, NB);
             }
-        }
-    /* as groups(): blocks of groups whose pairs stay in L2, every 32 rows of x against each in turn */
-    const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
-    for (int64_t b0 = g0; b0 < g1; b0 += per_block)
         for (int64_t m0 = 0; m0 < Mp; m0 += 32)
-            for (int64_t g = b0; g < MIN(g1, b0 + per_block); g++) {
+            for (int64_t g = b0; g < b1; g++) {
                 const int64_t n0 = g * NB, cols = MIN(NB, I - n0);
                 for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
-                    const uint32_t *gate = kept + (g - g0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
+                    const uint32_t *gate = block + (g - b0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
                     multiply_gated(x16 + m0 * Kp, Kp, 32, k0, MIN(KC, Kp - k0), gate, up, acc, k0 == 0);
                 }
                 const __mmask16 lo = (__mmask16)((1u << MIN(16, cols)) - 1);
@@ -402,6 +414,7 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                     _mm512_mask_storeu_ps(o + 16, hi, v1);
                 }
             }
+    }
     _tile_release();
     return 0;
 }

@@ -23,7 +23,7 @@ from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.kernels import amx_tiles, bf16_panels, cpu_gguf, cpu_matmul, cpu_ops
+from trillm.kernels import amx_tiles, bf16_panels, cpu_build, cpu_gguf, cpu_matmul, cpu_ops
 from trillm.kernels.block_weights import Q4_1Weight, Q8_0Weight
 from trillm.kernels.block_weights import dequantize as dequantize_blocks
 from trillm.kernels.gguf_blocks import reference_dequantize, repacked
@@ -193,6 +193,25 @@ def test_products_of_packed_rows_are_the_products_of_float_rows(name, M):
     into = amx_tiles.TileRows(torch.full((padded,), 7, dtype=torch.int16), M, size)
     assert amx_tiles.gated(packed, weight, "silu", out=into) is into
     assert torch.equal(into.data, amx_tiles.pack(rows).data)
+
+
+@needs_tiles
+def test_a_weight_too_large_to_keep_its_pairs_pairs_them_a_group_at_a_time(monkeypatch):
+    """A build that keeps no pairs between passes and takes one group a block (as an 8B model's FFN
+    weights run: their pairs would be tens of MiB a thread) gives the very floats the default build
+    gives, for products and gated products of float32 rows and of rows in the tiles' order."""
+    lib = ctypes.CDLL(str(cpu_build._build("cpu_amx", ("-DKEEP_PAIRS_BYTES=0", "-DPAIRS_L2_BYTES=0"))))
+    amx_tiles._KERNEL.declare(lib)
+    small = tuple(getattr(lib, f) for f in amx_tiles._SIGNATURES)
+    weight = GATED_FORMS["Q5_K K=4352"]  # two panels of K, passes of 96 rows
+    gate = amx_tiles.gated_parts(weight)[0]
+    x = torch.randn(300, gate.shape[1])
+    packed = amx_tiles.pack(x)
+    want = [amx_tiles.matmul(x, gate), amx_tiles.matmul(packed, gate), amx_tiles.gated(x, weight, "silu")]
+    monkeypatch.setattr(amx_tiles._KERNEL, "_functions", small)
+    got = [amx_tiles.matmul(x, gate), amx_tiles.matmul(packed, gate), amx_tiles.gated(x, weight, "silu")]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
 
 
 def test_a_gated_product_needs_two_parts_of_one_size():
