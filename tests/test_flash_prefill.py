@@ -127,3 +127,29 @@ def test_the_backends_bfloat16_prefill_takes_it_and_agrees_with_the_torch_path(m
     torch_path = paged_attention(q, k, v, k_cache, v_cache, meta, 0.125, prefill_dtype=torch.bfloat16)
     assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)  # both stored the step's K/V
     assert (flash - torch_path).abs().max() < 0.03 and (flash - torch_path).abs().mean() < 2e-3
+
+
+@needs_tiles
+def test_many_spans_in_one_call_are_each_span_alone():
+    """Every span of a step in one call (one parallel region, the spans' blocks of rows handed out in
+    turn) gives each span's rows bit for bit what that span alone gives: short and long spans, some
+    with tokens cached before them, pages shared out of one pool."""
+    torch.manual_seed(11)
+    heads, kv_heads, head_dim, page_size = 6, 2, 64, 16
+    shapes = [(3, 3), (40, 100), (128, 128), (1, 77), (70, 70), (33, 200)]  # (rows, context)
+    pool = torch.randperm(64)
+    k_cache = torch.randn(64, page_size, kv_heads, head_dim).half()
+    v_cache = torch.randn(64, page_size, kv_heads, head_dim).half()
+    spans, at, start = [], 0, 0
+    for rows, length in shapes:
+        used = -(-length // page_size)
+        spans.append((start, start + rows, length, pool[at : at + used]))
+        at, start = at + used, start + rows
+    q = torch.randn(start, heads, head_dim)
+    together = torch.full((start, heads, head_dim), float("nan"))
+    table, pages = flash_prefill.span_table(spans)
+    flash_prefill.attend_spans(q, k_cache, v_cache, table, pages, head_dim**-0.5, 0, None, together)
+    for a, b, length, span_pages in spans:
+        alone = torch.full((b - a, heads, head_dim), float("nan"))
+        flash_prefill.attend(q[a:b], k_cache, v_cache, span_pages, length, head_dim**-0.5, 0, None, alone)
+        assert torch.equal(together[a:b], alone)
