@@ -498,7 +498,8 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
         a[t][0] = a[t][1] = m[t] = _mm256_setzero_ps();
     for (int64_t j = 0; j < blocks; j++) {
         const uint8_t *b = row + j * bytes;
-        read_ahead(b, bytes);
+        if (i0 == 0) /* the row's first tile of x: the later ones find it in cache */
+            read_ahead(b, bytes);
         if (type == Q6_K)
             q6_k_block(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q3_K)
