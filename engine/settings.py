@@ -184,8 +184,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                 dest=s.name,
                 type=_flag_type(s),
                 default=None,
-                choices=s.choices,
-                metavar=None if s.choices else s.flag.lstrip("-").replace("-", "_").upper(),
+                # argparse compares the converted value with its choices: a number's are checked on the text
+                # (Setting.parse) and shown as the metavar, so `--activation-bits 8` is one
+                choices=s.choices if s.kind is str else None,
+                metavar=_metavar(s),
                 help=text,
             )
 
@@ -195,6 +197,12 @@ class _Extend(argparse.Action):
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
         setattr(namespace, self.dest, (getattr(namespace, self.dest, None) or ()) + tuple(values))
+
+
+def _metavar(s: Setting) -> str | None:
+    if s.choices is None:
+        return s.flag.lstrip("-").replace("-", "_").upper()
+    return None if s.kind is str else "{" + ",".join(s.choices) + "}"
 
 
 def _flag_type(s: Setting) -> Callable[[str], Any]:

@@ -70,6 +70,22 @@ def test_flags_and_variables_reach_the_same_fields():
         _serve().parse_args(["--page-size", "x"])
 
 
+@pytest.mark.parametrize("cls", [EngineConfig, ServerConfig])
+def test_every_choice_of_every_setting_is_taken_on_the_command_line_and_others_refused(cls, capsys):
+    """Each listed value of a setting with choices parses from its flag into the field (a number's
+    choices too: argparse compared the converted 8 with the text '8' and refused
+    `--activation-bits 8`), and a value not listed ends with argparse's usage error."""
+    for s in settings_of(cls):
+        if not s.choices or s.many:
+            continue
+        for choice in s.choices:
+            args = _serve().parse_args([s.flag, choice])
+            assert overrides_from(args, cls)[s.name] == s.parse(choice), (s.flag, choice)
+        with pytest.raises(SystemExit):
+            _serve().parse_args([s.flag, "not-a-choice"])
+        assert f"argument {s.flag}: expected one of" in capsys.readouterr().err
+
+
 def test_cache_dir_is_read_once_from_the_setting(tmp_path):
     config = from_env(EngineConfig, {"TRILLM_CACHE_DIR": str(tmp_path)})
     assert config.cache_path == tmp_path
