@@ -17,10 +17,13 @@
  * From WIDE_ROWS rows of x (a prefill chunk) the roles swap: x, in tile order, is the A operand and
  * the panel, turned into pairs, the B, so the sums come out in out's own layout and are stored
  * straight into it; trillm_amx_gated runs a gated MLP's gate and up that way and applies its
- * activation as the sums leave the tiles.
+ * activation as the sums leave the tiles. A wide step's kernels hand x to each other already in tile
+ * order (trillm_amx_pack, with the layer's RMSNorm; trillm_amx_matmul_tiles and _gated_tiles, the
+ * latter writing its product in tile order for the down projection).
  * Buffers are per thread and kept between calls (grown()): the caller's x in bfloat16 (a pass of
- * rows: 256 below WIDE_ROWS, else as many as fill X_BLOCK_BYTES), each worker's panel, row, pairs
- * and sums (~0.3 MiB at K 4096, 256 rows).
+ * rows: 256 below WIDE_ROWS, else as many as fill X_BLOCK_BYTES), each worker's panel, row and sums
+ * (~0.3 MiB at K 4096, 256 rows), and its pairs of a wide call (at most KEEP_PAIRS_BYTES, else a
+ * block of PAIRS_L2_BYTES).
  */
 #include <omp.h>
 #include <stdint.h>
