@@ -96,7 +96,7 @@ def _padded(n: int) -> int:
     return -(-n // _STEP) * _STEP
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)  # identity: a tensor field has no truth value to compare by
 class TileRows:
     """x [rows, cols] rounded to bfloat16 in the tiles' own order (each 16 rows' 32 values of each step of
     K side by side; rows and cols padded with zeros to multiples of 32): what one kernel of a wide step
