@@ -104,10 +104,11 @@ def test_each_form_is_the_product_of_the_rounded_matrices(name, M):
 
 @needs_tiles
 def test_a_prefill_of_many_rows_runs_in_passes_with_x_row_major():
-    """2,100 rows of K = 512: x's bfloat16 rows come in passes of at most 1 MiB (each decodes W again),
-    and a strided x (a view into a wider activation) is read in place."""
+    """4,200 rows of K = 512: x's bfloat16 rows come in passes of at most 4,096 rows (each decodes W
+    again; the last, of 104 rows, through the narrow layout), and a strided x (a view into a wider
+    activation) is read in place."""
     weight, dense = FORMS["Q5_K"]
-    x = torch.randn(2100, dense.shape[1] + 8)[:, 4:-4]
+    x = torch.randn(4200, dense.shape[1] + 8)[:, 4:-4]
     got = amx_tiles.matmul(x, weight)
     rounded = x.bfloat16().double() @ dense.bfloat16().double().T
     scale = x.abs().double() @ dense.abs().double().T
