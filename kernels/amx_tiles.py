@@ -330,7 +330,7 @@ def matmul(
         out.data_ptr(),
         out.stride(0),
         M,
-        _ACCUMULATE if accumulate else 0,
+        flags,
         threads,
     )
     _raise_for(rc)

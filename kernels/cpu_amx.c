@@ -218,6 +218,34 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t m_
     }
 }
 
+/* A new name for a call whose workers keep weight pairs between its passes of rows: one count for
+ * the products and the gated products, whose workers share one pairs buffer (grown() slot 2), so a
+ * name never matches pairs another call left there. */
+static int64_t new_call(void)
+{
+    static int64_t calls = 0;
+    int64_t call;
+#pragma omp atomic capture
+    call = ++calls;
+    return call;
+}
+
+static __thread int64_t kept_call = -1, kept_g0, kept_g1; /* what this worker's pairs buffer holds */
+
+/* A worker's pairs buffer for its groups g0 .. g1 of a wide call (``group_words`` u32 each): all of
+ * them where they take at most KEEP_PAIRS_BYTES (*keep; made in the call's first pass, kept for the
+ * later ones), else a block of ``per_block``. *fresh: whether they must be made now. NULL if the
+ * buffer cannot be had. */
+static uint32_t *pairs_buffer(int64_t call, int64_t g0, int64_t g1, int64_t group_words, int64_t per_block, int *keep,
+                              int *fresh)
+{
+    *keep = (size_t)(g1 - g0) * (size_t)group_words * 4 <= KEEP_PAIRS_BYTES;
+    uint32_t *pairs = grown(2, (size_t)(*keep ? g1 - g0 : per_block) * (size_t)group_words * 4);
+    *fresh = !(*keep && kept_call == call && kept_g0 == g0 && kept_g1 == g1);
+    kept_call = *keep && pairs ? call : -1, kept_g0 = g0, kept_g1 = g1;
+    return pairs;
+}
+
 /* Weight rows of groups g0 .. g1 (NB each): a panel decoded (or read in place), multiplied with every
  * row of x, the results written or added into out. ``wide``: x16 in tile order is the A operand, the
  * panel turned into pairs (a cost of N x K, against write_out's M x N: cheaper from WIDE_ROWS rows on)
@@ -234,7 +262,6 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t m_
 static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, int64_t Kp, int64_t M, int64_t Mp,
                   float *out, int64_t ldo, int accumulate, int64_t g0, int64_t g1)
 {
-    static __thread int64_t kept_call = -1, kept_g0, kept_g1;
     const int64_t kc_max = MIN(KC, Kp), group_words = Kp / 2 * NB;
     /* row: kc_max floats; panel: NB x kc_max bfloat16; then an edge of 32 x NB floats (wide), or the
      * sums, NB x Mp floats */
@@ -245,12 +272,10 @@ static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, in
     uint16_t *panel = (uint16_t *)(row + kc_max);
     float *acc = row + kc_max + kc_max / 2 * NB; /* the sums, or the edge */
     const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
-    const int keep = (size_t)(g1 - g0) * (size_t)group_words * 4 <= KEEP_PAIRS_BYTES;
-    uint32_t *pairs = wide ? grown(2, (size_t)(keep ? g1 - g0 : per_block) * (size_t)group_words * 4) : NULL;
+    int keep = 0, fresh = 1;
+    uint32_t *pairs = wide ? pairs_buffer(call, g0, g1, group_words, per_block, &keep, &fresh) : NULL;
     if (wide && !pairs)
         return 1;
-    const int fresh = !(keep && kept_call == call && kept_g0 == g0 && kept_g1 == g1); /* else its pairs are kept */
-    kept_call = wide && keep ? call : -1, kept_g0 = g0, kept_g1 = g1;
     configure();
     if (wide) {
         for (int64_t b0 = g0; b0 < g1; b0 += per_block) {
@@ -355,7 +380,6 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                         const uint16_t *x16, int64_t call, int64_t Kp, int64_t M, float *out, int64_t ldo,
                         uint16_t *out16, int64_t Ip, int activation, int64_t g0, int64_t g1)
 {
-    static __thread int64_t kept_call = -1, kept_g0, kept_g1;
     const int64_t kc_max = MIN(KC, Kp), Mp = (M + 31) / 32 * 32;
     /* row: kc_max floats; panel: NB x kc_max bfloat16; acc: 32 x 2 NB floats (a block of rows' sums) */
     const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + 32 * 2 * NB;
@@ -364,12 +388,10 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
     /* as groups(): blocks of groups whose pairs stay in L2, every 32 rows of x against each in turn; a
      * thread's pairs kept for the call's later passes where they take at most KEEP_PAIRS_BYTES */
     const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
-    const int keep = (size_t)(g1 - g0) * (size_t)group_words * 4 <= KEEP_PAIRS_BYTES;
-    uint32_t *pairs = grown(2, (size_t)(keep ? g1 - g0 : per_block) * (size_t)group_words * 4);
+    int keep, fresh;
+    uint32_t *pairs = pairs_buffer(call, g0, g1, group_words, per_block, &keep, &fresh);
     if (!row || !pairs)
         return 1;
-    const int fresh = !(keep && kept_call == call && kept_g0 == g0 && kept_g1 == g1);
-    kept_call = keep ? call : -1, kept_g0 = g0, kept_g1 = g1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
     float *acc = (float *)(panel + kc_max * NB);
     configure();
@@ -501,10 +523,7 @@ static int matmul_passes(const float *x, int64_t ldx, const uint16_t *given, con
 #if AMX
     if (!trillm_amx_available())
         return 3;
-    static int64_t calls = 0; /* names each call for the pairs its threads keep between passes */
-    int64_t call;
-#pragma omp atomic capture
-    call = ++calls;
+    const int64_t call = new_call(); /* for the pairs its workers keep between passes */
     const int64_t Kp = (L->K + KSTEP - 1) / KSTEP * KSTEP, rows = pass_rows(Kp, M >= WIDE_ROWS || given);
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0);
@@ -594,10 +613,7 @@ static int gated_passes(const float *x, int64_t ldx, const uint16_t *given, cons
     const int64_t K = G->K, Kp = (K + KSTEP - 1) / KSTEP * KSTEP, Ip = (I + KSTEP - 1) / KSTEP * KSTEP;
     const int64_t rows = pass_rows(Kp, 1);
     const int64_t groups = (I + NB - 1) / NB;
-    static int64_t calls = 0; /* names each call for the pairs its threads keep between passes */
-    int64_t call;
-#pragma omp atomic capture
-    call = ++calls;
+    const int64_t call = new_call(); /* for the pairs its workers keep between passes */
     for (int64_t m0 = 0; m0 < M; m0 += rows) {
         const int64_t m = MIN(rows, M - m0), Mp = (m + 31) / 32 * 32;
         const uint16_t *x16 = given ? given + m0 * Kp : grown(0, (size_t)(Mp * Kp) * 2);

@@ -245,21 +245,14 @@ static int flash_spans(const float *q, int64_t ldq, const Cache *cache, const in
         free(all), free(caches), free(starts);
         return 1;
     }
-    int64_t *tasks = starts + count + 1, words = 0;
+    int64_t *tasks = starts + count + 1;
     starts[0] = tasks[0] = 0;
-    for (int64_t s = 0; s < count; s++) { /* each span's place in the layout buffer, and its work */
-        const int64_t *sp = spans + 4 * s, n = sp[1] - sp[0], length = sp[2], blocks = (length + KB - 1) / KB;
-        caches[s] = *cache;
-        caches[s].pages = pages + sp[3];
-        all[s] = (Span){.q = q + sp[0] * ldq, .ldq = ldq, .out = out + sp[0] * ldo, .ldo = ldo, .n = n,
-                        .length = length, .heads = heads, .kv_heads = kv_heads, .D = D, .window = window,
-                        .blocks = blocks, .scale2 = scale * (float)M_LOG2E, .sinks = sinks,
-                        .kp = (const uint32_t *)(size_t)words, .vp = (const uint32_t *)(size_t)(words + kv_heads * blocks * KB * D / 2)};
-        words += kv_heads * blocks * KB * D; /* keys and values, a u32 (a pair of bfloat16) each half */
-        starts[s + 1] = starts[s] + kv_heads * blocks;
+    for (int64_t s = 0; s < count; s++) { /* each span's (kv head, key block) items, and its work */
+        const int64_t *sp = spans + 4 * s, n = sp[1] - sp[0];
+        starts[s + 1] = starts[s] + kv_heads * ((sp[2] + KB - 1) / KB);
         tasks[s + 1] = tasks[s] + (n > 0 ? heads * ((n + QB - 1) / QB) : 0);
     }
-    const size_t bytes = (size_t)words * 4;
+    const size_t bytes = (size_t)(starts[count] * KB * D) * 4; /* an item's keys and values: 2 bytes a value each */
     if (bytes > capacity) {
         free(layout);
         capacity = 0;
@@ -269,9 +262,15 @@ static int flash_spans(const float *q, int64_t ldq, const Cache *cache, const in
         }
         capacity = bytes;
     }
-    for (int64_t s = 0; s < count; s++) { /* offsets into the buffer, now that it is there */
-        all[s].kp = layout + (size_t)all[s].kp;
-        all[s].vp = layout + (size_t)all[s].vp;
+    for (int64_t s = 0; s < count; s++) {
+        const int64_t *sp = spans + 4 * s, blocks = (sp[2] + KB - 1) / KB;
+        const uint32_t *kp = layout + starts[s] * KB * D; /* the span's keys, then its values */
+        caches[s] = *cache;
+        caches[s].pages = pages + sp[3];
+        all[s] = (Span){.q = q + sp[0] * ldq, .ldq = ldq, .out = out + sp[0] * ldo, .ldo = ldo, .n = sp[1] - sp[0],
+                        .length = sp[2], .heads = heads, .kv_heads = kv_heads, .D = D, .window = window,
+                        .blocks = blocks, .scale2 = scale * (float)M_LOG2E, .sinks = sinks, .kp = kp,
+                        .vp = kp + kv_heads * blocks * KB * D / 2};
     }
 #pragma omp parallel num_threads(num_threads)
     {

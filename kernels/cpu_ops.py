@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from trillm.kernels import cpu_build
+from trillm.kernels import cpu_build, cpu_decode
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -192,9 +192,6 @@ def sample_rows(logits: torch.Tensor, temperatures: list[float], uniforms: torch
     return out
 
 
-_KV_FORMS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # as cpu_common.h numbers them
-
-
 def kv_scatter(
     k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 ) -> bool:
@@ -204,7 +201,7 @@ def kv_scatter(
     False, nothing written, where the tensors are not of that kind: the caller stores in torch."""
     T, kv_heads, head_dim = k.shape
     width = kv_heads * head_dim
-    form = _KV_FORMS.get(k_cache.dtype)
+    form = cpu_decode.KV_FORMS.get(k_cache.dtype)
     if (
         form is None
         or v_cache.dtype is not k_cache.dtype
