@@ -151,6 +151,14 @@ class EngineConfig:
         "new experts for thousands of tokens)",
         flag="--no-prefault",
     )
+    huge_pages: bool = setting(
+        True,
+        "with prefault, move a GGUF file's mapped blocks into the process's own transparent huge pages "
+        "as they are read (where the kernel has them): each decode step streams the weights with a TLB "
+        "miss per 2 MiB, not per 4 KiB (an 8B Q4_K_M file's one stream ~10 % faster); the pages are then "
+        "this process's, not the shared page cache's (`--dp` replicas keep the file's pages)",
+        flag="--no-huge-pages",
+    )
     enforce_eager: bool = setting(False, "on GPUs, run decode steps without CUDA graphs (debugging)")
     overlap_schedule: bool = setting(
         True,

@@ -340,7 +340,7 @@ Tensorish = torch.Tensor | GGUFWeight | BlockWeight
 
 
 def gguf_weights(
-    header: GGUFHeader, blocks: bool, activation_bits: int = 16, prefault: bool = False
+    header: GGUFHeader, blocks: bool, activation_bits: int = 16, prefault: bool = False, huge_pages: bool = False
 ) -> dict[str, Tensorish]:
     """The checkpoint-named weights of ``header``'s file. With ``blocks``, every matrix stays in the
     file's blocks (``GGUFWeight``, or repacked into ``block_weights``' layouts where that is
@@ -348,7 +348,8 @@ def gguf_weights(
     decoded is checked to be finite (a damaged file is refused, ``file_checks``); blocks are not
     read here (a mapped page is read when the model first runs it). ``activation_bits``: what the
     blocks' integer dot products quantize x to (``GGUFWeight.activation_bits``). ``prefault``: with
-    ``blocks``, the mapping's pages are read in the background (``prefault.start``)."""
+    ``blocks``, the mapping's pages are read in the background (``prefault.start``), with ``huge_pages``
+    into anonymous huge pages."""
     arch = header.metadata["general.architecture"]
     config = gguf_config(header)
     file = _mapped(header)
@@ -391,5 +392,5 @@ def gguf_weights(
     if blocks:
         release(file, copied)  # resident once, as the copy
     if blocks and prefault:
-        prefault_start(file, header.path.name, skip=copied)
+        prefault_start(file, header.path.name, skip=copied, huge=huge_pages)
     return out

@@ -219,6 +219,7 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
             tp=tp,
             activation_bits=config.activation_bits,
             prefault=config.prefault,
+            huge_pages=config.huge_pages,
         )
     else:
         if not blocks:  # dense in the dtype served (block weights take less: they are not known yet)

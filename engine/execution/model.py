@@ -350,16 +350,16 @@ class DecoderModel:
         tp: TensorParallel = SINGLE,
         activation_bits: int = 16,
         prefault: bool = False,
+        huge_pages: bool = False,
     ) -> DecoderModel:
         """The model of a GGUF file, its matrices kept in the file's blocks with ``block_weights``
         (in one process: tensor-parallel ranks cut dense weights, and keep what is exactly Q4_1 or
-        Q8_0 in those blocks), else decoded to ``dtype``; ``activation_bits``: the blocks' x width;
-        ``prefault``: the file's mapped pages read in the background (``prefault.py``)."""
+        Q8_0 in those blocks), else decoded to ``dtype``; the rest as ``gguf_model.gguf_weights`` takes them."""
         in_blocks = block_weights and tp.part is None
         shape = ModelShape.from_config(config)
 
         def read(shape: ModelShape) -> dict[str, Any]:
-            return gguf_weights(header, in_blocks, activation_bits, prefault)
+            return gguf_weights(header, in_blocks, activation_bits, prefault, huge_pages)
 
         return cls.sharded(shape, read, dtype, max_len, device, backend=backend, block_weights=block_weights, tp=tp)
 

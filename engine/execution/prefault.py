@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from trillm.engine.execution import huge_pages
 from trillm.engine.execution.native_memory import c_library
 
 log = logging.getLogger("trillm.engine")
@@ -78,14 +79,19 @@ def release(mapping: Any, copied: list[tuple[int, int]]) -> int:
     return done
 
 
-def start(mapping: Any, name: str, skip: Sequence[tuple[int, int]] = ()) -> threading.Thread | None:
+def start(mapping: Any, name: str, skip: Sequence[tuple[int, int]] = (), huge: bool = False) -> threading.Thread | None:
     """Populate ``mapping`` (a numpy memmap of a whole file, kept alive by the thread) in the
-    background, but for the (offset, bytes) ranges in ``skip``; None where there is no libc to ask."""
+    background, but for the (offset, bytes) ranges in ``skip``; None where there is no libc to ask.
+    ``huge``: move the pages into anonymous huge pages where the kernel has them (``huge_pages``)."""
     libc = _libc()
     if libc is None or mapping.nbytes == 0:
         return None
+    huge = huge and huge_pages.available()
     thread = threading.Thread(
-        target=_populate, args=(libc, mapping, name, _inner_pages(list(skip))), name="trillm-prefault", daemon=True
+        target=_populate,
+        args=(libc, mapping, name, _inner_pages(list(skip)), huge),
+        name="trillm-prefault",
+        daemon=True,
     )
     thread.start()
     return thread
@@ -101,17 +107,29 @@ def _chunks(size: int, skip: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return pieces
 
 
-def _populate(libc: ctypes.CDLL, mapping: Any, name: str, skip: list[tuple[int, int]]) -> None:
+def _populate(libc: ctypes.CDLL, mapping: Any, name: str, skip: list[tuple[int, int]], huge: bool) -> None:
     base, size = mapping.ctypes.data, mapping.nbytes  # a whole-file mapping: page-aligned
-    advice, began = MADV_POPULATE_READ, time.perf_counter()
+    advice, began, promoted = MADV_POPULATE_READ, time.perf_counter(), 0
     for offset, length in _chunks(size, skip):
-        if libc.madvise(base + offset, length, advice) == 0:
-            continue
-        if advice == MADV_POPULATE_READ and ctypes.get_errno() == errno.EINVAL:
-            advice = MADV_WILLNEED  # an older kernel: read ahead instead
-            libc.madvise(base + offset, length, advice)
-            continue
-        log.info("%s: reading its pages ahead stopped at %d MiB (errno %d)", name, offset >> 20, ctypes.get_errno())
-        return
+        pieces = [(base + offset, length)]
+        if huge:  # the whole huge pages moved; the edges, and all after a refusal, read in place
+            inner, inner_length = huge_pages.aligned_inside(base + offset, length)
+            if inner_length and huge_pages.promote(inner, inner_length):
+                promoted += inner_length
+                end = base + offset + length
+                pieces = [(base + offset, inner - base - offset), (inner + inner_length, end - inner - inner_length)]
+            elif inner_length:
+                huge = False
+                log.info("%s: no huge pages from %d MiB on (errno %d)", name, offset >> 20, ctypes.get_errno())
+        for address, piece in pieces:
+            if piece <= 0 or libc.madvise(address, piece, advice) == 0:
+                continue
+            if advice == MADV_POPULATE_READ and ctypes.get_errno() == errno.EINVAL:
+                advice = MADV_WILLNEED  # an older kernel: read ahead instead
+                libc.madvise(address, piece, advice)
+                continue
+            log.info("%s: reading its pages ahead stopped at %d MiB (errno %d)", name, offset >> 20, ctypes.get_errno())
+            return
     how = "mapped" if advice == MADV_POPULATE_READ else "read ahead"
-    log.info("%s: %.1f GiB %s in %.1f s", name, size / 2**30, how, time.perf_counter() - began)
+    moved = f", {promoted / 2**30:.1f} GiB of it into huge pages" if promoted else ""
+    log.info("%s: %.1f GiB %s%s in %.1f s", name, size / 2**30, how, moved, time.perf_counter() - began)

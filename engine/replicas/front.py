@@ -265,7 +265,10 @@ class ReplicaSet:
     def _start_processes(self) -> None:
         context = multiprocessing.get_context("spawn")
         # Each replica's ranks meet on a port of their own (0: a free one), not on one --master-port.
-        config = attrs.evolve(self.config, dp=1, num_threads=self.config.forward_threads, master_port=0)
+        # Replicas map the file and keep its pages: the page cache holds one copy for all of them.
+        config = attrs.evolve(
+            self.config, dp=1, num_threads=self.config.forward_threads, master_port=0, huge_pages=False
+        )
         gpus = self.config.tp // self.config.nnodes
         visible = _visible_devices(config)
         for index in range(self.config.dp):
