@@ -8,6 +8,11 @@ per-row path (decode sizes) and the panel + GEMM path (prefill sizes), into colu
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import attrs
 import numpy as np
 import pytest
@@ -206,3 +211,34 @@ def test_the_start_up_log_names_each_projections_formats_and_path():
     paths = dict(line.split(": ", 1) for line in lines[3:])
     assert set(paths) == {"Q4_K", "Q6_K", "dense float32"} and paths["dense float32"] == "torch"
     assert paths["Q4_K"].startswith(f"cpu_gguf, {cpu_gguf.simd()}: int16 activations up to {cpu_gguf.GEMM_ROWS - 1}")
+
+
+SMALLER_TEAM = """
+import torch
+from tests.test_gguf_kernels import random_weight
+from trillm.kernels import cpu_gguf
+weight = random_weight("Q4_K", 1000, 1024)
+x = torch.randn(2, 1024)
+print(torch.equal(cpu_gguf.matmul(x, weight, num_threads=1), cpu_gguf.matmul(x, weight, num_threads=4)))
+"""
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_the_rows_are_the_same_whatever_thread_takes_them(name):
+    """The integer path hands rows out in chunks a thread takes from its own share's front or, done
+    with it, from another's back: each row is one thread's whole sum, so any split gives the same
+    bits; a team smaller than asked for (``OMP_THREAD_LIMIT``) takes the missing threads' shares."""
+    weight = random_weight(name, 1000, 1024, seed=5)  # 125 units of 8 rows: shares of unequal chunks
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(6))
+    one = cpu_gguf.matmul(x, weight, num_threads=1)
+    for threads in (2, 3, 7):
+        assert torch.equal(cpu_gguf.matmul(x, weight, num_threads=threads), one)
+    done = subprocess.run(
+        [sys.executable, "-c", SMALLER_TEAM],
+        env={**os.environ, "OMP_THREAD_LIMIT": "1"},
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        check=True,
+    )
+    assert done.stdout.strip() == "True"
