@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from trillm.engine import Engine, EngineStats, ReplicaSet
+from trillm.engine.execution import prefault
 
 # The loaded models, each with its engine, at scrape time (several behind one endpoint).
 LoadedModels = Callable[[], list[tuple[str, Engine | ReplicaSet]]]
@@ -42,6 +43,11 @@ class EngineCollector:
                     by_name[name].add_metric(label_values, value)  # type: ignore[attr-defined]
             yield from by_name.values()
         yield from _speculation([(values, s) for values, s, _ in series], labels)
+        yield GaugeMetricFamily(
+            "trillm:weights_pending_bytes",
+            "Bytes of mapped GGUF weights this process still reads into memory in the background (0: done).",
+            value=prefault.pending_bytes(),
+        )
 
 
 def _speculation(series: list[tuple[list[str], EngineStats]], labels: list[str]) -> Iterator[Metric]:

@@ -189,6 +189,23 @@ def _server_step_bytes(url: str) -> int | None:
     return None if value is None else int(value)
 
 
+def _wait_weights_read(url: str, timeout: float = 600) -> None:
+    """Until the server's background read of its weights is done (``trillm:weights_pending_bytes`` 0):
+    a GGUF file's pages are read and moved into huge pages after start, and a run measured meanwhile
+    shares the cores and the memory with that copy (an 8B file: ~17 s of slower steps)."""
+    import httpx
+
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        pending = scrape(httpx.get(url + "/metrics", timeout=10).text).get("weights_pending_bytes")
+        if not pending:
+            if time.monotonic() - began > 1:
+                print(f"[bench] the server's weights read in after {time.monotonic() - began:.0f} s", file=sys.stderr)
+            return
+        time.sleep(0.5)
+    print("[bench] the server still reads its weights; measuring anyway", file=sys.stderr)
+
+
 def _peer_runs(
     peer: Peer,
     model: str,
@@ -318,6 +335,7 @@ def run_bench(args: argparse.Namespace) -> None:
                 print(json.dumps(report, indent=1))
                 return
             server_bytes = _server_step_bytes(url)
+            _wait_weights_read(url)
             trio.run(partial(_stream_one_plain, url, base.model, warm_up))
             label = (
                 "trillm (HTTP, streaming)"

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from trillm.bench.prometheus import scrape
+from trillm.engine.execution import prefault
 
 from tests.helpers import wait_idle
 from tests.server import MODEL, QUESTION, client, in_thread
@@ -270,7 +271,7 @@ async def _metric(server, name: str) -> float:
     async with httpx.AsyncClient(base_url=server.url) as http:
         text = (await http.get("/metrics")).text
     for line in text.splitlines():
-        if line.startswith(f"trillm:{name}{{"):
+        if line.startswith((f"trillm:{name}{{", f"trillm:{name} ")):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"metric {name} missing")
 
@@ -297,6 +298,15 @@ async def test_metrics_report_the_weight_bytes_a_decode_step_reads(server):
     float32_bytes = sum(4 * p.shape[0] * p.shape[1] for p in model.projections())
     assert reported == model.projection_bytes
     assert model.num_block_weights == len(model.projections()) and reported < float32_bytes / 4
+
+
+async def test_metrics_report_the_weights_still_read_in_the_background(server):
+    """The default model's file is read into memory after start; the gauge falls to 0 once it is."""
+    for _ in range(120):
+        if await _metric(server, "weights_pending_bytes") == 0:
+            break
+        await trio.sleep(0.5)
+    assert await _metric(server, "weights_pending_bytes") == 0 == prefault.pending_bytes()
 
 
 async def test_non_streaming_client_that_gives_up_frees_its_request(server):

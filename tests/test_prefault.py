@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,29 @@ def test_the_whole_mapping_becomes_resident(tmp_path, caplog):
     assert rss_file() - before >= 0.9 * size  # every page now in this mapping's tables
     assert any("weights.bin: 0.1 GiB" in r.getMessage() for r in caplog.records)
     assert int(mapping[size - 1]) == path.read_bytes()[-1]  # the same bytes
+    del mapping
+
+
+def test_the_bytes_still_to_read_are_counted_until_the_read_ends(tmp_path, monkeypatch):
+    """``pending_bytes`` (the ``trillm:weights_pending_bytes`` gauge) counts a read from before its
+    thread runs until it ends, even when it ends by an error."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(12 << 20))
+    mapping = np.memmap(path, dtype=np.uint8, mode="c")
+    go = threading.Event()
+
+    def read(*args):
+        go.wait(10)
+        raise OSError("a read that fails")
+
+    monkeypatch.setattr(prefault, "_read", read)
+    before = prefault.pending_bytes()
+    thread = prefault.start(mapping, path.name, skip=[(0, 4 << 20)])
+    assert thread is not None
+    assert prefault.pending_bytes() - before == 8 << 20  # all but the skipped pages
+    go.set()
+    thread.join(timeout=10)
+    assert prefault.pending_bytes() == before
     del mapping
 
 

@@ -79,6 +79,17 @@ def release(mapping: Any, copied: list[tuple[int, int]]) -> int:
     return done
 
 
+_pending: dict[int, int] = {}  # a running read's id -> the bytes it has still to read
+_pending_lock = threading.Lock()
+
+
+def pending_bytes() -> int:
+    """Bytes of mapped weights this process's background reads have still to read (0: all in memory,
+    and moved where they move): ``trillm:weights_pending_bytes``, which the bench waits on."""
+    with _pending_lock:
+        return sum(_pending.values())
+
+
 def start(mapping: Any, name: str, skip: Sequence[tuple[int, int]] = (), huge: bool = False) -> threading.Thread | None:
     """Populate ``mapping`` (a numpy memmap of a whole file, kept alive by the thread) in the
     background, but for the (offset, bytes) ranges in ``skip``; None where there is no libc to ask.
@@ -86,12 +97,13 @@ def start(mapping: Any, name: str, skip: Sequence[tuple[int, int]] = (), huge: b
     libc = _libc()
     if libc is None or mapping.nbytes == 0:
         return None
+    chunks = _chunks(mapping.nbytes, _inner_pages(list(skip)))
     huge = huge and huge_pages.available()
+    key = object()
+    with _pending_lock:  # counted before the thread runs: a scrape right after start sees it
+        _pending[id(key)] = sum(length for _, length in chunks)
     thread = threading.Thread(
-        target=_populate,
-        args=(libc, mapping, name, _inner_pages(list(skip)), huge),
-        name="trillm-prefault",
-        daemon=True,
+        target=_populate, args=(libc, mapping, name, chunks, huge, key), name="trillm-prefault", daemon=True
     )
     thread.start()
     return thread
@@ -107,10 +119,22 @@ def _chunks(size: int, skip: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return pieces
 
 
-def _populate(libc: ctypes.CDLL, mapping: Any, name: str, skip: list[tuple[int, int]], huge: bool) -> None:
+def _populate(
+    libc: ctypes.CDLL, mapping: Any, name: str, chunks: list[tuple[int, int]], huge: bool, key: object
+) -> None:
+    try:
+        _read(libc, mapping, name, chunks, huge, key)
+    except Exception:  # the pages are then read as steps touch them: slower, never wrong
+        log.exception("%s: reading its pages ahead failed", name)
+    finally:
+        with _pending_lock:
+            del _pending[id(key)]
+
+
+def _read(libc: ctypes.CDLL, mapping: Any, name: str, chunks: list[tuple[int, int]], huge: bool, key: object) -> None:
     base, size = mapping.ctypes.data, mapping.nbytes  # a whole-file mapping: page-aligned
     advice, began, promoted = MADV_POPULATE_READ, time.perf_counter(), 0
-    for offset, length in _chunks(size, skip):
+    for offset, length in chunks:
         pieces = [(base + offset, length)]
         if huge:  # the whole huge pages moved; the edges, and all after a refusal, read in place
             inner, inner_length = huge_pages.aligned_inside(base + offset, length)
@@ -130,6 +154,8 @@ def _populate(libc: ctypes.CDLL, mapping: Any, name: str, skip: list[tuple[int, 
                 continue
             log.info("%s: reading its pages ahead stopped at %d MiB (errno %d)", name, offset >> 20, ctypes.get_errno())
             return
+        with _pending_lock:
+            _pending[id(key)] -= length
     how = "mapped" if advice == MADV_POPULATE_READ else "read ahead"
     moved = f", {promoted / 2**30:.1f} GiB of it into huge pages" if promoted else ""
     log.info("%s: %.1f GiB %s%s in %.1f s", name, size / 2**30, how, moved, time.perf_counter() - began)
