@@ -7,8 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from trillm.engine import Engine, EngineStats, ReplicaSet
-from trillm.engine.execution import prefault
+from trillm.engine import Engine, EngineStats, ReplicaSet, weights_pending_bytes
 
 # The loaded models, each with its engine, at scrape time (several behind one endpoint).
 LoadedModels = Callable[[], list[tuple[str, Engine | ReplicaSet]]]
@@ -46,7 +45,7 @@ class EngineCollector:
         yield GaugeMetricFamily(
             "trillm:weights_pending_bytes",
             "Bytes of mapped GGUF weights this process still reads into memory in the background (0: done).",
-            value=prefault.pending_bytes(),
+            value=weights_pending_bytes(),
         )
 
 

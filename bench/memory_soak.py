@@ -319,7 +319,7 @@ def start_server(port: int, extra: list[str]) -> subprocess.Popen:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trillm.bench.run import wait_healthy
+    from trillm.bench.server_probe import wait_healthy
     from trillm.engine import free_port
 
     p = argparse.ArgumentParser(prog="python -m trillm.bench.memory_soak", description=__doc__)

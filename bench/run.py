@@ -26,8 +26,8 @@ import trio
 
 from trillm.bench.options import server_environment, swept_values
 from trillm.bench.peers import Peer, parse_peer, resident_mib, served_model
-from trillm.bench.prometheus import scrape
 from trillm.bench.report import RunResult, table
+from trillm.bench.server_probe import server_step_bytes, wait_healthy, wait_weights_read
 
 
 def _prompt(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
@@ -129,23 +129,6 @@ async def _stream_one_plain(url: str, model: str, prompt: str) -> None:
         await _stream_one(http, model, prompt, 2, None, {})
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
-    """Poll ``/health`` until 200; ``SystemExit`` if the server process dies or never gets there."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("the server did not become healthy")
-
-
 def _baseline(
     model_dir: Any, dtype: Any, prompts_ids: list[list[int]], output_len: int, config: dict[str, Any] | None = None
 ) -> RunResult:
@@ -179,31 +162,6 @@ def _baseline(
     produced = (out.shape[1] - batch.shape[1]) * batch.shape[0]
     label = "transformers generate (static batch)" if len(prompts_ids) > 1 else "transformers generate"
     return RunResult(label, len(prompts_ids), produced, seconds)
-
-
-def _server_step_bytes(url: str) -> int | None:
-    """The server's ``trillm:model_weight_bytes_per_step`` gauge (None from servers without it)."""
-    import httpx
-
-    value = scrape(httpx.get(url + "/metrics", timeout=10).text).get("model_weight_bytes_per_step")
-    return None if value is None else int(value)
-
-
-def _wait_weights_read(url: str, timeout: float = 600) -> None:
-    """Until the server's background read of its weights is done (``trillm:weights_pending_bytes`` 0):
-    a GGUF file's pages are read and moved into huge pages after start, and a run measured meanwhile
-    shares the cores and the memory with that copy (an 8B file: ~17 s of slower steps)."""
-    import httpx
-
-    began = time.monotonic()
-    while time.monotonic() - began < timeout:
-        pending = scrape(httpx.get(url + "/metrics", timeout=10).text).get("weights_pending_bytes")
-        if not pending:
-            if time.monotonic() - began > 1:
-                print(f"[bench] the server's weights read in after {time.monotonic() - began:.0f} s", file=sys.stderr)
-            return
-        time.sleep(0.5)
-    print("[bench] the server still reads its weights; measuring anyway", file=sys.stderr)
 
 
 def _peer_runs(
@@ -334,8 +292,8 @@ def run_bench(args: argparse.Namespace) -> None:
                 report = trio.run(partial(cancel_heavy, url, base.model, prompts[: levels[0]], args.cancel_heavy))
                 print(json.dumps(report, indent=1))
                 return
-            server_bytes = _server_step_bytes(url)
-            _wait_weights_read(url)
+            server_bytes = server_step_bytes(url)
+            wait_weights_read(url)
             trio.run(partial(_stream_one_plain, url, base.model, warm_up))
             label = (
                 "trillm (HTTP, streaming)"

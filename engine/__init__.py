@@ -40,6 +40,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "execution.loading": ("load_model", "load_tokenizer", "choose_model_dtype", "eos_ids_of", "gemms_in_bf16"),
     "execution.pooling": ("Pooling", "pooling_for"),  # how embeddings are pooled
     "execution.device_memory": ("device_memory",),  # the ceiling of --models-memory's default
+    "execution.prefault": ("weights_pending_bytes",),  # a GGUF file's bytes still read in the background
     # Settings declared once: flags, variables, --help and the README's table derive from them.
     "settings": ("Setting", "setting", "settings_of", "from_env", "add_arguments", "overrides_from", "markdown_table"),
     # Processes: another machine's tensor-parallel ranks (`trillm serve --node-rank N`), a free port.
@@ -81,6 +82,7 @@ if TYPE_CHECKING:
     from trillm.engine.execution.parallel.topology import join_group as join_group
     from trillm.engine.execution.pooling import Pooling as Pooling
     from trillm.engine.execution.pooling import pooling_for as pooling_for
+    from trillm.engine.execution.prefault import weights_pending_bytes as weights_pending_bytes
     from trillm.engine.execution.sampler import LOGPROB_FLOOR as LOGPROB_FLOOR
     from trillm.engine.execution.shape import ModelShape as ModelShape
     from trillm.engine.mailbox import OutputMailbox as OutputMailbox

@@ -306,7 +306,7 @@ async def test_metrics_report_the_weights_still_read_in_the_background(server):
         if await _metric(server, "weights_pending_bytes") == 0:
             break
         await trio.sleep(0.5)
-    assert await _metric(server, "weights_pending_bytes") == 0 == prefault.pending_bytes()
+    assert await _metric(server, "weights_pending_bytes") == 0 == prefault.weights_pending_bytes()
 
 
 async def test_non_streaming_client_that_gives_up_frees_its_request(server):

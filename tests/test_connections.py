@@ -25,7 +25,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from trillm.api.app import create_app
 from trillm.api.cli import hypercorn_config
 from trillm.api.settings import ServerConfig
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.processes import free_port
 
 from tests.helpers import all_tasks, make_engine, wait_idle

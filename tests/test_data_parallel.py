@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.config import EngineConfig
 from trillm.engine.processes import free_port
 from trillm.engine.replicas.router import PrefixRouter, prefix_hashes

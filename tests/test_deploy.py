@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

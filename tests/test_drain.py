@@ -25,7 +25,7 @@ import trio.testing
 
 from trillm.api.drain import Drain, shut_down_connections
 from trillm.api.errors import ApiError
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.processes import free_port
 
 MODEL = "smollm2-135m-instruct"

@@ -22,7 +22,7 @@ import trio
 
 from trillm.bench import memory_soak as soak
 from trillm.bench.prometheus import scrape
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.processes import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # a subprocess server under minutes of load

@@ -39,7 +39,7 @@ def test_the_whole_mapping_becomes_resident(tmp_path, caplog):
 
 
 def test_the_bytes_still_to_read_are_counted_until_the_read_ends(tmp_path, monkeypatch):
-    """``pending_bytes`` (the ``trillm:weights_pending_bytes`` gauge) counts a read from before its
+    """``weights_pending_bytes`` (the ``trillm:weights_pending_bytes`` gauge) counts a read from before its
     thread runs until it ends, even when it ends by an error."""
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(12 << 20))
@@ -51,13 +51,13 @@ def test_the_bytes_still_to_read_are_counted_until_the_read_ends(tmp_path, monke
         raise OSError("a read that fails")
 
     monkeypatch.setattr(prefault, "_read", read)
-    before = prefault.pending_bytes()
+    before = prefault.weights_pending_bytes()
     thread = prefault.start(mapping, path.name, skip=[(0, 4 << 20)])
     assert thread is not None
-    assert prefault.pending_bytes() - before == 8 << 20  # all but the skipped pages
+    assert prefault.weights_pending_bytes() - before == 8 << 20  # all but the skipped pages
     go.set()
     thread.join(timeout=10)
-    assert prefault.pending_bytes() == before
+    assert prefault.weights_pending_bytes() == before
     del mapping
 
 

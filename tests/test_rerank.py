@@ -19,7 +19,7 @@ from langchain_core.documents import Document
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from trillm.api.rerank import Scorer
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.config import EngineConfig
 from trillm.engine.execution.loading import load_model
 from trillm.engine.processes import free_port

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from trillm.bench.run import wait_healthy
+from trillm.bench.server_probe import wait_healthy
 from trillm.engine.processes import free_port
 
 from tests.server import MODEL, running_server

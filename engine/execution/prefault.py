@@ -83,7 +83,7 @@ _pending: dict[int, int] = {}  # a running read's id -> the bytes it has still t
 _pending_lock = threading.Lock()
 
 
-def pending_bytes() -> int:
+def weights_pending_bytes() -> int:
     """Bytes of mapped weights this process's background reads have still to read (0: all in memory,
     and moved where they move): ``trillm:weights_pending_bytes``, which the bench waits on."""
     with _pending_lock:
