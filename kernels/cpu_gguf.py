@@ -41,7 +41,7 @@ GEMM_ROWS = 49  # rows of x from which the panel + GEMM path runs (at most the C
 FLOAT_GEMM_ROWS = 12  # the same for F16 / BF16 weights, whose rows below it are decoded and dotted in float32
 ACTIVATION_ERROR = 2e-5  # bound of the int16 path's error per output, relative to sum_k |x_k| |w_k| (tested)
 INT8_ACTIVATION_ERROR = 5e-3  # the same for int8 activations: half a step of 127 (1/254), rounded up
-SIMD_NAMES = ("plain", "avx2", "avxvnni", "avx512vnni")  # by trillm_gguf_simd's value
+SIMD_NAMES = ("plain", "avx2", "avxvnni", "avx512vnni-256", "avx512vnni")  # by trillm_gguf_simd's value
 PANEL_FLOATS = 1 << 19  # a panel decoded per GEMM: 2 MiB of float32 (measured best of 0.6-16 MiB at K 576-2048)
 
 

@@ -5,7 +5,10 @@
  * block's bit fields (the same bytes on both paths, which the tests check value by value against
  * gguf's decoders), the x layout, the dot of one unpacked block with one row of int16
  * activations, and the kernels that read every k-quant's and Q5_0's and Q5_1's blocks directly.
- * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction).
+ * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction), but for
+ * the k-quant kernels, which with AVX-512 BW take two runs of 32 values per 512-bit instruction
+ * (GGUF_WIDE): the 8B-shaped Q4_K_M file's one-stream step 233-236 -> 214-217 ms with int8
+ * activations, 250-259 -> 236-244 ms with int16, the same bits as the 256-bit code.
  */
 
 #include "cpu_gguf_blocks.h"
@@ -13,7 +16,7 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define GGUF_SIMD 1
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SIMD_ID 3 /* cpu_gguf.py's names: plain, avx2, avxvnni, avx512vnni */
+#define SIMD_ID 3 /* cpu_gguf.py's names: plain, avx2, avxvnni, avx512vnni-256, avx512vnni */
 #define MADD_ADD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
 #define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
 #elif defined(__AVXVNNI__)
@@ -29,6 +32,16 @@
 #else
 #define GGUF_SIMD 0
 #define SIMD_ID 0
+#endif
+
+/* AVX-512 (BW, VL, VNNI): the k-quant kernels take two runs of 32 per instruction (pair_product),
+ * summing each run in the lanes and the order the AVX2 code sums it, so both give the same bits. */
+#if GGUF_SIMD && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define GGUF_WIDE 1
+#undef SIMD_ID
+#define SIMD_ID 4
+#else
+#define GGUF_WIDE 0
 #endif
 
 /* MXFP4 (gpt-oss's experts): a power-of-two scale (E8M0) and 32 E2M1 values as nibbles, the low
@@ -442,53 +455,249 @@ INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
     }
 }
 
+/* The 16 scales of 6 bits less 32, four at a time in 32-bit words: low 4 bits from the nibbles of
+ * bytes 96-103, high 2 bits from bytes 104-107 (scale s: bits 2 (s / 4) of byte 104 + s % 4) */
+INLINE __m128i q3_k_scales(const uint8_t *b)
+{
+    const uint32_t lo0 = u32(b + 96), lo1 = u32(b + 100), hi = u32(b + 104), m4 = 0x0f0f0f0f, m2 = 0x03030303;
+    return _mm_sub_epi8(
+        _mm_set_epi32((int)(((lo1 >> 4) & m4) | ((hi >> 6) & m2) << 4), (int)(((lo0 >> 4) & m4) | ((hi >> 4) & m2) << 4),
+                      (int)((lo1 & m4) | ((hi >> 2) & m2) << 4), (int)((lo0 & m4) | (hi & m2) << 4)),
+        _mm_set1_epi8(32));
+}
+
+/* Run r's quants (value 32 r + l) plus 4, unsigned: its 2 bits and its third bit (h: hmask) */
+INLINE __m256i run_u3(const uint8_t *qs, __m256i h, int r)
+{
+    const __m256i q2 = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), _mm256_set1_epi8(3));
+    const __m256i bit = _mm256_set1_epi8((char)(1 << r)); /* the third bit, to bit 2 */
+    return _mm256_or_si256(q2, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(4)));
+}
+
 /* Q3_K: value 128 g + 32 j + l is bits 2 j of qs[32 g + l], its third bit bit 4 g + j of hmask[l],
  * less 4 (taken off as a minimum, as Q6_K's 32); 16 sub-blocks of 16 with 6-bit scales less 32. */
 INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m,
                       const int int8)
 {
     const uint8_t *hmask = b, *qs = b + 32;
-    /* the 16 scales of 6 bits, four at a time in 32-bit words: low 4 bits from the nibbles of bytes
-     * 0-7, high 2 bits from bytes 8-11 (scale s: bits 2 (s / 4) of byte 8 + s % 4) */
-    const uint32_t lo0 = u32(b + 96), lo1 = u32(b + 100), hi = u32(b + 104), m4 = 0x0f0f0f0f, m2 = 0x03030303;
-    const __m128i sc8 = _mm_sub_epi8(
-        _mm_set_epi32((int)(((lo1 >> 4) & m4) | ((hi >> 6) & m2) << 4), (int)(((lo0 >> 4) & m4) | ((hi >> 4) & m2) << 4),
-                      (int)((lo1 & m4) | ((hi >> 2) & m2) << 4), (int)((lo0 & m4) | (hi & m2) << 4)),
-        _mm_set1_epi8(32));
     __m256 ds_lo, ds_hi;
-    scales16(_mm256_set1_ps(f16(b + 108)), sc8, &ds_lo, &ds_hi);
+    scales16(_mm256_set1_ps(f16(b + 108)), q3_k_scales(b), &ds_lo, &ds_hi);
     const __m256 four = _mm256_set1_ps(4.0f);
     minimums16(_mm256_mul_ps(four, ds_lo), _mm256_mul_ps(four, ds_hi), X, i0, T, k0, m);
-    const __m256i low2 = _mm256_set1_epi8(3), h = load32(hmask);
+    const __m256i h = load32(hmask);
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
-        const __m256i q2 = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
-        const __m256i bit = _mm256_set1_epi8((char)(1 << r)); /* the third bit, to bit 2 */
-        const __m256i high = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(4));
-        run_into(_mm256_or_si256(q2, high), run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
-    }
+    for (int r = 0; r < 8; r++) /* runs of 32: value 32 r + l */
+        run_into(run_u3(qs, h, r), run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
 }
 
 /* Q2_K: value 128 g + 32 j + l is bits 2 j of qs[32 g + l]; 16 sub-blocks of 16, each with a
  * 4-bit scale (low nibble of scales[s], times d) and a 4-bit minimum (high nibble, times dmin). */
+/* Q2_K's 16 scales (times d) and minimums (times dmin) as scales16 gives them */
+INLINE void q2_k_scales(const uint8_t *b, __m256 *ds_lo, __m256 *ds_hi, __m256 *mn_lo, __m256 *mn_hi)
+{
+    const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
+    const __m128i sc8 = _mm_and_si128(packed, m4), mn8 = _mm_and_si128(_mm_srli_epi16(packed, 4), m4);
+    scales16(_mm256_set1_ps(f16(b + 80)), sc8, ds_lo, ds_hi); /* the nibbles are < 16: as int8 the same values */
+    scales16(_mm256_set1_ps(f16(b + 82)), mn8, mn_lo, mn_hi);
+}
+
+/* Run r's quants (value 32 r + l): bits 2 (r % 4) of qs[32 (r / 4) + l] */
+INLINE __m256i run_u2(const uint8_t *qs, int r)
+{
+    return _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), _mm256_set1_epi8(3));
+}
+
 INLINE void q2_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m256 (*a)[2], __m256 *m,
                       const int int8)
 {
     const uint8_t *qs = b + 16;
-    const __m128i packed = _mm_loadu_si128((const __m128i *)b), m4 = _mm_set1_epi8(15);
-    const __m128i sc8 = _mm_and_si128(packed, m4), mn8 = _mm_and_si128(_mm_srli_epi16(packed, 4), m4);
-    __m256 ds_lo, ds_hi, mn_lo, mn_hi; /* the nibbles are < 16: as int8 they are the same values */
-    scales16(_mm256_set1_ps(f16(b + 80)), sc8, &ds_lo, &ds_hi);
-    scales16(_mm256_set1_ps(f16(b + 82)), mn8, &mn_lo, &mn_hi);
+    __m256 ds_lo, ds_hi, mn_lo, mn_hi;
+    q2_k_scales(b, &ds_lo, &ds_hi, &mn_lo, &mn_hi);
     minimums16(mn_lo, mn_hi, X, i0, T, k0, m);
-    const __m256i low2 = _mm256_set1_epi8(3);
 #pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
-        const __m256i u = _mm256_and_si256(shift_right(load32(qs + 32 * (r / 4)), 2 * (r % 4)), low2);
-        run_into(u, run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
+    for (int r = 0; r < 8; r++) /* runs of 32: value 32 r + l */
+        run_into(run_u2(qs, r), run_scale(ds_lo, ds_hi, r), X, i0, T, k0, r, a, int8);
+}
+
+#if GGUF_WIDE
+/* Two runs of 32 in one register: run 2 p in the low half (the AVX2 code's a0 lanes), 2 p + 1 in
+ * the high one (a1's). */
+INLINE __m512i pair_i(__m256i lo, __m256i hi)
+{
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+INLINE __m512 pair_ps(__m256 lo, __m256 hi)
+{
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* run_product for runs 2 p and 2 p + 1 (values k .. k + 63) at once, each in run_dot's lanes. */
+INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, const int int8)
+{
+    if (int8)
+        return _mm512_cvtepi32_ps(
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(X->x8 + row * X->K + k)));
+    const int16_t *x = X->xq + row * X->K + k; /* each run's 16 even values, then its 16 odd ones */
+    const __m512i even = _mm512_and_si512(u, _mm512_set1_epi16(0xff)), odd = _mm512_srli_epi16(u, 8);
+    const __m512i p = _mm512_madd_epi16(even, pair_i(load32(x), load32(x + 32)));
+    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(p, odd, pair_i(load32(x + 16), load32(x + 48))));
+}
+
+/* The lanes of runs 2 p, 2 p + 1 from a block's 16 scales per 16 values (lanes 4 s .. 4 s + 3 take scale s) */
+INLINE __m512 pair_scale16(__m512 ds, int p)
+{
+    const int s = 4 * p;
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1, s + 2, s + 2, s + 2, s + 2,
+                                                   s + 3, s + 3, s + 3, s + 3),
+                                 ds);
+}
+
+/* ... and from its 8 per 32 values (lanes 0-7 take value 2 p, 8-15 value 2 p + 1) */
+INLINE __m512 pair_scale32(__m256 d8, int p)
+{
+    const __m512i at = _mm512_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1,
+                                         2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+    return _mm512_permutexvar_ps(at, _mm512_castps256_ps512(d8));
+}
+
+/* k4_block, two runs at a time. */
+INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0,
+                          const int T, int64_t k0, __m512 *a, __m256 *m, const int int8)
+{
+    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
+    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
+    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
+    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
+    const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+    __m256 sc[TILE];
+    for (int t = 0; t < T; t++) {
+        const int64_t run = (i0 + t) * (X->K / 32) + k0 / 32;
+        m[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + run), m[t]);
+        sc[t] = _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + run));
+    }
+    const __m256i low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        const __m256i v = load32(qs + 32 * g);
+        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        if (qh) {
+            const __m256i h = load32(qh);
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g), bit), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g + 1), bit), 4));
+        }
+        const __m512i u = pair_i(lo, hi);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++)
+            a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * g, int8), pair_scale32(sc[t], g), a[t]);
     }
 }
 
+/* Runs 2 p, 2 p + 1 of one weight row (unsigned bytes u), with their scales per 16 values (pair_scale16),
+ * into the sums of rows i0 .. i0 + T of x: run_into two at a time. */
+INLINE void pair_into(__m512i u, __m512 scale, const XRows *X, int64_t i0, const int T, int64_t k0, int p, __m512 *a,
+                      const int int8)
+{
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) {
+        const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + 2 * p;
+        const __m512 d = pair_ps(_mm256_broadcast_ss(dx), _mm256_broadcast_ss(dx + 1));
+        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8), _mm512_mul_ps(scale, d), a[t]);
+    }
+}
+
+/* q6_k_block, two runs at a time: runs 2 p and 2 p + 1 are the same nibbles of 64 bytes of ql in a row,
+ * their high bits two pairs apart in the same 32 bytes of qh. */
+INLINE void q6_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m512 *a,
+                            __m256 *m, const int int8)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    __m256 ds_lo, ds_hi;
+    scales16(_mm256_set1_ps(f16(b + 208)), _mm_loadu_si128((const __m128i *)(b + 192)), &ds_lo, &ds_hi);
+    const __m256 thirty_two = _mm256_set1_ps(32.0f);
+    minimums16(_mm256_mul_ps(thirty_two, ds_lo), _mm256_mul_ps(thirty_two, ds_hi), X, i0, T, k0, m);
+    const __m512 ds = pair_ps(ds_lo, ds_hi);
+    const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
+    /* bits 2 j, 2 j + 1 of qh to bits 4, 5: runs with j = 0, 1 shift left 4, 2; j = 2, 3 by 0, right 2 */
+    const __m512i left = pair_i(_mm256_set1_epi16(4), _mm256_set1_epi16(2));
+    const __m512i right = pair_i(_mm256_setzero_si256(), _mm256_set1_epi16(2));
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) { /* runs 2 p, 2 p + 1: value 64 p + l */
+        const int h = p / 2, upper = p % 2;
+        const __m512i hv = _mm512_broadcast_i64x4(load32(qh + 32 * h));
+        const __m512i v = _mm512_loadu_si512(ql + 64 * h);
+        const __m512i l4 = _mm512_and_si512(upper ? _mm512_srli_epi16(v, 4) : v, low4);
+        const __m512i he = upper ? _mm512_srlv_epi16(hv, right) : _mm512_sllv_epi16(hv, left);
+        const __m512i u = _mm512_or_si512(l4, _mm512_and_si512(he, bits45));
+        pair_into(u, pair_scale16(ds, p), X, i0, T, k0, p, a, int8);
+    }
+}
+
+/* Q3_K and Q2_K: their runs as the AVX2 code makes them (run_u3, run_u2), put in pairs. */
+INLINE void q3_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m512 *a,
+                            __m256 *m, const int int8)
+{
+    const uint8_t *hmask = b, *qs = b + 32;
+    __m256 ds_lo, ds_hi;
+    scales16(_mm256_set1_ps(f16(b + 108)), q3_k_scales(b), &ds_lo, &ds_hi);
+    const __m256 four = _mm256_set1_ps(4.0f);
+    minimums16(_mm256_mul_ps(four, ds_lo), _mm256_mul_ps(four, ds_hi), X, i0, T, k0, m);
+    const __m512 ds = pair_ps(ds_lo, ds_hi);
+    const __m256i h = load32(hmask);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)
+        pair_into(pair_i(run_u3(qs, h, 2 * p), run_u3(qs, h, 2 * p + 1)), pair_scale16(ds, p), X, i0, T, k0, p, a,
+                  int8);
+}
+
+INLINE void q2_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m512 *a,
+                            __m256 *m, const int int8)
+{
+    const uint8_t *qs = b + 16;
+    __m256 ds_lo, ds_hi, mn_lo, mn_hi;
+    q2_k_scales(b, &ds_lo, &ds_hi, &mn_lo, &mn_hi);
+    minimums16(mn_lo, mn_hi, X, i0, T, k0, m);
+    const __m512 ds = pair_ps(ds_lo, ds_hi);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++)
+        pair_into(pair_i(run_u2(qs, 2 * p), run_u2(qs, 2 * p + 1)), pair_scale16(ds, p), X, i0, T, k0, p, a, int8);
+}
+
+/* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
+INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
+                   Acc *acc, const int int8)
+{
+    __m512 a[TILE];
+    __m256 m[TILE];
+    for (int t = 0; t < T; t++) {
+        a[t] = _mm512_setzero_ps();
+        m[t] = _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < blocks; j++) {
+        const uint8_t *b = row + j * bytes;
+        if (i0 == 0)
+            read_ahead(b, bytes);
+        if (type == Q6_K)
+            q6_k_block_wide(b, X, i0, T, 256 * j, a, m, int8);
+        else if (type == Q3_K)
+            q3_k_block_wide(b, X, i0, T, 256 * j, a, m, int8);
+        else if (type == Q2_K)
+            q2_k_block_wide(b, X, i0, T, 256 * j, a, m, int8);
+        else if (type == Q5_K)
+            k4_block_wide(b, b + 48, b + 16, X, i0, T, 256 * j, a, m, int8);
+        else
+            k4_block_wide(b, b + 16, NULL, X, i0, T, 256 * j, a, m, int8);
+    }
+    for (int t = 0; t < T; t++) {
+        acc[i0 + t].a0 = _mm512_castps512_ps256(a[t]);
+        acc[i0 + t].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[t]), 1));
+        acc[i0 + t].m = m[t];
+    }
+}
+#else
 /* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
 INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
                    Acc *acc, const int int8)
@@ -517,6 +726,7 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
         acc[i0 + t].m = m[t];
     }
 }
+#endif
 
 /* Every row of x, TILE at a time (each tile size its own code, so that the sums stay in registers). */
 INLINE void k_row_as(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc, const int int8)

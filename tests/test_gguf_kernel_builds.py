@@ -26,7 +26,8 @@ from .test_gguf_kernels import TYPES, random_weight
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="needs a C compiler")
 
 PLAIN = ["-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"]
-VNNI_512 = ["-march=sapphirerapids"]  # AVX-512 VNNI + VL: the 256-bit dpwssd
+VNNI_512 = ["-march=sapphirerapids"]  # AVX-512 VNNI + VL + BW: the k-quants two runs a 512-bit instruction
+VNNI_256 = ["-march=sapphirerapids", "-mno-avx512bw"]  # VNNI + VL alone: every kernel 256 bits wide
 VNNI_AVX = ["-march=haswell", "-mavxvnni"]  # AVX-VNNI on an AVX2 CPU (Alder Lake, Zen 5 client)
 
 
@@ -78,13 +79,20 @@ def test_the_plain_c_build_runs_every_type(tmp_path, monkeypatch):
 
 def test_the_native_build_names_its_path():
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-    expected = "avx512vnni" if {"avx512_vnni", "avx512vl"} <= set(flags) else "avxvnni" if "avx_vnni" in flags else None
+    vnni512 = {"avx512_vnni", "avx512vl"} <= set(flags)
+    expected = ("avx512vnni" if "avx512bw" in flags else "avx512vnni-256") if vnni512 else None
+    expected = expected or ("avxvnni" if "avx_vnni" in flags else None)
     expected = expected or ("avx2" if {"avx2", "fma", "f16c"} <= set(flags) else "plain")
     assert cpu_gguf.simd() == expected
 
 
 @pytest.mark.parametrize(
-    ("name", "flags", "cpu_flag"), [("avx512vnni", VNNI_512, "avx512_vnni"), ("avxvnni", VNNI_AVX, "avx_vnni")]
+    ("name", "flags", "cpu_flag"),
+    [
+        ("avx512vnni", VNNI_512, "avx512_vnni"),
+        ("avx512vnni-256", VNNI_256, "avx512_vnni"),
+        ("avxvnni", VNNI_AVX, "avx_vnni"),
+    ],
 )
 def test_vnni_builds_compile_and_run_where_the_cpu_has_them(tmp_path, monkeypatch, name, flags, cpu_flag):
     try:
@@ -97,3 +105,35 @@ def test_vnni_builds_compile_and_run_where_the_cpu_has_them(tmp_path, monkeypatc
         lib = ctypes.CDLL(str(path))
         assert cpu_gguf.SIMD_NAMES[lib.trillm_gguf_simd()] == name
         check_build(lib, monkeypatch)
+
+
+def test_the_512_bit_kernels_give_the_256_bit_kernels_bits(tmp_path):
+    """The k-quant kernels two runs a 512-bit instruction sum each run in the lanes and order of the
+    256-bit ones: every type, every tile of rows of x, both activation widths, any thread count."""
+    cpu = Path("/proc/cpuinfo").read_text().split()
+    if not {"avx512_vnni", "avx512vl", "avx512bw"} <= set(cpu):
+        compile_variant(tmp_path, "wide", VNNI_512, link=False)  # it must still build
+        return
+    wide, narrow = (
+        ctypes.CDLL(str(compile_variant(tmp_path, n, f))) for n, f in (("wide", VNNI_512), ("narrow", VNNI_256))
+    )
+    assert (cpu_gguf.SIMD_NAMES[wide.trillm_gguf_simd()], cpu_gguf.SIMD_NAMES[narrow.trillm_gguf_simd()]) == (
+        "avx512vnni",
+        "avx512vnni-256",
+    )
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for name in TYPES:
+        weight = random_weight(name, 37, 768, seed=5)
+        rows = weight.data.contiguous()
+        for M in (1, 2, 3, 4, 5, 9):
+            x = torch.randn(M, 768, generator=torch.Generator().manual_seed(M))
+            for flags, threads in ((0, 1), (4, 2), (0, 3), (4, 1)):  # 4: int8 activations
+                outs = []
+                for lib in (wide, narrow):
+                    out = torch.full((M, 37), float("nan"))
+                    args = (P(x.data_ptr()), I64(768), INT(weight.kind.id), P(rows.data_ptr()), I64(rows.shape[1]))
+                    args += (I64(37), I64(768), P(out.data_ptr()), I64(37), I64(M), INT(flags), INT(threads))
+                    assert lib.trillm_gguf_matmul(*args) == 0
+                    outs.append(out)
+                assert not outs[0].isnan().any()
+                assert torch.equal(outs[0], outs[1]), (name, M, flags, threads)
