@@ -350,12 +350,12 @@ static void quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, float 
                 amax = a > amax ? a : amax;
             }
             const float d = amax / levels, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int16_t *q = xq + i * K + 32 * b;
+            int16_t *q = xq + i * K;
             int32_t n0 = 0, n1 = 0; /* the sums of the quantized values, exact */
             for (int l = 0; l < 32; l++) {
                 const float t = v[l] * id;
                 const int16_t r = (int16_t)(int)(t + (t >= 0.0f ? 0.5f : -0.5f));
-                q[x_position(l)] = r;
+                q[x_index(32 * b + l, K)] = r;
                 if (x8)
                     x8[i * K + 32 * b + l] = (int8_t)r;
                 if (l < 16)

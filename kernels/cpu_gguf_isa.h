@@ -7,8 +7,9 @@
  * activations, and the kernels that read every k-quant's and Q5_0's and Q5_1's blocks directly.
  * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction), but for
  * the k-quant kernels, which with AVX-512 BW take two runs of 32 values per 512-bit instruction
- * (GGUF_WIDE): the 8B-shaped Q4_K_M file's one-stream step 233-236 -> 214-217 ms with int8
- * activations, 250-259 -> 236-244 ms with int16, the same bits as the 256-bit code.
+ * (GGUF_WIDE), int16 activations laid out by pairs of runs (x_index): the 8B-shaped Q4_K_M file's
+ * one-stream step 233-236 -> 214-217 ms with int8 activations, 250-259 -> 231-234 ms with int16,
+ * the same bits as the 256-bit code.
  */
 
 #include "cpu_gguf_blocks.h"
@@ -236,12 +237,37 @@ typedef struct {
  * most 32 products); the float sums run in a fixed order, so a result does not depend on the
  * thread count. */
 #if GGUF_SIMD
-/* x's 32 values per run as the kernels read them: the even ones, then the odd ones. Pairs of
- * bytes loaded as int16 lanes then give their even and odd weights with one shift each, in the
- * lanes those activations are in; lanes 0-3 of a pair's products are values 0-15 of the run. */
-INLINE int x_position(int l)
+/* Where value v of a row of K sits in xq. Each run of 32 holds its 16 even values, then its 16 odd
+ * ones: pairs of bytes loaded as int16 lanes then give their even and odd weights with one shift
+ * each, in the lanes those activations are in; lanes 0-3 of a pair's products are values 0-15 of
+ * the run. On wide builds two runs (64 values, where the row has them) hold both runs' even
+ * values, then both runs' odd ones, so that pair_product loads each half with one instruction. */
+INLINE int64_t x_index(int64_t v, int64_t K)
 {
-    return (l & 1) ? 16 + l / 2 : l / 2;
+    const int64_t l = v & 31, odd = (l & 1) ? 16 : 0;
+#if GGUF_WIDE
+    const int64_t pair = v & ~(int64_t)63;
+    if (pair + 64 <= K)
+        return pair + 2 * odd + (v & 32 ? 16 : 0) + l / 2;
+#else
+    (void)K;
+#endif
+    return (v & ~(int64_t)31) + odd + l / 2;
+}
+
+/* The 16 even values of the run of row ``row`` of x from value k (a multiple of 32), and its odd ones */
+INLINE const int16_t *x_run(const XRows *X, int64_t row, int64_t k, const int16_t **odd)
+{
+    const int16_t *x = X->xq + row * X->K;
+#if GGUF_WIDE
+    const int64_t pair = k & ~(int64_t)63;
+    if (pair + 64 <= X->K) {
+        *odd = x + pair + 32 + (k & 32 ? 16 : 0);
+        return x + pair + (k & 32 ? 16 : 0);
+    }
+#endif
+    *odd = x + k + 16;
+    return x + k;
 }
 
 typedef struct {
@@ -273,10 +299,11 @@ INLINE __m256i even_bytes(__m256i v)
 
 /* The integer dot of a run of 32 (weights: even, odd lanes) with its activations: lanes 0-3 hold
  * values 0-15's part, lanes 4-7 values 16-31's. */
-INLINE __m256 run_dot(__m256i even, __m256i odd, const int16_t *x)
+INLINE __m256 run_dot(__m256i even, __m256i odd, const XRows *X, int64_t row, int64_t k)
 {
-    const __m256i p = _mm256_madd_epi16(even, load32(x));
-    return _mm256_cvtepi32_ps(MADD_ADD(p, odd, load32(x + 16)));
+    const int16_t *xo, *xe = x_run(X, row, k, &xo);
+    const __m256i p = _mm256_madd_epi16(even, load32(xe));
+    return _mm256_cvtepi32_ps(MADD_ADD(p, odd, load32(xo)));
 }
 
 /* The integer dot of a run of 32 weights with row ``row`` of x from value k, as floats in run_dot's
@@ -288,7 +315,7 @@ INLINE __m256 run_product(__m256i u, const XRows *X, int64_t row, int64_t k, con
     if (int8)
         return _mm256_cvtepi32_ps(DOT_U8S8(u, load32(X->x8 + row * X->K + k)));
     const __m256i even = _mm256_and_si256(u, _mm256_set1_epi16(0xff)), odd = _mm256_srli_epi16(u, 8);
-    return run_dot(even, odd, X->xq + row * X->K + k);
+    return run_dot(even, odd, X, row, k);
 }
 
 /* A scale per 16 values of a run: lanes 0-3 lo, 4-7 hi */
@@ -299,13 +326,12 @@ INLINE __m256 halves(float lo, float hi)
 
 INLINE void block_dot(const Unpacked *U, const XRows *X, int64_t i, int64_t k0, Acc *acc)
 {
-    const int16_t *xb = X->xq + i * X->K + k0;
     const float *dx = X->dx + i * (X->K / 32) + k0 / 32;
     const int runs = U->subs * U->n / 32;
     __m256 a0 = acc->a0, a1 = acc->a1; /* in registers (see k4_direct) */
     for (int r = 0; r < runs; r++) {
         const __m256i v = load32(U->q + 32 * r);
-        const __m256 p = run_dot(even_bytes(v), _mm256_srai_epi16(v, 8), xb + 32 * r);
+        const __m256 p = run_dot(even_bytes(v), _mm256_srai_epi16(v, 8), X, i, k0 + 32 * r);
         const __m256 sc = U->n == 32 ? _mm256_set1_ps(U->dl[r] * dx[r])
                                      : halves(U->dl[2 * r] * dx[r], U->dl[2 * r + 1] * dx[r]);
         if (r & 1)
@@ -532,16 +558,16 @@ INLINE __m512 pair_ps(__m256 lo, __m256 hi)
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* run_product for runs 2 p and 2 p + 1 (values k .. k + 63) at once, each in run_dot's lanes. */
+/* run_product for runs 2 p and 2 p + 1 (values k .. k + 63, k a multiple of 64) at once, each in run_dot's lanes. */
 INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, const int int8)
 {
     if (int8)
         return _mm512_cvtepi32_ps(
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(X->x8 + row * X->K + k)));
-    const int16_t *x = X->xq + row * X->K + k; /* each run's 16 even values, then its 16 odd ones */
+    const int16_t *x = X->xq + row * X->K + k; /* both runs' even values, then both runs' odd ones (x_index) */
     const __m512i even = _mm512_and_si512(u, _mm512_set1_epi16(0xff)), odd = _mm512_srli_epi16(u, 8);
-    const __m512i p = _mm512_madd_epi16(even, pair_i(load32(x), load32(x + 32)));
-    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(p, odd, pair_i(load32(x + 16), load32(x + 48))));
+    const __m512i p = _mm512_madd_epi16(even, _mm512_loadu_si512(x));
+    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(p, odd, _mm512_loadu_si512(x + 32)));
 }
 
 /* The lanes of runs 2 p, 2 p + 1 from a block's 16 scales per 16 values (lanes 4 s .. 4 s + 3 take scale s) */
@@ -797,7 +823,6 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
     }
     for (int64_t i = 0; i < X->M; i++) {
         const int64_t run = i * (X->K / 32) + k0 / 32;
-        const int16_t *x = X->xq + i * X->K + k0;
         __m256 a0 = acc[i].a0, a1 = acc[i].a1; /* in registers (see k4_direct) */
         float scale[GROUP];
         if (count == GROUP) { /* the scales and minimums of all eight at once */
@@ -812,7 +837,7 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
             acc[i].m = _mm256_add_ps(acc[i].m, _mm256_castps128_ps256(_mm_set_ss(mins)));
         }
         for (int64_t j = 0; j < count; j++) {
-            const __m256 p = int8 ? run_product(even[j], X, i, k0 + 32 * j, 1) : run_dot(even[j], odd[j], x + 32 * j);
+            const __m256 p = int8 ? run_product(even[j], X, i, k0 + 32 * j, 1) : run_dot(even[j], odd[j], X, i, k0 + 32 * j);
             if (j & 1)
                 a1 = _mm256_fmadd_ps(p, _mm256_broadcast_ss(scale + j), a1);
             else
@@ -866,10 +891,9 @@ INLINE void mxfp4_direct(const uint8_t *b, int64_t count, const XRows *X, int64_
     }
     for (int64_t i = 0; i < X->M; i++) {
         const int64_t run = i * (X->K / 32) + k0 / 32;
-        const int16_t *x = X->xq + i * X->K + k0;
         __m256 a0 = acc[i].a0, a1 = acc[i].a1;
         for (int64_t j = 0; j < count; j++) {
-            const __m256 p = run_dot(even[j], odd[j], x + 32 * j);
+            const __m256 p = run_dot(even[j], odd[j], X, i, k0 + 32 * j);
             const __m256 scale = _mm256_set1_ps(d[j] * X->dx[run + j]);
             if (j & 1)
                 a1 = _mm256_fmadd_ps(p, scale, a1);
@@ -977,9 +1001,10 @@ static DirectKernel direct_kernel(int type)
     }
 }
 #else
-INLINE int x_position(int l)
+INLINE int64_t x_index(int64_t v, int64_t K)
 {
-    return l;
+    (void)K;
+    return v;
 }
 
 typedef struct {

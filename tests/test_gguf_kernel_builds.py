@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from trillm.kernels import cpu_build, cpu_gguf
-from trillm.kernels.gguf_blocks import reference_dequantize
+from trillm.kernels.gguf_blocks import BLOCK_TYPES, reference_dequantize
 
 from .test_gguf_kernels import TYPES, random_weight
 
@@ -109,7 +109,9 @@ def test_vnni_builds_compile_and_run_where_the_cpu_has_them(tmp_path, monkeypatc
 
 def test_the_512_bit_kernels_give_the_256_bit_kernels_bits(tmp_path):
     """The k-quant kernels two runs a 512-bit instruction sum each run in the lanes and order of the
-    256-bit ones: every type, every tile of rows of x, both activation widths, any thread count."""
+    256-bit ones, and int16 activations laid out in pairs of runs reach every kernel where it reads
+    them (a row of 25 runs ends in a lone one): every type, every tile of rows of x, both
+    activation widths, any thread count."""
     cpu = Path("/proc/cpuinfo").read_text().split()
     if not {"avx512_vnni", "avx512vl", "avx512bw"} <= set(cpu):
         compile_variant(tmp_path, "wide", VNNI_512, link=False)  # it must still build
@@ -122,18 +124,18 @@ def test_the_512_bit_kernels_give_the_256_bit_kernels_bits(tmp_path):
         "avx512vnni-256",
     )
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    for name in TYPES:
-        weight = random_weight(name, 37, 768, seed=5)
+    for name, K in [(name, K) for name in TYPES for K in (768, 800) if K % BLOCK_TYPES[name].values == 0]:
+        weight = random_weight(name, 37, K, seed=5)
         rows = weight.data.contiguous()
         for M in (1, 2, 3, 4, 5, 9):
-            x = torch.randn(M, 768, generator=torch.Generator().manual_seed(M))
+            x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
             for flags, threads in ((0, 1), (4, 2), (0, 3), (4, 1)):  # 4: int8 activations
                 outs = []
                 for lib in (wide, narrow):
                     out = torch.full((M, 37), float("nan"))
-                    args = (P(x.data_ptr()), I64(768), INT(weight.kind.id), P(rows.data_ptr()), I64(rows.shape[1]))
-                    args += (I64(37), I64(768), P(out.data_ptr()), I64(37), I64(M), INT(flags), INT(threads))
+                    args = (P(x.data_ptr()), I64(K), INT(weight.kind.id), P(rows.data_ptr()), I64(rows.shape[1]))
+                    args += (I64(37), I64(K), P(out.data_ptr()), I64(37), I64(M), INT(flags), INT(threads))
                     assert lib.trillm_gguf_matmul(*args) == 0
                     outs.append(out)
                 assert not outs[0].isnan().any()
-                assert torch.equal(outs[0], outs[1]), (name, M, flags, threads)
+                assert torch.equal(outs[0], outs[1]), (name, K, M, flags, threads)
