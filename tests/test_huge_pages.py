@@ -113,6 +113,40 @@ def test_the_background_read_moves_all_but_the_skipped_ranges(tmp_path):
     del mapping
 
 
+def test_moving_stops_short_of_the_memory_reserve(tmp_path, monkeypatch, caplog):
+    """Moved pages are the process's own until it ends: where a move would leave less than an eighth
+    of the memory available, the rest of the file is read in place, mapped as it was."""
+    path = tmp_path / "weights.bin"
+    mapping, data = mapping_of(path, 32 * MiB, seed=5)
+    monkeypatch.setattr(prefault, "CHUNK_BYTES", 8 * MiB)
+    monkeypatch.setattr(huge_pages, "meminfo", lambda key: 800 * MiB)  # a reserve of 100 MiB
+    monkeypatch.setattr(huge_pages, "cgroup_memory_limit", lambda: None)
+    free = [1024 * MiB]
+    monkeypatch.setattr(huge_pages, "available_memory", lambda: free[0])
+    assert huge_pages.room_for(8 * MiB)
+    free[0] = 105 * MiB
+    assert huge_pages.room_for(5 * MiB) and not huge_pages.room_for(6 * MiB)
+    asked = []
+
+    def available() -> int:
+        asked.append(1)
+        return 1024 * MiB if len(asked) == 1 else 105 * MiB  # room for the first chunk only
+
+    monkeypatch.setattr(huge_pages, "available_memory", available)
+    with caplog.at_level("INFO", logger="trillm"):
+        thread = prefault.start(mapping, path.name, huge=True)
+        assert thread is not None
+        thread.join(timeout=60)
+    assert np.array_equal(mapping, data) and prefault.weights_pending_bytes() == 0
+    if huge_pages.available():
+        base = mapping.ctypes.data
+        assert len(asked) == 2  # asked before the first move and the second, never again
+        assert region_of(base + 4 * MiB)["path"] == ""  # the first chunk's interior moved
+        assert region_of(base + 20 * MiB)["path"] == str(path)  # the rest left mapped
+        assert "would fall under an eighth" in caplog.text
+    del mapping
+
+
 def test_without_huge_pages_the_file_stays_mapped(tmp_path):
     path = tmp_path / "weights.bin"
     mapping, data = mapping_of(path, 12 * MiB, seed=4)

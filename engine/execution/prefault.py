@@ -138,7 +138,14 @@ def _read(libc: ctypes.CDLL, mapping: Any, name: str, chunks: list[tuple[int, in
         pieces = [(base + offset, length)]
         if huge:  # the whole huge pages moved; the edges, and all after a refusal, read in place
             inner, inner_length = huge_pages.aligned_inside(base + offset, length)
-            if inner_length and huge_pages.promote(inner, inner_length):
+            if inner_length and not huge_pages.room_for(inner_length):
+                huge = False
+                log.info(
+                    "%s: no huge pages from %d MiB on: the memory left available would fall under an eighth",
+                    name,
+                    offset >> 20,
+                )
+            elif inner_length and huge_pages.promote(inner, inner_length):
                 promoted += inner_length
                 end = base + offset + length
                 pieces = [(base + offset, inner - base - offset), (inner + inner_length, end - inner - inner_length)]
