@@ -30,11 +30,13 @@ def random_weight(name: str, N: int, K: int) -> GGUFWeight:
         raw = rng.standard_normal((N, K)).astype(np.float16).view(np.uint8)
     else:
         raw = rng.integers(0, 256, size=(N, row_bytes(kind, K)), dtype=np.uint8)
-        scales = {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}.get(name, (0, 2))
         blocks = raw.reshape(N, -1, kind.bytes)
-        for offset in scales:
-            values = rng.uniform(-0.05, 0.05, size=blocks.shape[:2]).astype(np.float16)
-            blocks[..., offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        if name == "MXFP4":  # power-of-two scales of 2^-10 .. 2^-5: random bytes gave subnormal products,
+            blocks[..., 0] = rng.integers(118, 124, size=blocks.shape[:2], dtype=np.uint8)  # ~100 cycles each
+        else:
+            for offset in {"Q2_K": (80, 82), "Q3_K": (108,), "Q6_K": (208,)}.get(name, (0, 2)):
+                values = rng.uniform(-0.05, 0.05, size=blocks.shape[:2]).astype(np.float16)
+                blocks[..., offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return GGUFWeight(kind, torch.from_numpy(np.ascontiguousarray(raw).reshape(N, -1)), K)
 
 

@@ -6,9 +6,10 @@
  * gguf's decoders), the x layout, the dot of one unpacked block with one row of int16
  * activations, and the kernels that read every k-quant's and Q5_0's and Q5_1's blocks directly.
  * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction), but for
- * the k-quant kernels, which with AVX-512 BW take two runs of 32 values per 512-bit instruction
- * (GGUF_WIDE), int16 activations laid out by pairs of runs (x_index): the 8B-shaped Q4_K_M file's
- * one-stream step 233-236 -> 214-217 ms with int8 activations, 250-259 -> 231-234 ms with int16,
+ * the k-quant and MXFP4 kernels, which with AVX-512 BW take two runs of 32 values per 512-bit
+ * instruction (GGUF_WIDE), int16 activations laid out by pairs of runs (x_index): the 8B-shaped
+ * Q4_K_M file's one-stream step 233-236 -> 214-217 ms with int8 activations, 250-259 -> 231-234 ms
+ * with int16; the gpt-oss-20b-shaped file's (MXFP4 experts) 157-161 -> 126-133 ms with int16;
  * the same bits as the 256-bit code.
  */
 
@@ -923,6 +924,55 @@ INLINE __m256 e8m0_half8(const uint8_t *b)
     return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, small));
 }
 
+#if GGUF_WIDE
+/* Blocks 2 p and 2 p + 1 of a group of MXFP4 blocks as 64 bytes of ``table``'s values: block 2 p's
+ * low nibbles (its values 0-15), its high ones (16-31), then block 2 p + 1's (pair_i's halves). */
+INLINE __m512i mxfp4_pair(const uint8_t *b, int p, const int8_t *table)
+{
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + (2 * p + 1) * 17 + 1)),
+                                       _mm_loadu_si128((const __m128i *)(b + 2 * p * 17 + 1)));
+    const __m512i w = _mm512_castsi256_si512(v);
+    const __m512i twice = _mm512_shuffle_i64x2(w, w, 0x50); /* 16-byte lanes: block 2 p's, twice, then 2 p + 1's */
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4); /* the high nibbles of the second copies */
+    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi64(twice, shifts), _mm512_set1_epi8(15));
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)table)), nibbles);
+}
+
+/* A whole group (8 blocks) against every row of x, two blocks an instruction, each block summed in
+ * the lanes and order of mxfp4_direct / mxfp4_direct8 (the same bits). */
+INLINE void mxfp4_group_wide(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc, const int int8)
+{
+    __m512i u[GROUP / 2];
+    for (int p = 0; p < GROUP / 2; p++)
+        u[p] = mxfp4_pair(b, p, int8 ? FP4_OFFSET : FP4_DOUBLED);
+    const __m256 dv = e8m0_half8(b);
+    const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(12.0f), dv);
+    for (int64_t i = 0; i < X->M; i++) {
+        const int64_t run = i * (X->K / 32) + k0 / 32;
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_loadu_ps(X->dx + run));
+        if (int8)
+            acc[i].m = _mm256_fmadd_ps(mv, _mm256_loadu_ps(X->s32 + run), acc[i].m);
+        __m512 a = pair_ps(acc[i].a0, acc[i].a1);
+#pragma GCC unroll 4
+        for (int p = 0; p < GROUP / 2; p++) {
+            __m512 prod;
+            if (int8) {
+                const __m512i x = _mm512_loadu_si512(X->x8 + i * X->K + k0 + 64 * p);
+                prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], x));
+            } else { /* signed values: their even and odd bytes sign-extended; x by pairs of runs (x_index) */
+                const int16_t *x = X->xq + i * X->K + k0 + 64 * p;
+                const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(u[p], 8), 8), odd = _mm512_srai_epi16(u[p], 8);
+                const __m512i dot = _mm512_madd_epi16(even, _mm512_loadu_si512(x));
+                prod = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, odd, _mm512_loadu_si512(x + 32)));
+            }
+            a = _mm512_fmadd_ps(prod, pair_scale32(scale, p), a);
+        }
+        acc[i].a0 = _mm512_castps512_ps256(a);
+        acc[i].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    }
+}
+#endif
+
 INLINE void mxfp4_direct8(const uint8_t *b, int64_t count, const XRows *X, int64_t k0, Acc *acc)
 {
     const __m128i m4 = _mm_set1_epi8(15), table = _mm_load_si128((const __m128i *)FP4_OFFSET);
@@ -972,6 +1022,15 @@ static void mxfp4_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *a
 {
     for (int64_t j = 0; j < blocks; j += GROUP) {
         read_ahead(row + j * 17, GROUP * 17);
+#if GGUF_WIDE
+        if (blocks - j >= GROUP) { /* a whole group: its runs in pairs, x's too */
+            if (X->x8)
+                mxfp4_group_wide(row + j * 17, X, 32 * j, acc, 1);
+            else
+                mxfp4_group_wide(row + j * 17, X, 32 * j, acc, 0);
+            continue;
+        }
+#endif
         if (X->x8)
             mxfp4_direct8(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc);
         else
