@@ -6,7 +6,7 @@
  * gguf's decoders), the x layout, the dot of one unpacked block with one row of int16
  * activations, and the kernels that read every k-quant's and Q5_0's and Q5_1's blocks directly.
  * AVX-512 CPUs run the AVX2 code (with VNNI, its multiply-add and add in one instruction), but for
- * the k-quant and MXFP4 kernels, which with AVX-512 BW take two runs of 32 values per 512-bit
+ * the k-quant, Q5_0 / Q5_1 and MXFP4 kernels, which with AVX-512 BW take two runs of 32 values per 512-bit
  * instruction (GGUF_WIDE), int16 activations laid out by pairs of runs (x_index): the 8B-shaped
  * Q4_K_M file's one-stream step 233-236 -> 214-217 ms with int8 activations, 250-259 -> 231-234 ms
  * with int16; the gpt-oss-20b-shaped file's (MXFP4 experts) 157-161 -> 126-133 ms with int16;
@@ -588,6 +588,53 @@ INLINE __m512 pair_scale32(__m256 d8, int p)
     return _mm512_permutexvar_ps(at, _mm512_castps256_ps512(d8));
 }
 
+/* Blocks 2 p and 2 p + 1 of a group of legacy blocks (``bytes`` each, their 16 bytes of nibbles at
+ * ``at``): 64 nibbles, block 2 p's low ones (its values 0-15), its high ones (16-31), then block
+ * 2 p + 1's, the halves pair_i puts runs in. */
+INLINE __m512i pair_nibbles(const uint8_t *b, int p, int bytes, int at)
+{
+    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + (2 * p + 1) * bytes + at)),
+                                       _mm_loadu_si128((const __m128i *)(b + 2 * p * bytes + at)));
+    const __m512i w = _mm512_castsi256_si512(v);
+    const __m512i twice = _mm512_shuffle_i64x2(w, w, 0x50); /* 16-byte lanes: block 2 p's, twice, then 2 p + 1's */
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4); /* the high nibbles of the second copies */
+    return _mm512_and_si512(_mm512_srlv_epi64(twice, shifts), _mm512_set1_epi8(15));
+}
+
+/* A whole group of 8 blocks of 32 (u: their values two blocks a register, as pair_nibbles lays them out;
+ * dv: their scales; mv: their minimums, taken where ``mins``) against every row of x, each block
+ * summed in the lanes and order of the 256-bit kernels (the same bits). With int16 activations
+ * ``sign`` says the values are signed bytes (MXFP4's), else unsigned (Q5_0's, Q5_1's). */
+INLINE void group_wide(const __m512i *u, __m256 dv, __m256 mv, const int mins, const XRows *X, int64_t k0, Acc *acc,
+                       const int int8, const int sign)
+{
+    for (int64_t i = 0; i < X->M; i++) {
+        const int64_t run = i * (X->K / 32) + k0 / 32;
+        const __m256 scale = _mm256_mul_ps(dv, _mm256_loadu_ps(X->dx + run));
+        if (mins)
+            acc[i].m = _mm256_fmadd_ps(mv, _mm256_loadu_ps(X->s32 + run), acc[i].m);
+        __m512 a = pair_ps(acc[i].a0, acc[i].a1);
+#pragma GCC unroll 4
+        for (int p = 0; p < GROUP / 2; p++) {
+            __m512 prod;
+            if (int8) {
+                const __m512i x = _mm512_loadu_si512(X->x8 + i * X->K + k0 + 64 * p);
+                prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], x));
+            } else { /* even and odd bytes as int16 lanes; x by pairs of runs (x_index) */
+                const int16_t *x = X->xq + i * X->K + k0 + 64 * p;
+                const __m512i even = sign ? _mm512_srai_epi16(_mm512_slli_epi16(u[p], 8), 8)
+                                          : _mm512_and_si512(u[p], _mm512_set1_epi16(0xff));
+                const __m512i odd = sign ? _mm512_srai_epi16(u[p], 8) : _mm512_srli_epi16(u[p], 8);
+                const __m512i dot = _mm512_madd_epi16(even, _mm512_loadu_si512(x));
+                prod = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, odd, _mm512_loadu_si512(x + 32)));
+            }
+            a = _mm512_fmadd_ps(prod, pair_scale32(scale, p), a);
+        }
+        acc[i].a0 = _mm512_castps512_ps256(a);
+        acc[i].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    }
+}
+
 /* k4_block, two runs at a time. */
 INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0,
                           const int T, int64_t k0, __m512 *a, __m256 *m, const int int8)
@@ -849,11 +896,45 @@ INLINE void q5_legacy_direct(const uint8_t *b, int64_t count, int has_m, const X
     }
 }
 
+#if GGUF_WIDE
+/* 8 float16 values ``stride`` bytes apart (a group's d or m) */
+INLINE __m256 f16x8(const uint8_t *p, int stride)
+{
+    uint16_t h[8];
+    for (int j = 0; j < 8; j++)
+        h[j] = (uint16_t)(p[j * stride] | p[j * stride + 1] << 8);
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                          (short)h[6], (short)h[7]));
+}
+
+/* q5_legacy_direct for a whole group, two blocks a register: the fifth bits added under a mask */
+INLINE void q5_group_wide(const uint8_t *b, int has_m, const XRows *X, int64_t k0, Acc *acc, const int int8)
+{
+    const int bytes = has_m ? 24 : 22, qh = has_m ? 4 : 2;
+    __m512i u[GROUP / 2];
+    for (int p = 0; p < GROUP / 2; p++) {
+        const __m512i nibbles = pair_nibbles(b, p, bytes, qh + 4);
+        const __mmask64 fifth = (__mmask64)u32(b + 2 * p * bytes + qh) | (__mmask64)u32(b + (2 * p + 1) * bytes + qh) << 32;
+        u[p] = _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(16));
+    }
+    const __m256 dv = f16x8(b, bytes);
+    const __m256 mv = has_m ? _mm256_xor_ps(f16x8(b + 2, bytes), _mm256_set1_ps(-0.0f)) /* -m, as the 256-bit code */
+                            : _mm256_mul_ps(_mm256_set1_ps(16.0f), dv);
+    group_wide(u, dv, mv, 1, X, k0, acc, int8, 0);
+}
+#endif
+
 INLINE void q5_legacy_row(const uint8_t *row, int64_t blocks, int has_m, const XRows *X, Acc *acc, const int int8)
 {
     const int bytes = has_m ? 24 : 22;
     for (int64_t j = 0; j < blocks; j += GROUP) {
         read_ahead(row + j * bytes, GROUP * bytes);
+#if GGUF_WIDE
+        if (blocks - j >= GROUP) {
+            q5_group_wide(row + j * bytes, has_m, X, 32 * j, acc, int8);
+            continue;
+        }
+#endif
         q5_legacy_direct(row + j * bytes, MIN(GROUP, blocks - j), has_m, X, 32 * j, acc, int8);
     }
 }
@@ -925,51 +1006,19 @@ INLINE __m256 e8m0_half8(const uint8_t *b)
 }
 
 #if GGUF_WIDE
-/* Blocks 2 p and 2 p + 1 of a group of MXFP4 blocks as 64 bytes of ``table``'s values: block 2 p's
- * low nibbles (its values 0-15), its high ones (16-31), then block 2 p + 1's (pair_i's halves). */
+/* Blocks 2 p and 2 p + 1 of a group of MXFP4 blocks as 64 bytes of ``table``'s values */
 INLINE __m512i mxfp4_pair(const uint8_t *b, int p, const int8_t *table)
 {
-    const __m256i v = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b + (2 * p + 1) * 17 + 1)),
-                                       _mm_loadu_si128((const __m128i *)(b + 2 * p * 17 + 1)));
-    const __m512i w = _mm512_castsi256_si512(v);
-    const __m512i twice = _mm512_shuffle_i64x2(w, w, 0x50); /* 16-byte lanes: block 2 p's, twice, then 2 p + 1's */
-    const __m512i shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4); /* the high nibbles of the second copies */
-    const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi64(twice, shifts), _mm512_set1_epi8(15));
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)table)), nibbles);
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)table)), pair_nibbles(b, p, 17, 1));
 }
 
-/* A whole group (8 blocks) against every row of x, two blocks an instruction, each block summed in
- * the lanes and order of mxfp4_direct / mxfp4_direct8 (the same bits). */
 INLINE void mxfp4_group_wide(const uint8_t *b, const XRows *X, int64_t k0, Acc *acc, const int int8)
 {
     __m512i u[GROUP / 2];
     for (int p = 0; p < GROUP / 2; p++)
         u[p] = mxfp4_pair(b, p, int8 ? FP4_OFFSET : FP4_DOUBLED);
     const __m256 dv = e8m0_half8(b);
-    const __m256 mv = _mm256_mul_ps(_mm256_set1_ps(12.0f), dv);
-    for (int64_t i = 0; i < X->M; i++) {
-        const int64_t run = i * (X->K / 32) + k0 / 32;
-        const __m256 scale = _mm256_mul_ps(dv, _mm256_loadu_ps(X->dx + run));
-        if (int8)
-            acc[i].m = _mm256_fmadd_ps(mv, _mm256_loadu_ps(X->s32 + run), acc[i].m);
-        __m512 a = pair_ps(acc[i].a0, acc[i].a1);
-#pragma GCC unroll 4
-        for (int p = 0; p < GROUP / 2; p++) {
-            __m512 prod;
-            if (int8) {
-                const __m512i x = _mm512_loadu_si512(X->x8 + i * X->K + k0 + 64 * p);
-                prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], x));
-            } else { /* signed values: their even and odd bytes sign-extended; x by pairs of runs (x_index) */
-                const int16_t *x = X->xq + i * X->K + k0 + 64 * p;
-                const __m512i even = _mm512_srai_epi16(_mm512_slli_epi16(u[p], 8), 8), odd = _mm512_srai_epi16(u[p], 8);
-                const __m512i dot = _mm512_madd_epi16(even, _mm512_loadu_si512(x));
-                prod = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, odd, _mm512_loadu_si512(x + 32)));
-            }
-            a = _mm512_fmadd_ps(prod, pair_scale32(scale, p), a);
-        }
-        acc[i].a0 = _mm512_castps512_ps256(a);
-        acc[i].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
-    }
+    group_wide(u, dv, _mm256_mul_ps(_mm256_set1_ps(12.0f), dv), int8, X, k0, acc, int8, 1);
 }
 #endif
 
