@@ -670,17 +670,25 @@ INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh
     }
 }
 
-/* Runs 2 p, 2 p + 1 of one weight row (unsigned bytes u), with their scales per 16 values (pair_scale16),
- * into the sums of rows i0 .. i0 + T of x: run_into two at a time. */
-INLINE void pair_into(__m512i u, __m512 scale, const XRows *X, int64_t i0, const int T, int64_t k0, int p, __m512 *a,
-                      const int int8)
+/* A block's 16 scales per 16 values (ds) times x's scale of each one's run, for rows i0 .. i0 + T
+ * of x: the products the 256-bit code takes per run, made once a block. */
+INLINE void scaled16(__m512 ds, const XRows *X, int64_t i0, const int T, int64_t k0, __m512 *sd)
+{
+    const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    for (int t = 0; t < T; t++) {
+        const __m256 dx = _mm256_loadu_ps(X->dx + (i0 + t) * (X->K / 32) + k0 / 32);
+        sd[t] = _mm512_mul_ps(ds, _mm512_permutexvar_ps(twice, _mm512_castps256_ps512(dx)));
+    }
+}
+
+/* Runs 2 p, 2 p + 1 of one weight row (unsigned bytes u), with their scales (scaled16), into the sums
+ * of rows i0 .. i0 + T of x: run_into two at a time. */
+INLINE void pair_into(__m512i u, const __m512 *sd, const XRows *X, int64_t i0, const int T, int64_t k0, int p,
+                      __m512 *a, const int int8)
 {
 #pragma GCC unroll 8
-    for (int t = 0; t < T; t++) {
-        const float *dx = X->dx + (i0 + t) * (X->K / 32) + k0 / 32 + 2 * p;
-        const __m512 d = pair_ps(_mm256_broadcast_ss(dx), _mm256_broadcast_ss(dx + 1));
-        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8), _mm512_mul_ps(scale, d), a[t]);
-    }
+    for (int t = 0; t < T; t++)
+        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8), pair_scale16(sd[t], p), a[t]);
 }
 
 /* q6_k_block, two runs at a time: runs 2 p and 2 p + 1 are the same nibbles of 64 bytes of ql in a row,
@@ -693,7 +701,8 @@ INLINE void q6_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
     scales16(_mm256_set1_ps(f16(b + 208)), _mm_loadu_si128((const __m128i *)(b + 192)), &ds_lo, &ds_hi);
     const __m256 thirty_two = _mm256_set1_ps(32.0f);
     minimums16(_mm256_mul_ps(thirty_two, ds_lo), _mm256_mul_ps(thirty_two, ds_hi), X, i0, T, k0, m);
-    const __m512 ds = pair_ps(ds_lo, ds_hi);
+    __m512 sd[TILE];
+    scaled16(pair_ps(ds_lo, ds_hi), X, i0, T, k0, sd);
     const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
     /* bits 2 j, 2 j + 1 of qh to bits 4, 5: runs with j = 0, 1 shift left 4, 2; j = 2, 3 by 0, right 2 */
     const __m512i left = pair_i(_mm256_set1_epi16(4), _mm256_set1_epi16(2));
@@ -706,7 +715,7 @@ INLINE void q6_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
         const __m512i l4 = _mm512_and_si512(upper ? _mm512_srli_epi16(v, 4) : v, low4);
         const __m512i he = upper ? _mm512_srlv_epi16(hv, right) : _mm512_sllv_epi16(hv, left);
         const __m512i u = _mm512_or_si512(l4, _mm512_and_si512(he, bits45));
-        pair_into(u, pair_scale16(ds, p), X, i0, T, k0, p, a, int8);
+        pair_into(u, sd, X, i0, T, k0, p, a, int8);
     }
 }
 
@@ -719,12 +728,12 @@ INLINE void q3_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
     scales16(_mm256_set1_ps(f16(b + 108)), q3_k_scales(b), &ds_lo, &ds_hi);
     const __m256 four = _mm256_set1_ps(4.0f);
     minimums16(_mm256_mul_ps(four, ds_lo), _mm256_mul_ps(four, ds_hi), X, i0, T, k0, m);
-    const __m512 ds = pair_ps(ds_lo, ds_hi);
+    __m512 sd[TILE];
+    scaled16(pair_ps(ds_lo, ds_hi), X, i0, T, k0, sd);
     const __m256i h = load32(hmask);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++)
-        pair_into(pair_i(run_u3(qs, h, 2 * p), run_u3(qs, h, 2 * p + 1)), pair_scale16(ds, p), X, i0, T, k0, p, a,
-                  int8);
+        pair_into(pair_i(run_u3(qs, h, 2 * p), run_u3(qs, h, 2 * p + 1)), sd, X, i0, T, k0, p, a, int8);
 }
 
 INLINE void q2_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m512 *a,
@@ -734,10 +743,11 @@ INLINE void q2_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
     __m256 ds_lo, ds_hi, mn_lo, mn_hi;
     q2_k_scales(b, &ds_lo, &ds_hi, &mn_lo, &mn_hi);
     minimums16(mn_lo, mn_hi, X, i0, T, k0, m);
-    const __m512 ds = pair_ps(ds_lo, ds_hi);
+    __m512 sd[TILE];
+    scaled16(pair_ps(ds_lo, ds_hi), X, i0, T, k0, sd);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++)
-        pair_into(pair_i(run_u2(qs, 2 * p), run_u2(qs, 2 * p + 1)), pair_scale16(ds, p), X, i0, T, k0, p, a, int8);
+        pair_into(pair_i(run_u2(qs, 2 * p), run_u2(qs, 2 * p + 1)), sd, X, i0, T, k0, p, a, int8);
 }
 
 /* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
