@@ -380,36 +380,50 @@ INLINE void read_ahead(const uint8_t *p, int64_t bytes)
  * the tile, and nothing is spilled (16 AVX2 registers: the tile's 8 sums, 4 of weights, 4 spare). */
 #define TILE 4
 
+/* Q4_K's and Q5_K's 8 scales times d and 8 minimums times dmin, their 6 bits (scale_min_k4) unpacked
+ * four at a time in 32-bit words */
+INLINE void k4_scales(const uint8_t *b, __m256 *dl, __m256 *mins)
+{
+    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
+    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
+    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
+    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
+    *dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
+    *mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
+                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+}
+
+/* Group g's 64 values (sub-blocks 2 g and 2 g + 1) of Q4_K or Q5_K (qh NULL for Q4_K) as unsigned bytes */
+INLINE void k4_group(const uint8_t *qs, const uint8_t *qh, int g, __m256i *lo, __m256i *hi)
+{
+    const __m256i v = load32(qs + 32 * g), low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
+    *lo = _mm256_and_si256(v, low4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    if (qh) {
+        const __m256i h = load32(qh);
+        *lo = _mm256_or_si256(*lo, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g), bit), 4));
+        *hi = _mm256_or_si256(*hi, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g + 1), bit), 4));
+    }
+}
+
 /* Q4_K and Q5_K (qh NULL for Q4_K): byte l of a group of 32 holds values l (low nibble) and 32 + l
  * (high), the fifth bit of value 32 s + l bit s of qh[l]. */
 INLINE void k4_block(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0, const int T,
                      int64_t k0, __m256 (*a)[2], __m256 *m, const int int8)
 {
-    /* the 8 scales and 8 minimums of 6 bits (scale_min_k4), unpacked four at a time in 32-bit words */
-    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
-    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
-    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
-    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
-    const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
-                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
-    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+    __m256 dl, mins;
+    k4_scales(b, &dl, &mins);
     float sc[TILE][8];
     for (int t = 0; t < T; t++) {
         const int64_t run = (i0 + t) * (X->K / 32) + k0 / 32;
         m[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + run), m[t]);
         _mm256_storeu_ps(sc[t], _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + run)));
     }
-    const __m256i low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) { /* 64 values: sub-blocks 2 g (the low nibbles) and 2 g + 1 (the high) */
-        const __m256i v = load32(qs + 32 * g);
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if (qh) {
-            const __m256i h = load32(qh);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g), bit), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g + 1), bit), 4));
-        }
+        __m256i lo, hi;
+        k4_group(qs, qh, g, &lo, &hi);
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t k = k0 + 64 * g;
@@ -639,30 +653,18 @@ INLINE void group_wide(const __m512i *u, __m256 dv, __m256 mv, const int mins, c
 INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh, const XRows *X, int64_t i0,
                           const int T, int64_t k0, __m512 *a, __m256 *m, const int int8)
 {
-    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
-    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
-    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
-    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
-    const __m256 dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
-                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
-    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+    __m256 dl, mins;
+    k4_scales(b, &dl, &mins);
     __m256 sc[TILE];
     for (int t = 0; t < T; t++) {
         const int64_t run = (i0 + t) * (X->K / 32) + k0 / 32;
         m[t] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(X->s32 + run), m[t]);
         sc[t] = _mm256_mul_ps(dl, _mm256_loadu_ps(X->dx + run));
     }
-    const __m256i low4 = _mm256_set1_epi8(15), bit = _mm256_set1_epi8(1);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
-        const __m256i v = load32(qs + 32 * g);
-        __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        if (qh) {
-            const __m256i h = load32(qh);
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g), bit), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(shift_right(h, 2 * g + 1), bit), 4));
-        }
+        __m256i lo, hi;
+        k4_group(qs, qh, g, &lo, &hi);
         const __m512i u = pair_i(lo, hi);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++)
@@ -750,67 +752,55 @@ INLINE void q2_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
         pair_into(pair_i(run_u2(qs, 2 * p), run_u2(qs, 2 * p + 1)), sd, X, i0, T, k0, p, a, int8);
 }
 
+#define KQ(block) block##_wide /* k_rows's kernel of a block */
+#else
+#define KQ(block) block
+#endif
+
 /* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
 INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
                    Acc *acc, const int int8)
 {
-    __m512 a[TILE];
+#if GGUF_WIDE
+    __m512 a[TILE]; /* a run pair's lanes: the 256-bit code's a0, then its a1 */
+#else
+    __m256 a[TILE][2];
+#endif
     __m256 m[TILE];
     for (int t = 0; t < T; t++) {
+#if GGUF_WIDE
         a[t] = _mm512_setzero_ps();
+#else
+        a[t][0] = a[t][1] = _mm256_setzero_ps();
+#endif
         m[t] = _mm256_setzero_ps();
     }
-    for (int64_t j = 0; j < blocks; j++) {
-        const uint8_t *b = row + j * bytes;
-        if (i0 == 0)
-            read_ahead(b, bytes);
-        if (type == Q6_K)
-            q6_k_block_wide(b, X, i0, T, 256 * j, a, m, int8);
-        else if (type == Q3_K)
-            q3_k_block_wide(b, X, i0, T, 256 * j, a, m, int8);
-        else if (type == Q2_K)
-            q2_k_block_wide(b, X, i0, T, 256 * j, a, m, int8);
-        else if (type == Q5_K)
-            k4_block_wide(b, b + 48, b + 16, X, i0, T, 256 * j, a, m, int8);
-        else
-            k4_block_wide(b, b + 16, NULL, X, i0, T, 256 * j, a, m, int8);
-    }
-    for (int t = 0; t < T; t++) {
-        acc[i0 + t].a0 = _mm512_castps512_ps256(a[t]);
-        acc[i0 + t].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[t]), 1));
-        acc[i0 + t].m = m[t];
-    }
-}
-#else
-/* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
-INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
-                   Acc *acc, const int int8)
-{
-    __m256 a[TILE][2], m[TILE];
-    for (int t = 0; t < T; t++)
-        a[t][0] = a[t][1] = m[t] = _mm256_setzero_ps();
     for (int64_t j = 0; j < blocks; j++) {
         const uint8_t *b = row + j * bytes;
         if (i0 == 0) /* the row's first tile of x: the later ones find it in cache */
             read_ahead(b, bytes);
         if (type == Q6_K)
-            q6_k_block(b, X, i0, T, 256 * j, a, m, int8);
+            KQ(q6_k_block)(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q3_K)
-            q3_k_block(b, X, i0, T, 256 * j, a, m, int8);
+            KQ(q3_k_block)(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q2_K)
-            q2_k_block(b, X, i0, T, 256 * j, a, m, int8);
+            KQ(q2_k_block)(b, X, i0, T, 256 * j, a, m, int8);
         else if (type == Q5_K)
-            k4_block(b, b + 48, b + 16, X, i0, T, 256 * j, a, m, int8);
+            KQ(k4_block)(b, b + 48, b + 16, X, i0, T, 256 * j, a, m, int8);
         else
-            k4_block(b, b + 16, NULL, X, i0, T, 256 * j, a, m, int8);
+            KQ(k4_block)(b, b + 16, NULL, X, i0, T, 256 * j, a, m, int8);
     }
     for (int t = 0; t < T; t++) {
+#if GGUF_WIDE
+        acc[i0 + t].a0 = _mm512_castps512_ps256(a[t]);
+        acc[i0 + t].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[t]), 1));
+#else
         acc[i0 + t].a0 = a[t][0];
         acc[i0 + t].a1 = a[t][1];
+#endif
         acc[i0 + t].m = m[t];
     }
 }
-#endif
 
 /* Every row of x, TILE at a time (each tile size its own code, so that the sums stay in registers). */
 INLINE void k_row_as(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, Acc *acc, const int int8)
