@@ -276,6 +276,17 @@ def test_a_draft_model_is_refused_in_one_line_before_its_weights_load() -> None:
         load_draft_model(EngineConfig(draft_model="gemma-3-270m-q4_k_m"))
 
 
+def test_a_draft_model_loads_under_each_mode_that_uses_it() -> None:
+    """`--speculative draft --draft-model X` (and `auto`) load the draft as `serve` does: the draft's
+    own settings once carried `draft` without a draft model, and the start was refused."""
+    from trillm.engine.config import EngineConfig
+    from trillm.engine.execution.draft import load_draft_model
+
+    for mode in ("draft", "auto"):
+        draft = load_draft_model(EngineConfig(model=MODEL, speculative=mode, draft_model=MODEL))
+        assert draft.shape.vocab_size == 49152, mode
+
+
 async def test_draft_masks_stop_at_a_refused_token_and_after_a_stop_and_leave_the_matcher_as_it_was(
     model_parts, tokenizer
 ) -> None:

@@ -33,8 +33,12 @@ _GREEDY = SamplingParams(max_tokens=None, temperature=0.0)
 
 
 def _settings(config: EngineConfig) -> EngineConfig:
+    """The draft's own settings: the target's, for another model that does not speculate itself
+    (``--speculative draft`` kept with no draft model would refuse the settings)."""
     assert config.draft_model is not None
-    return attrs.evolve(config, model=config.draft_model, tp=1, dp=1, nnodes=1, draft_model=None, tokenizer=None)
+    return attrs.evolve(
+        config, model=config.draft_model, tp=1, dp=1, nnodes=1, draft_model=None, tokenizer=None, speculative="off"
+    )
 
 
 def load_draft_model(config: EngineConfig) -> DecoderModel:
