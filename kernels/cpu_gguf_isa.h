@@ -256,19 +256,13 @@ INLINE int64_t x_index(int64_t v, int64_t K)
     return (v & ~(int64_t)31) + odd + l / 2;
 }
 
-/* The 16 even values of the run of row ``row`` of x from value k (a multiple of 32), and its odd ones */
+/* The 16 even values of the run of row ``row`` of x from value k (a multiple of 32), and its odd ones
+ * (where its values k and k + 1 sit) */
 INLINE const int16_t *x_run(const XRows *X, int64_t row, int64_t k, const int16_t **odd)
 {
     const int16_t *x = X->xq + row * X->K;
-#if GGUF_WIDE
-    const int64_t pair = k & ~(int64_t)63;
-    if (pair + 64 <= X->K) {
-        *odd = x + pair + 32 + (k & 32 ? 16 : 0);
-        return x + pair + (k & 32 ? 16 : 0);
-    }
-#endif
-    *odd = x + k + 16;
-    return x + k;
+    *odd = x + x_index(k + 1, X->K);
+    return x + x_index(k, X->K);
 }
 
 typedef struct {
@@ -573,16 +567,25 @@ INLINE __m512 pair_ps(__m256 lo, __m256 hi)
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-/* run_product for runs 2 p and 2 p + 1 (values k .. k + 63, k a multiple of 64) at once, each in run_dot's lanes. */
-INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, const int int8)
+/* run_product for runs 2 p and 2 p + 1 (values k .. k + 63, k a multiple of 64) at once, each in run_dot's
+ * lanes. With int16 activations ``sign`` says the bytes of u are signed values (MXFP4's), else unsigned. */
+INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, const int int8, const int sign)
 {
     if (int8)
         return _mm512_cvtepi32_ps(
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(X->x8 + row * X->K + k)));
     const int16_t *x = X->xq + row * X->K + k; /* both runs' even values, then both runs' odd ones (x_index) */
-    const __m512i even = _mm512_and_si512(u, _mm512_set1_epi16(0xff)), odd = _mm512_srli_epi16(u, 8);
+    const __m512i even = sign ? _mm512_srai_epi16(_mm512_slli_epi16(u, 8), 8) : _mm512_and_si512(u, _mm512_set1_epi16(0xff));
+    const __m512i odd = sign ? _mm512_srai_epi16(u, 8) : _mm512_srli_epi16(u, 8);
     const __m512i p = _mm512_madd_epi16(even, _mm512_loadu_si512(x));
     return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(p, odd, _mm512_loadu_si512(x + 32)));
+}
+
+/* A pair register's sums into an Acc: its low half is the 256-bit code's a0, its high half a1 */
+INLINE void put_pair(__m512 a, Acc *acc)
+{
+    acc->a0 = _mm512_castps512_ps256(a);
+    acc->a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
 
 /* The lanes of runs 2 p, 2 p + 1 from a block's 16 scales per 16 values (lanes 4 s .. 4 s + 3 take scale s) */
@@ -617,8 +620,7 @@ INLINE __m512i pair_nibbles(const uint8_t *b, int p, int bytes, int at)
 
 /* A whole group of 8 blocks of 32 (u: their values two blocks a register, as pair_nibbles lays them out;
  * dv: their scales; mv: their minimums, taken where ``mins``) against every row of x, each block
- * summed in the lanes and order of the 256-bit kernels (the same bits). With int16 activations
- * ``sign`` says the values are signed bytes (MXFP4's), else unsigned (Q5_0's, Q5_1's). */
+ * summed in the lanes and order of the 256-bit kernels (the same bits); ``sign``: pair_product's. */
 INLINE void group_wide(const __m512i *u, __m256 dv, __m256 mv, const int mins, const XRows *X, int64_t k0, Acc *acc,
                        const int int8, const int sign)
 {
@@ -629,23 +631,9 @@ INLINE void group_wide(const __m512i *u, __m256 dv, __m256 mv, const int mins, c
             acc[i].m = _mm256_fmadd_ps(mv, _mm256_loadu_ps(X->s32 + run), acc[i].m);
         __m512 a = pair_ps(acc[i].a0, acc[i].a1);
 #pragma GCC unroll 4
-        for (int p = 0; p < GROUP / 2; p++) {
-            __m512 prod;
-            if (int8) {
-                const __m512i x = _mm512_loadu_si512(X->x8 + i * X->K + k0 + 64 * p);
-                prod = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], x));
-            } else { /* even and odd bytes as int16 lanes; x by pairs of runs (x_index) */
-                const int16_t *x = X->xq + i * X->K + k0 + 64 * p;
-                const __m512i even = sign ? _mm512_srai_epi16(_mm512_slli_epi16(u[p], 8), 8)
-                                          : _mm512_and_si512(u[p], _mm512_set1_epi16(0xff));
-                const __m512i odd = sign ? _mm512_srai_epi16(u[p], 8) : _mm512_srli_epi16(u[p], 8);
-                const __m512i dot = _mm512_madd_epi16(even, _mm512_loadu_si512(x));
-                prod = _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(dot, odd, _mm512_loadu_si512(x + 32)));
-            }
-            a = _mm512_fmadd_ps(prod, pair_scale32(scale, p), a);
-        }
-        acc[i].a0 = _mm512_castps512_ps256(a);
-        acc[i].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+        for (int p = 0; p < GROUP / 2; p++)
+            a = _mm512_fmadd_ps(pair_product(u[p], X, i, k0 + 64 * p, int8, sign), pair_scale32(scale, p), a);
+        put_pair(a, &acc[i]);
     }
 }
 
@@ -668,7 +656,7 @@ INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh
         const __m512i u = pair_i(lo, hi);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++)
-            a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * g, int8), pair_scale32(sc[t], g), a[t]);
+            a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * g, int8, 0), pair_scale32(sc[t], g), a[t]);
     }
 }
 
@@ -690,7 +678,7 @@ INLINE void pair_into(__m512i u, const __m512 *sd, const XRows *X, int64_t i0, c
 {
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++)
-        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8), pair_scale16(sd[t], p), a[t]);
+        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8, 0), pair_scale16(sd[t], p), a[t]);
 }
 
 /* q6_k_block, two runs at a time: runs 2 p and 2 p + 1 are the same nibbles of 64 bytes of ql in a row,
@@ -792,8 +780,7 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
     }
     for (int t = 0; t < T; t++) {
 #if GGUF_WIDE
-        acc[i0 + t].a0 = _mm512_castps512_ps256(a[t]);
-        acc[i0 + t].a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[t]), 1));
+        put_pair(a[t], &acc[i0 + t]);
 #else
         acc[i0 + t].a0 = a[t][0];
         acc[i0 + t].a1 = a[t][1];
