@@ -7,7 +7,7 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from trillm.engine.execution.backends.cpu import decode_groups
+from trillm.engine.execution.backends.cpu import decode_groups, slots
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
@@ -106,3 +106,14 @@ def test_decode_rows_are_grouped_by_context_length():
     short = groups[0]
     assert short.pages.shape == (2, 3) and short.mask.shape == (2, 1, 1, 12)
     assert short.mask[0, 0, 0].sum() == 10 and short.mask[1, 0, 0].sum() == 12
+
+
+def test_slots_are_each_positions_page_and_offset():
+    """``slots`` walks a page's run at a time: every start and end within and across pages gives
+    ``table[p // page] * page + p % page`` for each position p."""
+    page = 4
+    table = [7, 2, 9, 0, 5]
+    for start in range(0, 20):
+        for end in range(start, 21):
+            expected = [table[p // page] * page + p % page for p in range(start, end)]
+            assert list(slots(table, start, end, page)) == expected, (start, end)
