@@ -591,7 +591,7 @@ INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, co
 /* Group g of a Q4_K block as pair_dot16's int16 lanes, from one broadcast load of its 32 bytes: the low
  * half's lanes take the low nibbles of each pair of bytes (shifts 0 and 8), the high half's the high
  * ones (4 and 12). The same values in the same lanes as k4_group, pair_i and pair_product's split, in
- * four instructions fewer (and no cross-lane insert). */
+ * four instructions where those take six (one of them a cross-lane insert). */
 INLINE void k4_pair16(const uint8_t *qs, int g, __m512i *even, __m512i *odd)
 {
     const __m512i w = _mm512_broadcast_i64x4(load32(qs + 32 * g)), low4 = _mm512_set1_epi16(15);
