@@ -7,7 +7,8 @@ import torch
 import trio
 from transformers import AutoModelForCausalLM
 
-from trillm.engine.execution.backends.cpu import decode_groups, slots
+from trillm.engine.execution.backends.base import slots
+from trillm.engine.execution.backends.cpu import decode_groups
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator

@@ -11,6 +11,7 @@ which backend it holds. After mini-sglang's ``python/minisgl/attention/base.py``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -227,6 +228,18 @@ class Backend(ABC):
         """Per-cache state ``run_layers`` may reuse as ``bound`` (made once by the runner that
         owns ``kv_cache``); None where the backend needs none."""
         return None
+
+
+def slots(table: list[int], start: int, end: int, page_size: int) -> Iterator[int]:
+    """The cache slots of positions [start, end) of a sequence whose pages are ``table``, a
+    page's run at a time."""
+    first = start
+    while first < end:
+        page, offset = divmod(first, page_size)
+        last = min(end, (page + 1) * page_size)
+        base = table[page] * page_size
+        yield from range(base + offset, base + offset + last - first)
+        first = last
 
 
 def padded_tables(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:

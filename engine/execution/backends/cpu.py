@@ -17,7 +17,6 @@ or Python, the head), which is why it runs a little past 400 lines.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, cast
 
 import attrs
@@ -29,6 +28,7 @@ from trillm.engine.execution.backends.base import (
     ModelWeights,
     StepRows,
     padded_tables,
+    slots,
 )
 from trillm.engine.execution.backends.cpu_attention import (
     CpuMetadata,
@@ -400,18 +400,6 @@ class RopeRows:
         if model.local_rope is model.rope:
             return cls(whole, whole)
         return cls(whole, model.local_rope.rows(positions))
-
-
-def slots(table: list[int], start: int, end: int, page_size: int) -> Iterator[int]:
-    """The cache slots of positions [start, end) of a sequence whose pages are ``table``, a
-    page's run at a time."""
-    first = start
-    while first < end:
-        page, offset = divmod(first, page_size)
-        last = min(end, (page + 1) * page_size)
-        base = table[page] * page_size
-        yield from range(base + offset, base + offset + last - first)
-        first = last
 
 
 def decode_groups(rows: list[int], tables: list[list[int]], lens: list[int], page_size: int) -> tuple[DecodeGroup, ...]:

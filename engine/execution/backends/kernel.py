@@ -19,6 +19,7 @@ from trillm.engine.execution.backends.base import (
     ModelWeights,
     StepRows,
     padded_tables,
+    slots,
 )
 from trillm.engine.execution.experts import moe_mlp
 from trillm.engine.execution.layers import gated_activation, project
@@ -70,7 +71,7 @@ class KernelBackend(Backend):
         ps = page_size
         step = StepRows()
         positions: list[int] = []
-        slots: list[int] = []
+        slot_mapping: list[int] = []
         tables: list[list[int]] = []
         starts = [0]
         lens: list[int] = []
@@ -79,7 +80,7 @@ class KernelBackend(Backend):
             table = chunk.seq.pages[: -(-end // ps)]
             step.add(index, chunk)
             positions += range(start, end)
-            slots += (table[p // ps] * ps + p % ps for p in range(start, end))
+            slot_mapping += slots(table, start, end, ps)
             # a verification chunk: one query of one token per position, each its own context
             query = 1 if chunk.draft else chunk.length
             for context in range(start + query, end + 1, query):
@@ -87,7 +88,7 @@ class KernelBackend(Backend):
                 starts.append(starts[-1] + query)
                 lens.append(context)
         meta = KernelMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             block_tables=padded_tables(tables, torch.int32),
             query_starts=torch.tensor(starts, dtype=torch.int32),
             context_lens=torch.tensor(lens, dtype=torch.int32),
