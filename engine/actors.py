@@ -22,6 +22,7 @@ from trillm.engine.execution.launch import Ranks
 from trillm.engine.execution.model_runner import ModelRunner
 from trillm.engine.execution.parallel.topology import WorkerDied
 from trillm.engine.outputs import TokenLogprobs
+from trillm.engine.runner_thread import RunnerThread, single_threaded
 from trillm.engine.scheduling.end_kinds import End
 from trillm.engine.scheduling.endings import Endings
 from trillm.engine.scheduling.output_router import LiveRequest, OutputRouter
@@ -75,7 +76,7 @@ class Actors:
         router: OutputRouter,
         endings: Endings,
         inbox: trio.MemoryReceiveChannel[Message],
-        limiter: trio.CapacityLimiter,
+        thread: RunnerThread,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -86,7 +87,7 @@ class Actors:
         )
         self.endings = endings
         self.inbox = inbox
-        self.limiter = limiter  # the one worker thread: steps, heartbeats, trims and the runner's close
+        self.thread = thread  # the one worker thread: steps, heartbeats, trims and the runner's close
         self.running = False
         self.group_broken = False  # a tensor-parallel rank died or hung: no collective can run again
         self.num_steps = 0
@@ -97,7 +98,15 @@ class Actors:
 
     async def run(self, workers: Ranks | None, task_status: trio.TaskStatus[None]) -> None:
         """Serve until cancelled; on the way out every open request ends ("abort"), every page
-        is freed and the other tensor-parallel ranks (``workers``) stop with us."""
+        is freed and the other tensor-parallel ranks (``workers``) stop with us, then the
+        runner's thread."""
+        try:
+            with single_threaded():  # OpenMP teams on the runner's thread only (``runner_thread``)
+                await self._serve(workers, task_status)
+        finally:
+            self.thread.stop()
+
+    async def _serve(self, workers: Ranks | None, task_status: trio.TaskStatus[None]) -> None:
         # One batch may wait while another runs, and one result while the next
         # batch runs: the worker goes from step to step without waiting for us.
         batch_tx, batch_rx = trio.open_memory_channel[tuple[Step[StepInputs], trio.Event]](1)
@@ -118,7 +127,7 @@ class Actors:
             if workers is not None:  # the other ranks stop with us (a broken group: at once)
                 with trio.CancelScope(shield=True):  # we are most often here because we were cancelled
                     if not self.group_broken:
-                        await trio.to_thread.run_sync(self.runner.close, limiter=self.limiter)
+                        await self.thread.run(self.runner.close)
                     await trio.to_thread.run_sync(workers.join, 0.0 if self.group_broken else 10.0)
 
     async def _watch_workers(self, workers: Ranks) -> None:
@@ -134,7 +143,7 @@ class Actors:
                 last_steps, next_beat = self.num_steps, trio.current_time() + period
             elif trio.current_time() >= next_beat:
                 try:
-                    await trio.to_thread.run_sync(self.runner.heartbeat, limiter=self.limiter)
+                    await self.thread.run(self.runner.heartbeat)
                 except Exception as exc:
                     self.group_broken = True
                     log.critical("a tensor-parallel rank stopped answering: %s", exc)
@@ -164,7 +173,7 @@ class Actors:
                     return result
 
                 try:
-                    result: Sampled | Exception = await trio.to_thread.run_sync(execute, limiter=self.limiter)
+                    result: Sampled | Exception = await self.thread.run(execute)
                 except WorkerDied as exc:  # a tensor-parallel forward failed: the group is out of step
                     self.group_broken = True
                     log.critical("%s (a rank died or stopped answering); the engine stops", exc)
@@ -193,7 +202,7 @@ class Actors:
                 if not loop.has_work:
                     if self._malloc_tuning and self._steps_at_trim != self.num_steps:
                         # gone idle: what the steps freed goes back to the kernel
-                        await trio.to_thread.run_sync(self._trim, limiter=self.limiter)
+                        await self.thread.run(self._trim)
                     self._handle(await self.inbox.receive())
                 self._drain_inbox()
                 began = time.perf_counter()

@@ -37,6 +37,7 @@ from trillm.engine.execution.model_runner import ModelRunner, kv_bytes_per_token
 from trillm.engine.kv_budget import plan_kv_pool
 from trillm.engine.mailbox import OutputMailbox
 from trillm.engine.outputs import EngineStats, RequestOutput, SpeculationCounts
+from trillm.engine.runner_thread import RunnerThread
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.endings import Endings
 from trillm.engine.scheduling.kv_pages import PageAllocator
@@ -155,8 +156,8 @@ class Engine:
         )
         self.endings = Endings(self.router, self.scheduler)
         self._inbox_tx, inbox_rx = trio.open_memory_channel[Message](math.inf)
-        self._limiter = trio.CapacityLimiter(1)
-        self.actors = Actors(config, self.runner, self.scheduler, self.router, self.endings, inbox_rx, self._limiter)
+        self._thread = RunnerThread()
+        self.actors = Actors(config, self.runner, self.scheduler, self.router, self.endings, inbox_rx, self._thread)
         self.loop: StepLoop[StepInputs] = self.actors.loop
         if config.malloc_tuning:
             native_memory.pin_mmap_threshold()  # per-step tensors go back to the kernel when freed

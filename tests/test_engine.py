@@ -165,7 +165,7 @@ async def test_shutdown_ends_open_streams_and_frees_everything(model_parts, toke
     assert finals == ["abort"] * 4
     stats = eng.stats()
     assert stats.free_pages == stats.total_pages and stats.num_open_requests == 0
-    assert eng._limiter.borrowed_tokens == 0
+    assert eng._thread.busy == 0 and not eng._thread.alive
     with pytest.raises(EngineNotRunning):
         eng.submit(ids, SamplingParams())
 
