@@ -99,12 +99,9 @@ class Actors:
     async def run(self, workers: Ranks | None, task_status: trio.TaskStatus[None]) -> None:
         """Serve until cancelled; on the way out every open request ends ("abort"), every page
         is freed and the other tensor-parallel ranks (``workers``) stop with us, then the
-        runner's thread."""
-        try:
-            with single_threaded():  # OpenMP teams on the runner's thread only (``runner_thread``)
-                await self._serve(workers, task_status)
-        finally:
-            self.thread.stop()
+        runner's thread (``runner_thread``) if no other engine holds it."""
+        with self.thread.hold(), single_threaded():  # OpenMP teams on the runner's thread only
+            await self._serve(workers, task_status)
 
     async def _serve(self, workers: Ranks | None, task_status: trio.TaskStatus[None]) -> None:
         # One batch may wait while another runs, and one result while the next

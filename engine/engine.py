@@ -156,7 +156,7 @@ class Engine:
         )
         self.endings = Endings(self.router, self.scheduler)
         self._inbox_tx, inbox_rx = trio.open_memory_channel[Message](math.inf)
-        self._thread = RunnerThread()
+        self._thread = RunnerThread.for_device(model.device)
         self.actors = Actors(config, self.runner, self.scheduler, self.router, self.endings, inbox_rx, self._thread)
         self.loop: StepLoop[StepInputs] = self.actors.loop
         if config.malloc_tuning:

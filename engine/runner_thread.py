@@ -7,8 +7,10 @@ is woken, dozens of times a step. On a 2-core machine one torch op that went par
 loop (a prefill chunk's mask after a prefix-cache hit) made every later decode step of the process
 2.5x slower (6.5 -> 16.5 ms, SmolLM2 Q4_1, measured). ``trio.to_thread.run_sync`` with a limiter of
 one runs the runner's jobs one at a time but may hand them to different threads, each of which then
-keeps a pool of its own. So the runner's work runs on ``RunnerThread`` (one OS thread for the
-engine's life), and the event loop's thread is kept to teams of one (``single_threaded``).
+keeps a pool of its own. So the runner's work runs on ``RunnerThread`` (one OS thread while an
+engine runs, and one for all the CPU engines of a process: two engines' runner threads are two
+pools, which throttled both, as several models behind one server or an offline comparison of two
+engines have), and the event loop's thread is kept to teams of one (``single_threaded``).
 """
 
 from __future__ import annotations
@@ -29,13 +31,47 @@ _Job = tuple[Callable[[], Any], Callable[[outcome.Outcome[Any]], None]]
 
 
 class RunnerThread:
-    """Jobs run in order on one OS thread, started on first use and ended by ``stop``."""
+    """Jobs run in order on one OS thread, started on first use and ended by ``stop`` (or when
+    the last ``hold`` ends). Jobs may come from several Trio runs (each engine of an offline
+    ``LLM`` has its own)."""
 
     def __init__(self, name: str = "trillm-runner") -> None:
         self.name = name
-        self.busy = 0  # jobs submitted whose result has not been taken yet
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy = 0  # jobs submitted whose result has not been taken yet
+        self._holders = 0
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # the running thread's
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> RunnerThread:
+        """The CPU engines of a process share one thread; a GPU engine has one of its own (its
+        steps mostly wait on the device, and two models' may overlap there)."""
+        if device.type != "cpu":
+            return cls(f"trillm-runner-{device}")
+        return _CPU
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """While an engine runs: the thread stops when the last holder is done with it."""
+        with self._lock:
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                last = self._holders == 0
+            if last:
+                self.stop()
 
     @property
     def alive(self) -> bool:
@@ -45,36 +81,43 @@ class RunnerThread:
         """``fn()`` on the thread. Once started it is waited for even if the caller is cancelled
         (as ``trio.to_thread.run_sync`` does by default): a step in flight is never abandoned."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        if not self.alive:
-            self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-            self._thread.start()
+        with self._lock:
+            if not self.alive:
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._main, args=(self._jobs,), name=self.name, daemon=True)
+                self._thread.start()
+            self._busy += 1
+            jobs = self._jobs
         token = trio.lowlevel.current_trio_token()
         task = trio.lowlevel.current_task()
 
         def deliver(result: outcome.Outcome[Any]) -> None:
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
-        self.busy += 1
         try:
-            self._jobs.put((fn, deliver))
+            jobs.put((fn, deliver))
             result: T = await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
             return result
         finally:
-            self.busy -= 1
+            with self._lock:
+                self._busy -= 1
 
     def stop(self) -> None:
         """End the thread once the jobs before this call are done (and with it its OpenMP pool)."""
-        thread, self._thread = self._thread, None
+        with self._lock:
+            thread, self._thread, jobs = self._thread, None, self._jobs
         if thread is not None:
-            self._jobs.put(None)
+            jobs.put(None)
             thread.join()
 
-    def _main(self) -> None:
-        while (job := self._jobs.get()) is not None:
+    @staticmethod
+    def _main(jobs: queue.SimpleQueue[_Job | None]) -> None:
+        while (job := jobs.get()) is not None:
             fn, deliver = job
             deliver(outcome.capture(fn))
 
 
+_CPU = RunnerThread()
 _depth = threading.local()
 
 

@@ -52,7 +52,38 @@ async def test_every_step_runs_on_one_thread_and_the_event_loop_stays_single_thr
         nursery.cancel_scope.cancel()
     assert len(threads) == 1 and threading.get_ident() not in threads
     assert torch.get_num_threads() == outer  # the event loop's own width is back
-    assert not engine._thread.alive
+    assert engine._thread.alive == (engine._thread.holders > 0)
+
+
+async def test_two_engines_share_the_thread_and_it_ends_with_the_last(model_parts, tokenizer, monkeypatch) -> None:
+    """Two CPU engines' runner threads would be two OpenMP pools: they share one."""
+    threads: set[int] = set()
+    execute = model_runner.ModelRunner.execute
+
+    def recording(self, inputs):  # type: ignore[no-untyped-def]
+        threads.add(threading.get_ident())
+        return execute(self, inputs)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "execute", recording)
+    first, second = make_engine(model_parts), make_engine(model_parts)
+    assert first._thread is second._thread
+    holders = first._thread.holders  # another test's engine may hold it too
+    async with trio.open_nursery() as outer:
+        await outer.start(first.run)
+        async with trio.open_nursery() as inner:
+            await inner.start(second.run)
+            assert first._thread.holders == holders + 2
+            async with trio.open_nursery() as clients:
+                for engine in (first, second, first, second):
+                    clients.start_soon(_drain, engine, tokenizer("Name three colours.")["input_ids"])
+            await wait_idle(second)
+            inner.cancel_scope.cancel()
+        assert first._thread.holders == holders + 1 and first._thread.alive  # the first still runs
+        await _drain(first, tokenizer("And three more.")["input_ids"])
+        await wait_idle(first)
+        outer.cancel_scope.cancel()
+    assert len(threads) == 1
+    assert first._thread.holders == holders and first._thread.alive == (holders > 0)
 
 
 async def _drain(engine, ids: list[int]) -> None:  # type: ignore[no-untyped-def]
