@@ -181,7 +181,7 @@ class EngineConfig:
         "token's); `auto`: what the model's sentence-transformers config or GGUF header names, else `mean`",
         choices=POOLING_MODES,
     )
-    num_speculative_tokens: int = setting(4, "most tokens proposed per decode step", validator=attrs.validators.ge(1))
+    num_speculative_tokens: int = setting(8, "most tokens proposed per decode step", validator=attrs.validators.ge(1))
     draft_model: str | None = setting(
         None,
         "a smaller model of the same vocabulary (alias, folder or `.gguf`, as `--model`) that proposes the "
