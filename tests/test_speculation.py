@@ -158,6 +158,60 @@ def test_sampled_verification_keeps_the_distribution(params: SamplingParams) -> 
         assert counts[p == 0].sum() == 0  # a truncated-away token is never emitted
 
 
+DRAWS = 8_000  # seeded: at 10 % hotter the test's p was 1e-24 with 10,000
+
+
+def _chi_square_p(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> float:
+    """Pearson's goodness of fit: the probability of a statistic this large if ``counts`` were
+    drawn from ``expected`` (categories of probability 0 must have no counts)."""
+    n = sum(counts.values())
+    assert all(counts.get(k, 0) == 0 for k, q in expected.items() if q == 0)
+    cells = [(counts.get(k, 0), n * q) for k, q in expected.items() if q > 0]
+    statistic = sum((o - e) ** 2 / e for o, e in cells)
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5)], ids=["plain", "top-k"]
+)
+@pytest.mark.parametrize("draft", [(1, 3), (4, 0)], ids=["likely", "unlikely"])
+def test_sampled_verification_passes_a_chi_square_test(params: SamplingParams, draft: tuple[int, int]) -> None:
+    """The emitted run, binned as sampling without speculation would make it (the first token;
+    after the first proposal, the pair), over ``DRAWS`` seeded draws on a vocabulary of 6: the same
+    distribution by Pearson's test; and the test tells a distribution 10 % hotter apart."""
+    torch.manual_seed(3)
+    vocab = 6
+    logits = torch.randn(3, vocab) * 1.5
+    logits[0, 1] += 2.0  # draft (1, ...) likely, (4, ...) not
+    generator = torch.Generator().manual_seed(7)
+    rows = [SampleRow(params, generator) for _ in range(3)]
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(DRAWS):
+        kept, token, _, _ = verify(logits, rows, draft)
+        run = (*kept, token)
+        key = run[:2] if run[0] == draft[0] else run[:1]
+        counts[key] = counts.get(key, 0) + 1
+
+    def expected(temperature: float) -> dict[tuple[int, ...], float]:
+        def probs(row: int) -> torch.Tensor:
+            scaled = logits[row] / temperature
+            if params.top_k > 0:
+                from trillm.engine.execution.sampler import truncate
+
+                scaled = truncate(scaled.unsqueeze(0), [params])[0]
+            return torch.softmax(scaled.double(), -1)
+
+        p0, p1 = probs(0), probs(1)
+        out = {(t,): float(p0[t]) for t in range(vocab) if t != draft[0]}
+        out.update({(draft[0], t): float(p0[draft[0]] * p1[t]) for t in range(vocab)})
+        return out
+
+    same = _chi_square_p(counts, expected(params.temperature))
+    hot = _chi_square_p(counts, expected(params.temperature * 1.1))
+    assert same > 1e-3 and hot < 1e-6
+
+
 # -- the scheduler driving verifications ------------------------------------------------------
 
 VOCAB, EOS = 5, 0

@@ -1,7 +1,8 @@
 """Speculative decoding on the real default model: what an engine emits with proposals verified
 is what it emits without them (greedy, float32: token for token, logprobs too), through stops,
-length cuts, penalties and biases; seeded sampling repeats; a request can opt out; Predicted
-Outputs fill OpenAI's usage fields; and every page comes back."""
+length cuts, penalties and biases, ``n`` > 1 through the server (streaming and not); seeded
+sampling repeats; a request can opt out; Predicted Outputs fill OpenAI's usage fields; and every
+page comes back, requests cut off mid-verification included."""
 
 from __future__ import annotations
 
@@ -175,6 +176,82 @@ async def test_predicted_outputs_count_accepted_and_rejected_tokens(model_parts,
         metrics = (await in_thread(httpx.get, srv.url + "/metrics")).text
         accepted = [line for line in metrics.splitlines() if line.startswith("trillm:spec_decode_num_accepted_tokens")]
         assert any('method="prediction"' in line and float(line.split()[-1]) > 0 for line in accepted), accepted
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_several_choices_through_the_server_are_the_plain_reply(model_parts, stream: bool) -> None:
+    """``n`` = 3 greedy choices, with and without a stop string, from a speculating server that is
+    handed the reply as a predicted output (so every choice verifies proposals): each choice is
+    the reply a server without speculation gives, streaming and not."""
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=CODE, max_tokens=60, temperature=0)
+
+    async def replies(mode: str, n: int, **more: Any) -> tuple[list[tuple[str, str]], str]:
+        async with running_server(model_parts, speculative=mode) as srv:
+            c = client(srv)
+            if stream:
+                chunks = await in_thread(lambda: list(c.chat.completions.create(**kwargs, **more, n=n, stream=True)))
+                texts, ends = [""] * n, [""] * n
+                for chunk in chunks:
+                    for choice in chunk.choices:
+                        texts[choice.index] += choice.delta.content or ""
+                        ends[choice.index] = choice.finish_reason or ends[choice.index]
+                got = list(zip(texts, ends))
+            else:
+                reply = await in_thread(c.chat.completions.create, **kwargs, **more, n=n)
+                got = [(ch.message.content, ch.finish_reason) for ch in sorted(reply.choices, key=lambda ch: ch.index)]
+            metrics = (await in_thread(httpx.get, srv.url + "/metrics")).text
+        return got, metrics
+
+    (plain,), _ = await replies("off", 1)
+    stop = plain[0][len(plain[0]) // 2 :][:6]  # a stop string inside the reply: each choice ends there
+    (cut,), _ = await replies("off", 1, stop=[stop])
+    assert cut[1] == "stop" and len(cut[0]) < len(plain[0])
+    predicted = {"prediction": {"type": "content", "content": plain[0]}}
+    for more, want in ((predicted, plain), ({**predicted, "stop": [stop]}, cut)):
+        got, metrics = await replies("ngram", 3, **more)
+        assert got == [want] * 3
+        accepted = [line for line in metrics.splitlines() if line.startswith("trillm:spec_decode_num_accepted_tokens")]
+        assert any(float(line.split()[-1]) > 0 for line in accepted), accepted  # proposals were kept
+
+
+async def test_requests_cut_off_during_verifications_give_every_page_back(model_parts, tokenizer) -> None:
+    """Consumers that stop after 1..6 outputs while their request verifies a predicted output (and
+    others that are cancelled from outside mid-step): every page is free or cached afterwards."""
+    ids = _prompts(tokenizer)[1]
+    (reference,), _ = await _served(model_parts, "off", [(ids, GREEDY)])
+    predicted = attrs.evolve(GREEDY, prediction=tuple(_tokens(reference)), logprobs=None)
+    engine = make_engine(model_parts, speculative="ngram", num_pages=48)
+
+    async def stop_after(n: int) -> None:
+        async with engine.generate(ids, predicted) as outputs:
+            count = 0
+            async for _ in outputs:
+                count += 1
+                if count >= n:
+                    return
+
+    async def cut_at(seconds: float) -> None:
+        with trio.move_on_after(seconds):
+            async with engine.generate(ids, predicted) as outputs:
+                async for _ in outputs:
+                    pass
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        for n in range(1, 7):
+            await stop_after(n)
+        async with trio.open_nursery() as clients:
+            for i in range(6):
+                clients.start_soon(cut_at, 0.01 + 0.015 * i)
+                clients.start_soon(stop_after, 1 + i)
+        await wait_idle(engine)
+        stats = engine.stats()
+        assert stats.free_pages + stats.evictable_pages == stats.total_pages
+        assert stats.num_aborted >= 6
+        drafts = sum(c.drafts for c in stats.speculation)
+        assert drafts > 0 and sum(c.accepted_tokens for c in stats.speculation) > 0  # cuts among verifications
+        nursery.cancel_scope.cancel()
+    assert engine.stats().free_pages == engine.stats().total_pages
 
 
 SCHEMA = {

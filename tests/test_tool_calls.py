@@ -646,6 +646,6 @@ async def test_text_answer_with_tools_streams_early_and_a_cut_reply_is_unwrapped
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert not choice["message"].get("tool_calls")  # a call cut short is no call, and no raw JSON
     text_deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
-    # streamed as it comes (a verification's run of tokens arrives as one delta: fewer than tokens)
-    assert len(text_deltas) > 5 and events[-1]["type"] == "response.incomplete"
+    # streamed as it comes (a verification's run of up to 8 tokens arrives as one delta: fewer than tokens)
+    assert len(text_deltas) > 2 and events[-1]["type"] == "response.incomplete"
     assert "".join(text_deltas) == events[-1]["response"]["output"][-1]["content"][0]["text"] == text
