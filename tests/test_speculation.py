@@ -18,7 +18,7 @@ from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.engine.scheduling.speculation import MAX_COOLDOWN, NgramProposer, SpeculationControl
+from trillm.engine.scheduling.speculation import MAX_COOLDOWN, RECHECK, NgramProposer, SpeculationControl
 from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.suffix_cache import SuffixCache
 from trillm.engine.step import Batch, Sampled, SampleRow, Step, StepInputs, fill_pending
@@ -94,6 +94,28 @@ def test_the_cost_model_speculates_only_where_the_rows_pay() -> None:
     assert control.worth(1, 3, 1.5)  # 4 rows cost 10 % more than 1, and bring 2.5 tokens instead of 1
     assert not control.worth(1, 3, 0.0)  # nothing expected back: the extra rows are pure cost
     assert not control.worth(8, 32, 4.0)  # compute-bound: 40 rows cost 8x what 8 do
+
+
+def test_a_stalled_step_moves_the_cost_model_only_so_far_and_declined_sizes_are_measured_again() -> None:
+    control = SpeculationControl("auto", 4)
+    for _ in range(3):
+        control.observe_step(1, 0.0065)
+        control.observe_step(5, 0.012)
+    assert control.worth(1, 4, 3.0)
+    control.observe_step(5, 0.600)  # the machine paused during one verification
+    assert control.step_seconds[5] < 0.015 and control.worth(1, 4, 3.0)
+
+    # a sequence whose proposals the model turns down (nothing expected back) is still measured
+    # once in RECHECK steps, and only then
+    seq = Sequence("r0", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50), 100, frozenset())
+    seq.admitted = True
+    seq.num_computed = len(seq.prompt_ids) - 1
+    spec = control.known(seq)
+    spec.acceptance, spec.proposed = 0.0, 10  # it has verified before, and kept nothing
+    granted = []
+    for _ in range(2 * RECHECK):
+        granted.append(bool(control.proposals([seq])))
+    assert granted.count(True) == 2 and granted[RECHECK - 1] and granted[-1]
 
 
 # -- verification ---------------------------------------------------------------------------

@@ -14,7 +14,8 @@ draft model (``execution/draft.py``) the proposals here are placeholders its gue
 
 ``SpeculationControl`` decides per step and per sequence: a sequence whose proposals keep failing
 backs off (exponentially, up to ``MAX_COOLDOWN`` tokens), and a step speculates only while the
-measured step times say the extra rows cost less than the tokens they are expected to bring.
+measured step times say the extra rows cost less than the tokens they are expected to bring (a
+stalled step moves them only so far, and a size turned down ``RECHECK`` times is measured again).
 Pure and synchronous, as the scheduler is.
 """
 
@@ -38,6 +39,11 @@ CANDIDATES = 8  # a pair's latest places compared for the longest match
 MAX_COOLDOWN = 32  # tokens a sequence whose proposals were all rejected decodes plainly, at most
 EMA = 0.2  # weight of the newest measurement in the running averages
 MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plain step
+# A step measured at more than this times its running average moves it as if it took this times:
+# a VM's pause (both of two servers stalled 0.1-1 s at the same instants, measured) once made a
+# 9-row step's average look 10x too high, and speculation stayed off for the rest of the run.
+OUTLIER = 2.0
+RECHECK = 100  # steps declined in a row, after which one sequence's proposals measure again
 
 
 class _BigramIndex:
@@ -172,6 +178,7 @@ class SpeculationControl:
         # decode step seconds by rows scored (running averages): what speculation's rows cost
         self.step_seconds: dict[int, float] = {}
         self.host_seconds = 0.0  # the scheduler's own work per step (running average)
+        self.declined = 0  # steps in a row whose proposals the cost model turned down
         self.overlap = overlap  # plain steps overlap the scheduler's work with the forward
 
     @property
@@ -186,6 +193,8 @@ class SpeculationControl:
     def observe_step(self, rows: int, seconds: float) -> None:
         """A decode step (every chunk a decode or a verification) of ``rows`` rows took ``seconds``."""
         old = self.step_seconds.get(rows)
+        if old is not None:
+            seconds = min(seconds, OUTLIER * old)
         self.step_seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
 
     def observe_host(self, seconds: float) -> None:
@@ -292,7 +301,15 @@ class SpeculationControl:
             # batch's, tried blind at 32 streams, made the first seconds of a run 25 % slower)
             first = next(iter(proposals))
             return {first: proposals[first]}
-        return proposals if self.worth(len(decodes), extra, expected) else {}
+        if self.worth(len(decodes), extra, expected):
+            self.declined = 0
+            return proposals
+        self.declined += 1
+        if self.declined >= RECHECK:  # estimates are only renewed by steps that run: renew one now
+            self.declined = 0
+            first = next(iter(proposals))
+            return {first: proposals[first]}
+        return {}
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step should wait for the one in flight (giving up overlap for a step)
