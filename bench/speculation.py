@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--workloads", default="chat,repeat,edit,agent,rag")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, default=8)
     args = parser.parse_args()
     targets: list[Any] = [ServerTarget(*spec.split("=", 1)) for spec in args.server] or [
         OfflineTarget(args.model, m, args.num_speculative_tokens) for m in args.modes.split(",")
