@@ -23,9 +23,8 @@ from trillm.engine.sampling_params import SamplingParams
 from tests.helpers import make_engine, wait_idle
 
 
-async def test_every_step_runs_on_one_thread_and_the_event_loop_stays_single_threaded(
-    model_parts, tokenizer, monkeypatch
-) -> None:
+def _step_threads(monkeypatch: pytest.MonkeyPatch) -> set[int]:
+    """The threads every ``ModelRunner.execute`` from now on runs on."""
     threads: set[int] = set()
     execute = model_runner.ModelRunner.execute
 
@@ -34,6 +33,13 @@ async def test_every_step_runs_on_one_thread_and_the_event_loop_stays_single_thr
         return execute(self, inputs)
 
     monkeypatch.setattr(model_runner.ModelRunner, "execute", recording)
+    return threads
+
+
+async def test_every_step_runs_on_one_thread_and_the_event_loop_stays_single_threaded(
+    model_parts, tokenizer, monkeypatch
+) -> None:
+    threads = _step_threads(monkeypatch)
     outer = torch.get_num_threads()
     engine = make_engine(model_parts, max_batch_tokens=512)
     base = tokenizer("Tell me a long story about a lighthouse keeper and the sea. " * 3)["input_ids"]
@@ -57,14 +63,7 @@ async def test_every_step_runs_on_one_thread_and_the_event_loop_stays_single_thr
 
 async def test_two_engines_share_the_thread_and_it_ends_with_the_last(model_parts, tokenizer, monkeypatch) -> None:
     """Two CPU engines' runner threads would be two OpenMP pools: they share one."""
-    threads: set[int] = set()
-    execute = model_runner.ModelRunner.execute
-
-    def recording(self, inputs):  # type: ignore[no-untyped-def]
-        threads.add(threading.get_ident())
-        return execute(self, inputs)
-
-    monkeypatch.setattr(model_runner.ModelRunner, "execute", recording)
+    threads = _step_threads(monkeypatch)
     first, second = make_engine(model_parts), make_engine(model_parts)
     assert first._thread is second._thread
     holders = first._thread.holders  # another test's engine may hold it too

@@ -116,6 +116,12 @@ def test_a_stalled_step_moves_the_cost_model_only_so_far_and_declined_sizes_are_
     for _ in range(2 * RECHECK):
         granted.append(bool(control.proposals([seq])))
     assert granted.count(True) == 2 and granted[RECHECK - 1] and granted[-1]
+    # overlapped, proposals are only asked for when ``wants`` lets the step in flight finish first
+    seq.output_ids.append(3)
+    seq.num_computed = seq.num_tokens - 1
+    waits = [control.wants([seq]) for _ in range(RECHECK)]
+    assert waits.count(True) == 1 and waits[-1]
+    assert control.proposals([seq]) and control.declined == 0  # the one measured again
 
 
 # -- verification ---------------------------------------------------------------------------

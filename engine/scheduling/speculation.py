@@ -326,7 +326,11 @@ class SpeculationControl:
                     expected += spec.acceptance * self.num_tokens
         if not candidates:
             return False
-        return not self.adaptive or self.worth(len(running), candidates * self.num_tokens, expected)
+        if not self.adaptive or self.worth(len(running), candidates * self.num_tokens, expected):
+            return True
+        # turned down: estimates are only renewed by steps that run, so now and then one does
+        self.declined += 1
+        return self.declined >= RECHECK
 
     def _may_use_suffix(self, seq: Sequence) -> bool:
         """Whether other requests' outputs may be proposed to ``seq``: not to a seeded sampled
