@@ -122,6 +122,10 @@ def test_a_stalled_step_moves_the_cost_model_only_so_far_and_declined_sizes_are_
     waits = [control.wants([seq]) for _ in range(RECHECK)]
     assert waits.count(True) == 1 and waits[-1]
     assert control.proposals([seq]) and control.declined == 0  # the one measured again
+    waits = [control.wants([seq]) for _ in range(RECHECK)]
+    spec.resume_at = spec.known + 1  # backing off: this step has nothing to propose after all
+    assert waits[-1] and not control.proposals([seq]) and control.declined == 0  # so overlap comes back
+    assert not control.wants([seq])
 
 
 # -- verification ---------------------------------------------------------------------------

@@ -295,6 +295,8 @@ class SpeculationControl:
                 expected += spec.acceptance * len(proposed)
         extra = sum(map(len, proposals.values()))
         if not proposals or not self.adaptive:
+            if self.declined >= RECHECK:  # the step ``wants`` waited for had nothing to measure
+                self.declined = 0
             return proposals
         if self._cost(len(decodes)) is None or self._cost(len(decodes) + extra) is None:
             # not measured yet: one sequence's proposals probe what a few more rows cost (a whole
