@@ -128,6 +128,28 @@ def test_a_stalled_step_moves_the_cost_model_only_so_far_and_declined_sizes_are_
     assert not control.wants([seq])
 
 
+def test_wants_discounts_a_match_that_the_next_token_breaks() -> None:
+    """``wants`` decides a token ahead of the proposals it waits for: where each two-token match
+    is gone after the next token (new prose), it learns to expect little; where matches hold (a
+    repeated passage), it expects them."""
+    control = SpeculationControl("auto", 8)
+    seq = Sequence("r0", [5, 6, 9, 5, 6, 9, 4], SamplingParams(max_tokens=500), 1000, frozenset())
+    seq.admitted = True
+
+    def step(token: int) -> None:
+        seq.output_ids.append(token)
+        seq.num_computed = seq.num_tokens - 1
+        control.wants([seq])
+
+    for i in range(10):  # (5, 6) matches, then a token never seen breaks it
+        for token in (5, 6, 100 + i):
+            step(token)
+    assert seq.spec is not None and seq.spec.kept_match < 0.2
+    for token in (5, 6, 9) * 10:  # the prompt's passage again: every pair matches
+        step(token)
+    assert seq.spec.kept_match > 0.9
+
+
 # -- verification ---------------------------------------------------------------------------
 
 

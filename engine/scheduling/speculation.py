@@ -143,6 +143,9 @@ class SequenceSpeculation:
     misses: int = 0  # verifications in a row that accepted nothing
     acceptance: float = 0.5  # running average of accepted / proposed
     method: str = "ngram"  # where the proposal in flight came from: "ngram", "prediction" or "suffix"
+    matched: bool = False  # whether it had a match when last looked at (``match_seen`` tokens known)
+    match_seen: int = -1
+    kept_match: float = 1.0  # running share of new tokens after which a match was still one
     proposed: int = 0
     accepted: int = 0
     prediction_accepted: int = 0
@@ -323,9 +326,9 @@ class SpeculationControl:
                 return True
             if self.may_speculate(seq) and seq.output_ids:
                 spec = self.known(seq)
-                if spec.known >= spec.resume_at and self._has_match(seq, spec):
+                if self._still_matches(seq, spec) and spec.known >= spec.resume_at:
                     candidates += 1
-                    expected += spec.acceptance * self.num_tokens
+                    expected += spec.kept_match * spec.acceptance * self.num_tokens
         if not candidates:
             return False
         if not self.adaptive or self.worth(len(running), candidates * self.num_tokens, expected):
@@ -333,6 +336,20 @@ class SpeculationControl:
         # turned down: estimates are only renewed by steps that run, so now and then one does
         self.declined += 1
         return self.declined >= RECHECK
+
+    def _still_matches(self, seq: Sequence, spec: SequenceSpeculation) -> bool:
+        """Whether ``seq`` has a match now; and, once per new token, how often a match one token
+        ago is still one (``kept_match``). ``wants`` looks one token ahead of the proposals it
+        waits for: in new prose a two-token match is mostly gone after the next token (three
+        waits in four found nothing to propose, each giving up overlap for nothing); in a
+        repeated passage it stays."""
+        if spec.known == spec.match_seen:
+            return spec.matched
+        matched = self._has_match(seq, spec)
+        if spec.matched:
+            spec.kept_match += EMA * (matched - spec.kept_match)
+        spec.matched, spec.match_seen = matched, spec.known
+        return matched
 
     def _may_use_suffix(self, seq: Sequence) -> bool:
         """Whether other requests' outputs may be proposed to ``seq``: not to a seeded sampled
