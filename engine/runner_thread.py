@@ -112,9 +112,16 @@ class RunnerThread:
 
     @staticmethod
     def _main(jobs: queue.SimpleQueue[_Job | None]) -> None:
-        while (job := jobs.get()) is not None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
             fn, deliver = job
-            deliver(outcome.capture(fn))
+            del job
+            result = outcome.capture(fn)
+            del fn  # nothing of a finished job stays referenced here (a step holds its grammars' state)
+            deliver(result)
+            del deliver, result
 
 
 _CPU = RunnerThread()

@@ -11,6 +11,7 @@ cancellations as ``trio.to_thread.run_sync`` did.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -107,6 +108,16 @@ async def test_the_runner_thread_returns_raises_and_is_never_abandoned() -> None
     with pytest.raises(ZeroDivisionError):
         await thread.run(lambda: 1 / 0)
     assert await thread.run(lambda: 41 + 1) == 42  # the thread survives a failed job
+
+    class Job:
+        def __call__(self) -> int:
+            return 1
+
+    job = Job()
+    gone = weakref.ref(job)
+    assert await thread.run(job) == 1
+    del job
+    assert gone() is None  # the idle thread keeps nothing of the job it ran (a step holds its grammars)
 
     release, finished = threading.Event(), []
 
