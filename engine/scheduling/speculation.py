@@ -301,20 +301,18 @@ class SpeculationControl:
             if self.declined >= RECHECK:  # the step ``wants`` waited for had nothing to measure
                 self.declined = 0
             return proposals
-        if self._cost(len(decodes)) is None or self._cost(len(decodes) + extra) is None:
-            # not measured yet: one sequence's proposals probe what a few more rows cost (a whole
-            # batch's, tried blind at 32 streams, made the first seconds of a run 25 % slower)
-            first = next(iter(proposals))
-            return {first: proposals[first]}
-        if self.worth(len(decodes), extra, expected):
-            self.declined = 0
-            return proposals
-        self.declined += 1
-        if self.declined >= RECHECK:  # estimates are only renewed by steps that run: renew one now
-            self.declined = 0
-            first = next(iter(proposals))
-            return {first: proposals[first]}
-        return {}
+        if self._cost(len(decodes)) is not None and self._cost(len(decodes) + extra) is not None:
+            if self.worth(len(decodes), extra, expected):
+                self.declined = 0
+                return proposals
+            self.declined += 1
+            if self.declined < RECHECK:
+                return {}
+            self.declined = 0  # estimates are only renewed by steps that run: renew one now
+        # not measured yet (or due again): one sequence's proposals probe what a few more rows cost
+        # (a whole batch's, tried blind at 32 streams, made the first seconds of a run 25 % slower)
+        first = next(iter(proposals))
+        return {first: proposals[first]}
 
     def wants(self, running: list[Sequence]) -> bool:
         """Whether the next step should wait for the one in flight (giving up overlap for a step)
