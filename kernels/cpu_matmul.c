@@ -12,9 +12,10 @@
  *
  * Threads split N, each decoding only its own weight rows. Two SIMD paths, written once over
  * a vector of VL floats: AVX-512 (VL = 16) or, without it, AVX2 + FMA (VL = 8):
- * - few x rows (M <= DIRECT_MAX_M): each block of DIRECT_NR weight rows is decoded in
- *   registers and multiplied with up to DIRECT_MR x rows from L1, accumulating along K
- *   (summed across lanes at the end). Memory bound at M = 1: 0.75 bytes per Q4_1 weight.
+ * - few x rows (M <= DIRECT_MAX_M): each block of a few weight rows is decoded in registers
+ *   once and multiplied with up to DIRECT_PASS x rows from L1, accumulating along K (summed
+ *   across lanes at the end), one accumulator per output in one order whatever M: a row's
+ *   result does not depend on the others. Memory bound at M = 1: 0.75 bytes per Q4_1 weight.
  * - more rows: PANEL (48) weight rows x KC of K at a time are decoded into an L1-sized
  *   chunk, which then meets all rows of x (transposed into VL-row vectors beforehand) in a
  *   register tile of 2 VL rows x TILE_NR weights: per k, 2 x vectors, TILE_NR broadcast
@@ -117,8 +118,7 @@ static void plain_rows(const Weight *W, const float *x, int64_t ldx, float *out,
 typedef __m512 vec;
 #define VL 16
 #define DIRECT_MAX_M 11 /* below 12 rows the panel path still pays the decode and FMAs of 16 (measured) */
-#define DIRECT_MR 4     /* x rows per in-register tile */
-#define DIRECT_NR 4     /* and weight rows: 16 accumulators */
+#define DIRECT_PASS 4   /* x rows a pass over the weights takes (5 for a last row): 4 x 4 accumulators */
 #define KC 128          /* K per chunk: 48 x 128 floats = 24 KB, two of them (decoding, in use) fit L1 */
 #define TILE_NR 12      /* weights per panel tile: 2 x 12 accumulators */
 
@@ -193,8 +193,7 @@ INLINE void store_part(float *o, vec r, int64_t valid, int accumulate)
 typedef __m256 vec;
 #define VL 8
 #define DIRECT_MAX_M 11 /* measured crossover at 12 rows here too */
-#define DIRECT_MR 4     /* 4 x 2 accumulators and 4 decoded vectors; 2 x 4 was slower from 3 rows on */
-#define DIRECT_NR 2
+#define DIRECT_PASS 4   /* as for AVX-512, with 8 accumulators at most */
 #define KC 64 /* K per chunk: 2 x 12 KB fit a 32 KB L1 (Zen 2/3, Intel client); 128 was no faster here */
 #define TILE_NR 6 /* 2 x 6 accumulators, 2 x vectors and a broadcast: 15 of 16 registers */
 
@@ -275,25 +274,28 @@ INLINE void store_part(float *o, vec r, int64_t valid, int accumulate)
 
 /* ---- few rows, weights decoded in registers ---- */
 
-/* out[0..MR, n0..n0+DIRECT_NR] (+)= x[0..MR] . W[n0..]; rows past N repeat row N-1, unstored.
- * The accumulators of the DIRECT_MR - MR rows a short tile leaves free hold partial sums of
- * the others: at MR = 1 a chain of FMAs would otherwise limit it. (Array sizes are
- * constants, not MR: GCC keeps only fixed-size arrays in registers.) */
+#define DIRECT_NR_MAX 8 /* weight rows per tile at most; threads split N in units of it */
+
+/* out[0..MR, n0..n0+NR] (+)= x[0..MR] . W[n0..]; weight rows past N repeat row N-1, unstored.
+ * Each output has one accumulator, fed in one order (block by block, a block's vectors in turn)
+ * whatever MR and NR: a row's result does not depend on the rows beside it, so speculation's
+ * verification rows give exactly the logits of plain decodes (tests/test_cpu_matmul). Weights are
+ * decoded once per pass, for all its MR rows. (Array sizes are constants, not MR and NR: GCC
+ * keeps only fixed-size arrays in registers.) */
 INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t n0,
-                        int accumulate, const int q8, const int MR)
+                        int accumulate, const int q8, const int MR, const int NR)
 {
-    const uint8_t *q[DIRECT_NR];
-    const float *d[DIRECT_NR], *m[DIRECT_NR];
-    for (int j = 0; j < DIRECT_NR; j++) {
+    const uint8_t *q[DIRECT_NR_MAX];
+    const float *d[DIRECT_NR_MAX], *m[DIRECT_NR_MAX];
+    for (int j = 0; j < NR; j++) {
         const int64_t n = MIN(n0 + j, W->N - 1);
         q[j] = W->qs + n * W->row_bytes;
         d[j] = W->d + n * W->nb;
         m[j] = q8 ? d[j] : W->m + n * W->nb;
     }
-    const int P = DIRECT_MR / MR; /* partial sums per x row: acc[r + MR p] */
-    vec acc[DIRECT_MR][DIRECT_NR];
-    for (int r = 0; r < MR * P; r++)
-        for (int j = 0; j < DIRECT_NR; j++)
+    vec acc[DIRECT_PASS + 1][DIRECT_NR_MAX];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NR; j++)
             acc[r][j] = vzero();
     /* The tile's rows are contiguous: fetch the same bytes PF_ROWS rows ahead, a line per
      * block (1.6x faster from DRAM than the hardware prefetcher alone). */
@@ -301,35 +303,35 @@ INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out
     const char *pf_q = (const char *)(q[0] + ahead * W->row_bytes), *pf_d = (const char *)(d[0] + ahead * W->nb);
     const char *pf_m = (const char *)(m[0] + ahead * W->nb);
     for (int64_t b = 0; b < W->nb; b++) {
-        for (int l = 0; l < DIRECT_NR * qb; l += 64)
-            _mm_prefetch(pf_q + b * DIRECT_NR * qb + l, _MM_HINT_T0);
-        if ((b & 3) == 0) {
-            _mm_prefetch(pf_d + b * DIRECT_NR * 4, _MM_HINT_T0);
-            if (!q8)
-                _mm_prefetch(pf_m + b * DIRECT_NR * 4, _MM_HINT_T0);
-        }
-        for (int j = 0; j < DIRECT_NR; j++) {
+        for (int l = 0; l < NR * qb; l += 64)
+            _mm_prefetch(pf_q + b * NR * qb + l, _MM_HINT_T0);
+        if ((b & 3) == 0)
+            for (int l = 0; l < NR * 16; l += 64) { /* 4 blocks' scales of NR rows */
+                _mm_prefetch(pf_d + b * NR * 4 + l, _MM_HINT_T0);
+                if (!q8)
+                    _mm_prefetch(pf_m + b * NR * 4 + l, _MM_HINT_T0);
+            }
+        for (int j = 0; j < NR; j++) {
             vec w[BV];
             decode_block(q[j] + b * qb, d[j][b], m[j][b], q8, w);
             for (int r = 0; r < MR; r++)
-                for (int v = 0; v < BV; v++) {
-                    vec *a = &acc[r + MR * (v % P)][j];
-                    *a = vfma(w[v], vloadu(x + r * ldx + 32 * b + VL * v), *a);
-                }
+                for (int v = 0; v < BV; v++)
+                    acc[r][j] = vfma(w[v], vloadu(x + r * ldx + 32 * b + VL * v), acc[r][j]);
         }
     }
     for (int r = 0; r < MR; r++)
-        for (int j = 0; j < DIRECT_NR && n0 + j < W->N; j++) {
-            for (int p = 1; p < P; p++)
-                acc[r][j] = vadd(acc[r][j], acc[r + MR * p][j]);
+        for (int j = 0; j < NR && n0 + j < W->N; j++) {
             float *o = out + r * ldo + n0 + j;
             const float s = vsum(acc[r][j]);
             *o = accumulate ? *o + s : s;
         }
 }
 
-/* All x rows, DIRECT_MR at a time, for each group of DIRECT_NR weight rows (still in L1
- * meanwhile). Each tile prefetches for a later one; the first PF_ROWS rows are fetched here. */
+/* All x rows against weight rows n0..n1 (whole units of DIRECT_NR_MAX from n0), a unit at a
+ * time: DIRECT_PASS x rows a pass over the unit (still in L1 for the next pass), a last row
+ * alone joining the pass before (decoding every weight once more cost more than a wider tile;
+ * measured on SmolLM2's weights from DRAM, 9 rows 7-10 % faster than passes of 4, 4, 1). The
+ * first PF_ROWS rows are fetched here; each tile prefetches for a later one. */
 INLINE void direct_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,
                         int64_t n0, int64_t n1, int accumulate, const int q8)
 {
@@ -341,16 +343,31 @@ INLINE void direct_rows(const Weight *W, const float *x, int64_t ldx, float *out
         if (!q8)
             _mm_prefetch((const char *)(W->m + n0 * W->nb + off), _MM_HINT_T0);
     }
-    for (int64_t n = n0; n < n1; n += DIRECT_NR)
-        for (int64_t i = 0; i < M; i += DIRECT_MR) {
+    for (int64_t n = n0; n < n1; n += DIRECT_NR_MAX)
+        for (int64_t i = 0, left = M; left > 0;) {
+            const int64_t rows = left == DIRECT_PASS + 1 ? left : MIN(left, DIRECT_PASS);
             const float *xi = x + i * ldx;
             float *oi = out + i * ldo;
-            switch (MIN(M - i, DIRECT_MR)) {
-            case 1: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 1); break;
-            case 2: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 2); break;
-            case 3: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, 3); break;
-            default: direct_tile(W, xi, ldx, oi, ldo, n, accumulate, q8, DIRECT_MR); break;
+#define PASS(MR, NR)                                                                                                  \
+    for (int64_t t = n; t < n + DIRECT_NR_MAX; t += NR)                                                               \
+    direct_tile(W, xi, ldx, oi, ldo, t, accumulate, q8, MR, NR)
+            switch (rows) {
+#if SIMD == 2 /* 4 weight rows a tile (2 x 12 was slower, with a load of x per FMA; 6 x 4 no faster) */
+            case 1: PASS(1, 4); break;
+            case 2: PASS(2, 4); break;
+            case 3: PASS(3, 4); break;
+            case 4: PASS(4, 4); break;
+            default: PASS(5, 4); break;
+#else /* MR x NR <= 8 accumulators of 16 registers (1 x 8 was slower than 1 x 4) */
+            case 1: PASS(1, 4); break;
+            case 2: PASS(2, 4); break;
+            case 3: PASS(3, 2); break;
+            case 4: PASS(4, 2); break;
+            default: PASS(5, 1); break;
+#endif
             }
+#undef PASS
+            i += rows, left -= rows;
         }
 }
 
@@ -519,7 +536,7 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
     const int accumulate = flags & ACCUMULATE;
 #if SIMD
     const int plain = flags & PORTABLE, direct = M <= DIRECT_MAX_M;
-    const int64_t unit = plain ? PLAIN_ROWS : direct ? DIRECT_NR : PANEL, units = (N + unit - 1) / unit;
+    const int64_t unit = plain ? PLAIN_ROWS : direct ? DIRECT_NR_MAX : PANEL, units = (N + unit - 1) / unit;
     const int64_t MB = MIN((M + 31) / 32 * 32, X_BLOCK_BYTES / (4 * K) / 32 * 32 + 32); /* rows per x block */
     const size_t floats = plain ? PLAIN_ROWS * K : direct ? 0 : 2 * PANEL * KC + PANEL * MB + MB * K;
 #else

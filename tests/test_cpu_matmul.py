@@ -117,6 +117,24 @@ def test_strided_views_and_accumulate(kind: str, M: int, N: int, K: int):
             assert_matches(out2, x, w)
 
 
+DIRECT_ROWS = 11  # cpu_matmul.c's DIRECT_MAX_M: up to these rows the weights are decoded in registers
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("N,K", [(70, 576), (9, 96)])
+def test_a_row_is_the_same_whatever_rows_come_with_it(kind: str, N: int, K: int):
+    """Up to DIRECT_ROWS rows each row's result is the one it gets alone, bit for bit (the order of
+    its additions does not depend on the tile): speculation's verification rows must give the
+    logits a plain decode gives, or a greedy tie could break differently."""
+    weight = block_weight(kind, N, K, seed=N)
+    x = torch.randn(DIRECT_ROWS, K, generator=torch.Generator().manual_seed(K))
+    for threads in (1, 2):
+        alone = torch.cat([cpu_matmul._matmul(x[i : i + 1], weight, None, False, threads, 0) for i in range(DIRECT_ROWS)])
+        for M in range(2, DIRECT_ROWS + 1):
+            together = cpu_matmul._matmul(x[:M], weight, None, False, threads, 0)
+            assert torch.equal(together, alone[:M]), (M, threads)
+
+
 def test_public_entry_and_copied_inputs():
     weight = block_weight("q4_1", 64, 96, seed=1)
     w = dequantize(weight)
@@ -230,12 +248,18 @@ def check_variant(lib: ctypes.CDLL, shapes: list[tuple[int, int]], Ms: list[int]
                     fresh = torch.full((M, N), 7.0)
                     assert lib.trillm_matmul(x.data_ptr(), x.stride(0), layout, fresh.data_ptr(), N, M, 0, threads) == 0
                     assert_matches(fresh, x, w)
+                    if M <= DIRECT_ROWS and has_path_1:  # each row as it comes alone, bit for bit
+                        for i in range(M):
+                            alone = torch.full((1, N), 7.0)
+                            row = x[i : i + 1]
+                            assert lib.trillm_matmul(row.data_ptr(), K, layout, alone.data_ptr(), N, 1, 0, threads) == 0
+                            assert torch.equal(fresh[i : i + 1], alone), (kind, N, K, M, i)
 
 
 def test_avx2_build_without_avx512(tmp_path):
     """The same source compiled with -mno-avx512f: the AVX2 paths (plain C on a CPU whose native
     build has no SIMD path, i.e. no AVX2 + FMA), both decoding exactly. Every
-    M from the in-register path (up to 11 rows, 4 at a time) into the panel one (16-row
+    M from the in-register path (up to 11 rows, 8 at a time, each row bit for bit as alone) into the panel one (16-row
     tiles), two blocks of packed x (600 rows at K = 608); N not a multiple of the tiles
     (2 rows, 6 weights, 8-lane stores, 48-row panels: 49 leaves one column), K a multiple of 32
     but not of the 64-wide chunks."""
