@@ -33,7 +33,19 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
     assert p.propose(3) == ((7, 2, 3), False)  # "5 6" last seen before "7 2 3"
     p.extend([7])
     assert p.propose(4) == ((2, 3, 5, 6), False)  # the longest suffix, "5 6 7", wins over "6 7"
-    assert p.propose(9)[0] == (2, 3, 5, 6, 7)  # never past the tokens known
+    assert p.propose(9)[0] == (2, 3, 5, 6, 7)  # not past the tokens known: "2 3 5 6 7" came once
+
+
+def test_ngram_carries_a_short_period_on() -> None:
+    """A loop of period 2 (``X , X , ``) is proposed k tokens at a time, not 2: the latest match
+    of its last tokens is always one period back."""
+    p = NgramProposer()
+    p.extend([1, 2, 3, 7, 9, 7, 9, 7, 9])
+    assert p.propose(5) == ((7, 9, 7, 9, 7), False)
+    p.extend([4, 5, 6, 4, 5, 6, 4, 5])
+    assert p.propose(7) == ((6, 4, 5, 6, 4, 5, 6), False)  # period 3, seen twice over
+    p.extend([8])
+    assert p.propose(3) == ((), False)  # "5 8" broke it: no pair "5 8" seen before
 
 
 def test_ngram_without_a_match_proposes_nothing() -> None:

@@ -90,6 +90,19 @@ class _BigramIndex:
         return best
 
 
+def _continued(tokens: list[int], at: int, k: int) -> tuple[int, ...]:
+    """Up to ``k`` tokens from ``at``. Where they run into the end and the text since ``at`` is
+    its period at least twice over (a loop, ``X, X, X, ``, or a list), the period goes on: such
+    a loop gets ``k`` tokens a step, not one period's. (A short match near the end without that
+    evidence is left as it is: carried on in open chat, it cost 3-6 % in rows that failed.)"""
+    out = tokens[at : at + k]
+    period = len(tokens) - at
+    if len(out) < k and period <= at and tokens[at - period : at] == out:
+        while len(out) < k:
+            out.append(out[len(out) - period])
+    return tuple(out)
+
+
 class NgramProposer:
     """Prompt lookup over one sequence's tokens, and over a predicted output (OpenAI's
     ``prediction``) before them: the tokens that followed the longest recent match of the last
@@ -119,7 +132,7 @@ class NgramProposer:
             return tuple(prediction[at : at + k]), True
         at = self.own.find(tokens)
         if at is not None:
-            return tuple(tokens[at : at + k]), False
+            return _continued(tokens, at, k), False
         return (), False
 
     def has_match(self) -> bool:
