@@ -129,7 +129,9 @@ def test_a_row_is_the_same_whatever_rows_come_with_it(kind: str, N: int, K: int)
     weight = block_weight(kind, N, K, seed=N)
     x = torch.randn(DIRECT_ROWS, K, generator=torch.Generator().manual_seed(K))
     for threads in (1, 2):
-        alone = torch.cat([cpu_matmul._matmul(x[i : i + 1], weight, None, False, threads, 0) for i in range(DIRECT_ROWS)])
+        alone = torch.cat(
+            [cpu_matmul._matmul(x[i : i + 1], weight, None, False, threads, 0) for i in range(DIRECT_ROWS)]
+        )
         for M in range(2, DIRECT_ROWS + 1):
             together = cpu_matmul._matmul(x[:M], weight, None, False, threads, 0)
             assert torch.equal(together, alone[:M]), (M, threads)
