@@ -290,7 +290,7 @@ class Actors:
         """A decode step's time, for speculation's cost model (prefill steps say nothing of it)."""
         speculation = self.scheduler.speculation
         if speculation is not None and all(c.decode_rows for c in batch.chunks):
-            speculation.observe_step(batch.num_tokens, seconds)
+            speculation.observe_step(batch.num_tokens, seconds, len(batch.chunks))
 
     def _drain_inbox(self) -> None:
         while True:

@@ -662,12 +662,13 @@ int trillm_amx_gated_tiles(const uint16_t *x16, const void *gate, int64_t gate0,
     return gated_passes(NULL, 0, x16, gate, gate0, up, up0, I, out, ldo, out16, M, activation, num_threads);
 }
 
-/* cpu_forward.c's MatmulFn: from min_rows rows on the tiles, below them the weight's own matmul. */
+/* cpu_forward.c's MatmulFn: from min_rows rows on the tiles (by kernel_rows), below them the weight's
+ * own matmul. */
 int trillm_amx_layout_matmul(const float *x, int64_t ldx, const void *layout, float *out, int64_t ldo, int64_t M,
                              int flags, int num_threads)
 {
     const AmxLayout *L = layout;
-    if (M < L->min_rows)
+    if (kernel_rows(flags, M) < L->min_rows)
         return L->below(x, ldx, L->below_layout, out, ldo, M, flags, num_threads);
     const int rc = trillm_amx_matmul(x, ldx, layout, out, ldo, M, flags, num_threads);
     return rc ? 2 : 0; /* the loop's code for a kernel that could not run */

@@ -22,6 +22,17 @@
 #define INLINE static inline __attribute__((always_inline))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 
+/* A matmul's flags may carry, from this bit up, the rows by which to pick its kernel instead of its
+ * own M (0: M): a decode step's sequences where the step carries proposed tokens, so that every
+ * row is computed by the kernel its sequence's plain step would have used (each of them computes
+ * a row whatever rows come with it), and speculation's greedy output is the plain one bit for bit. */
+#define KERNEL_ROWS_SHIFT 8
+INLINE int64_t kernel_rows(int flags, int64_t M)
+{
+    const int64_t k = (int64_t)((unsigned)flags >> KERNEL_ROWS_SHIFT);
+    return k ? k : M;
+}
+
 /* glibc's libmvec has vector expf, which math.h declares only under -ffast-math.
  * With -fno-math-errno (the kernels build with it) loops over expf vectorise:
  * about 7x faster than scalar expf. Accuracy: silu over [-100, 100] within 3.0e-7

@@ -146,12 +146,13 @@ static void add_block(const Model *m, float *h, const float *out, const float *n
  * (Gemma), through out and tmp ([M, hidden] each): h += norm(x @ W^T + bias), as the Python path
  * orders them. */
 static int project_residual(const Model *m, const Projection *P, const float *bias, const float *norm,
-                            const float *x, int64_t ldx, float *h, float *out, float *tmp, int64_t M, int num_threads)
+                            const float *x, int64_t ldx, float *h, float *out, float *tmp, int64_t M, int pick,
+                            int num_threads)
 {
     const int64_t E = m->hidden;
     if (!norm && !bias)
-        return project(P, x, ldx, h, E, M, ACCUMULATE, num_threads);
-    const int rc = project(P, x, ldx, out, E, M, 0, num_threads);
+        return project(P, x, ldx, h, E, M, ACCUMULATE | pick, num_threads);
+    const int rc = project(P, x, ldx, out, E, M, pick, num_threads);
     if (rc)
         return rc;
     if (bias)
@@ -256,13 +257,15 @@ static int mixture(const Model *m, const Mixture *X, const float *x, float *out,
 /* h [M, hidden] (in place): the residual stream of M sequences decoding one token each,
  * at cache slots slots[M], rotated by cos/sin [M, rotary_dim] (a layer with local_rope by
  * local_cos/local_sin), attending context_lens[M] tokens through block_tables [M, max_pages].
- * work: M * (hidden + qkv + 2 q + 3 I + hidden) floats.
+ * work: M * (hidden + qkv + 2 q + 3 I + hidden) floats. kernel_rows > 0: the projections pick their
+ * kernels as for that many rows (cpu_common.h: a step's sequences, when it carries proposed tokens).
  * Returns 0, or the first non-zero code of a kernel (1: a bad table, 2: out of memory). */
 int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers, float *h, int64_t M,
                          const float *cos_, const float *sin_, const float *local_cos, const float *local_sin,
                          const int64_t *slots, const int32_t *block_tables, const int32_t *context_lens,
-                         int64_t max_pages, float *work, int num_threads)
+                         int64_t max_pages, float *work, int64_t kernel_rows, int num_threads)
 {
+    const int pick = (int)(kernel_rows << KERNEL_ROWS_SHIFT); /* into every projection's flags */
     const int64_t E = m->hidden, D = m->head_dim, KVH = m->kv_heads, I = m->intermediate;
     const int64_t q_size = m->heads * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
     float *x = work, *qkv = x + M * E, *q = qkv + M * qkv_size, *attn = q + M * q_size, *gu = attn + M * q_size,
@@ -297,7 +300,7 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
     for (int64_t l = 0; l < num_layers && !rc; l++) {
         const Layer *L = &layers[l];
         m->rms_norm(h, E, L->input_norm, x, M, E, m->eps, num_threads);
-        if ((rc = project(L->qkv, x, E, qkv, qkv_size, M, 0, num_threads)))
+        if ((rc = project(L->qkv, x, E, qkv, qkv_size, M, pick, num_threads)))
             break;
         if (L->qkv_bias)
             for (int64_t r = 0; r < M; r++)
@@ -323,7 +326,8 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
                             (int)m->kv)))
             break;
         /* x is free once QKV is projected, and again once gate_up is: the blocks' outputs go there. */
-        if ((rc = project_residual(m, L->o, L->o_bias, L->attn_out_norm, attn, q_size, h, x, tmp, M, num_threads)))
+        if ((rc = project_residual(m, L->o, L->o_bias, L->attn_out_norm, attn, q_size, h, x, tmp, M, pick,
+                                   num_threads)))
             break;
         m->rms_norm(h, E, L->post_norm, x, M, E, m->eps, num_threads);
         if (L->moe) { /* each row its own experts; h += the outputs (normed first where the family norms them) */
@@ -334,10 +338,10 @@ int trillm_decode_layers(const Model *m, const Layer *layers, int64_t num_layers
             add_block(m, h, moe_buf, L->mlp_out_norm, tmp, M, num_threads);
             continue;
         }
-        if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, 0, num_threads)))
+        if ((rc = project(L->gate_up, x, E, gu, 2 * I, M, pick, num_threads)))
             break;
         gated(m, gu, 2 * I, act, M, I, num_threads);
-        rc = project_residual(m, L->down, NULL, L->mlp_out_norm, act, I, h, x, tmp, M, num_threads);
+        rc = project_residual(m, L->down, NULL, L->mlp_out_norm, act, I, h, x, tmp, M, pick, num_threads);
     }
     free(moe_buf);
     return rc;

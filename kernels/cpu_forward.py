@@ -37,7 +37,7 @@ from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_SIGNATURES = {"trillm_decode_layers": [_P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _INT]}
+_SIGNATURES = {"trillm_decode_layers": [_P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _I64, _INT]}
 _KERNEL = cpu_build.CKernel("cpu_forward", _SIGNATURES, ctypes.c_int)
 _F32, _I32, _CPU = torch.float32, torch.int32, torch.device("cpu")
 
@@ -286,11 +286,14 @@ class DecodeLayers:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         num_threads: int,
+        kernel_rows: int | None = None,
     ) -> torch.Tensor:
         """Every layer on h [M, hidden] (updated in place and returned): M sequences decoding
         one token each, at KV slots ``slots`` [M] (int64), rotated by ``rope.whole`` (cos, sin)
         [M, head_dim] each (a layer with local_rope by ``rope.local``), attending ``context_lens``
-        [M] tokens (int32) through ``block_tables`` [M, pages] (int32)."""
+        [M] tokens (int32) through ``block_tables`` [M, pages] (int32). ``kernel_rows``: the
+        projections choose their kernels as for that many rows (a step's sequences, whose rows
+        include proposed tokens: each row then computed as its sequence's plain step computes it)."""
         (cos, sin), (local_cos, local_sin) = rope.whole, rope.local
         M = h.shape[0]
         if h.dtype is not _F32 or not h.is_contiguous() or h.shape != (M, self.hidden):
@@ -329,6 +332,7 @@ class DecodeLayers:
             context_lens.data_ptr(),
             block_tables.shape[1],
             work.data_ptr(),
+            kernel_rows or 0,
             max(1, num_threads),
         )
         if rc == 1:

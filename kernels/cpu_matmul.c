@@ -535,7 +535,7 @@ int trillm_matmul(const float *x, int64_t ldx, const WeightLayout *layout, float
     const int64_t N = W.N, K = W.K;
     const int accumulate = flags & ACCUMULATE;
 #if SIMD
-    const int plain = flags & PORTABLE, direct = M <= DIRECT_MAX_M;
+    const int plain = flags & PORTABLE, direct = kernel_rows(flags, M) <= DIRECT_MAX_M;
     const int64_t unit = plain ? PLAIN_ROWS : direct ? DIRECT_NR_MAX : PANEL, units = (N + unit - 1) / unit;
     const int64_t MB = MIN((M + 31) / 32 * 32, X_BLOCK_BYTES / (4 * K) / 32 * 32 + 32); /* rows per x block */
     const size_t floats = plain ? PLAIN_ROWS * K : direct ? 0 : 2 * PANEL * KC + PANEL * MB + MB * K;

@@ -40,6 +40,7 @@ _SIGNATURES = {
 # d * q + m must round twice, as dequantize does: no fused multiply-add for the decode.
 _EXTRA_FLAGS = ("-ffp-contract=off",)
 _ACCUMULATE, _PORTABLE = 1, 2
+_KERNEL_ROWS_SHIFT = 8  # cpu_common.h's
 _F32, _CPU = torch.float32, torch.device("cpu")
 
 
@@ -115,14 +116,17 @@ def matmul(
     out: torch.Tensor | None = None,
     accumulate: bool = False,
     num_threads: int | None = None,
+    kernel_rows: int | None = None,
 ) -> torch.Tensor:
     """y[M, N] = x[M, K] @ dequantize(weight).T ; with accumulate=True, out += that (out must be given).
 
     x: float32 CPU [M, K] with any row stride (e.g. columns of a wider matrix); other
     layouts are copied. out: float32 CPU [M, N] with unit column stride and any row
     stride, written in place (allocated when None); it must not overlap x. Returns out.
+    ``kernel_rows``: pick the kernel as for that many rows (each row's result is the same
+    whatever rows come with it, within one kernel; ``cpu_common.h``).
     """
-    return _matmul(x, weight, out, accumulate, num_threads, 0)
+    return _matmul(x, weight, out, accumulate, num_threads, (kernel_rows or 0) << _KERNEL_ROWS_SHIFT)
 
 
 # The checks below avoid the slower torch calls (``x.device``, ``torch.empty`` with a

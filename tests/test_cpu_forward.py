@@ -24,7 +24,7 @@ from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.kernels import cpu_forward, cpu_gguf
+from trillm.kernels import cpu_forward, cpu_gguf, cpu_matmul
 
 from .test_qwen3 import PROJECTIONS, QWEN3, _q8_0_exact
 
@@ -196,3 +196,31 @@ def test_a_qkv_bias_decodes_in_c_as_in_python(tmp_path, monkeypatch):
     hf = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN3.items() if k != "head_dim"})).eval()
     model = _folder_in_the_c_loop(hf, tmp_path, monkeypatch)
     assert all(layer.qkv_bias is not None for layer in model.layers)
+
+
+def test_proposed_rows_run_on_the_kernels_of_their_sequences_plain_step(model_parts):
+    """A verification step's rows (``kernel_rows``: its sequences) are computed as a plain step of
+    those sequences computes each of them, bit for bit: 2 sequences' 18 rows as 2-row steps, though
+    18 rows alone would pick other kernels (AMX tiles, or the many-row float32 path)."""
+    model = model_parts[0]
+    runner = ModelRunner(model, 40, 16)
+    bound = runner._bound
+    assert bound is not None
+    rows, hidden = 18, model.shape.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, hidden, generator=gen)
+    positions = torch.arange(rows) * 3 + 5
+    slots = torch.arange(rows, dtype=torch.long) * 16 + 3  # each row its own page, attending only itself
+    tables = torch.arange(rows, dtype=torch.int32).unsqueeze(1)
+    lens = torch.ones(rows, dtype=torch.int32) * 4
+
+    def run(lo: int, hi: int, kernel_rows: int | None) -> torch.Tensor:
+        rope = RopeRows.at(model, positions[lo:hi])
+        out = bound.run(h[lo:hi].clone(), rope, slots[lo:hi], tables[lo:hi], lens[lo:hi], 2, kernel_rows)
+        return model.backend.head(out, model.lm_head, kernel_rows)
+
+    with torch.inference_mode():
+        pairs = torch.cat([run(i, i + 2, None) for i in range(0, rows, 2)])
+        assert torch.equal(run(0, rows, 2), pairs)
+        if cpu_matmul.simd() != "plain":  # the plain-C path computes every row alike anyway
+            assert not torch.equal(run(0, rows, None), pairs)

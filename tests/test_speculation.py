@@ -101,21 +101,72 @@ def test_suffix_cache_proposes_the_well_trodden_continuation_and_forgets_exactly
 def test_the_cost_model_speculates_only_where_the_rows_pay() -> None:
     control = SpeculationControl("auto", 4)
     assert control.worth(4, 8, 2.0)  # nothing measured: try it
-    for rows, seconds in ((1, 0.010), (4, 0.011), (8, 0.012), (16, 0.040), (40, 0.100)):
-        control.observe_step(rows, seconds)
+    for rows, seconds, sequences in ((1, 0.010, 1), (4, 0.011, 1), (8, 0.012, 8), (16, 0.040, 16), (40, 0.100, 8)):
+        control.observe_step(rows, seconds, sequences)
     assert control.worth(1, 3, 1.5)  # 4 rows cost 10 % more than 1, and bring 2.5 tokens instead of 1
     assert not control.worth(1, 3, 0.0)  # nothing expected back: the extra rows are pure cost
     assert not control.worth(8, 32, 4.0)  # compute-bound: 40 rows cost 8x what 8 do
+    # a proposed row is priced by the sequences beside it, not by a plain step of as many rows:
+    # 16 plain rows cost 0.040 s, 1 sequence's 15 proposed rows at 4 % of that each far less
+    assert control.worth(1, 15, 4.0) and control._spec_cost(1, 15) < 0.020 < control._cost(16)
+
+
+def _decoding(prompt: list[int], control: SpeculationControl) -> Sequence:
+    seq = Sequence(f"r{len(prompt)}", prompt, SamplingParams(max_tokens=500), 1000, frozenset())
+    seq.admitted = True
+    seq.num_computed = len(seq.prompt_ids) - 1
+    control.known(seq)
+    return seq
+
+
+def test_proposals_are_cut_to_the_length_their_acceptance_pays_for() -> None:
+    """Each proposed token is worth its chance of being kept (the sequence's per-token acceptance
+    to the power of its place): a sequence whose proposals mostly hold carries all 8, one that
+    keeps half of them a token or two, one that keeps nothing none; and with two sequences, the
+    likelier one's tokens go first."""
+    control = SpeculationControl("auto", 8)
+    control.observe_step(1, 0.007)
+    control.observe_step(2, 0.0085)
+    control.observe_step(9, 0.007 + 0.0015 * 8, sequences=1)  # a proposed row costs a fifth of a step
+    loop = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10] * 3
+    seq = _decoding(loop, control)
+    assert seq.spec is not None
+    seq.spec.acceptance = 0.97
+    assert control.proposals([seq]) == {id(seq): tuple(range(1, 9))}
+    seq.spec.acceptance = 0.5
+    assert len(control.proposals([seq])[id(seq)]) in (1, 2)
+    seq.spec.acceptance = 0.05
+    assert control.proposals([seq]) == {} and control.declined == 1
+    other = _decoding([7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8], control)
+    assert other.spec is not None
+    seq.spec.acceptance, other.spec.acceptance = 0.6, 0.97
+    chosen = control.proposals([seq, other])
+    assert len(chosen[id(other)]) > len(chosen.get(id(seq), ())) and chosen[id(other)][:3] == (9, 7, 8)
+
+
+def test_acceptance_counts_kept_tokens_against_the_ones_that_stopped_a_verification() -> None:
+    control = SpeculationControl("auto", 8)
+    spec = control.known(_decoding([1, 2, 3], control))
+    start = spec.acceptance
+    for _ in range(5):
+        control.record(spec, 8, 8, "ngram")  # all kept: no miss at all
+    assert spec.acceptance > 0.95
+    for _ in range(20):
+        control.record(spec, 4, 1, "ngram")  # one kept, then a miss: half
+    assert abs(spec.acceptance - 0.5) < 0.05
+    for _ in range(15):
+        control.record(spec, 2, 0, "ngram")  # a miss at once, every time
+    assert spec.acceptance < 0.1 < start
 
 
 def test_a_stalled_step_moves_the_cost_model_only_so_far_and_declined_sizes_are_measured_again() -> None:
     control = SpeculationControl("auto", 4)
     for _ in range(3):
         control.observe_step(1, 0.0065)
-        control.observe_step(5, 0.012)
+        control.observe_step(5, 0.012, sequences=1)
     assert control.worth(1, 4, 3.0)
-    control.observe_step(5, 0.600)  # the machine paused during one verification
-    assert control.step_seconds[5] < 0.015 and control.worth(1, 4, 3.0)
+    control.observe_step(5, 0.600, sequences=1)  # the machine paused during one verification
+    assert control.row_seconds[1] < 0.002 and control.worth(1, 4, 3.0)
 
     # a sequence whose proposals the model turns down (nothing expected back) is still measured
     # once in RECHECK steps, and only then

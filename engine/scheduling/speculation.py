@@ -21,7 +21,9 @@ Pure and synchronous, as the scheduler is.
 
 from __future__ import annotations
 
+import bisect
 from array import array
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import attrs
@@ -44,6 +46,16 @@ MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plai
 # 9-row step's average look 10x too high, and speculation stayed off for the rest of the run.
 OUTLIER = 2.0
 RECHECK = 100  # steps declined in a row, after which one sequence's proposals measure again
+PAST_DIP = 4  # proposed tokens ``_choose`` tries past the best count before it stops looking
+
+
+def _kept_chances(p: float, n: int) -> list[float]:
+    """Each of ``n`` proposed tokens' chance to be kept: it and every one before it agreed with (p each)."""
+    out, c = [], 1.0
+    for _ in range(n):
+        c *= p
+        out.append(c)
+    return out
 
 
 class _BigramIndex:
@@ -154,7 +166,11 @@ class SequenceSpeculation:
     known: int = 0  # of the sequence's tokens, how many the proposer has seen
     resume_at: int = 0  # it proposes again once it has this many known tokens (backing off)
     misses: int = 0  # verifications in a row that accepted nothing
-    acceptance: float = 0.5  # running average of accepted / proposed
+    # a proposed token's chance to be kept where the ones before it were: hits over trials (each
+    # kept token a hit, the token that stopped a verification a miss), both running sums
+    acceptance: float = 0.6
+    hits: float = 1.2
+    trials: float = 2.0
     method: str = "ngram"  # where the proposal in flight came from: "ngram", "prediction" or "suffix"
     matched: bool = False  # whether it had a match when last looked at (``match_seen`` tokens known)
     match_seen: int = -1
@@ -191,8 +207,12 @@ class SpeculationControl:
         self.stats: dict[str, SpeculationStats] = {}
         self.drafted = draft_model and mode in ("draft", "auto")
         self.suffix = SuffixCache() if mode in ("suffix", "auto") and not self.drafted else None
-        # decode step seconds by rows scored (running averages): what speculation's rows cost
+        # plain decode steps' seconds by rows (running averages), and a proposed row's seconds by the
+        # sequences of the step carrying it: what speculation's rows cost
         self.step_seconds: dict[int, float] = {}
+        self.row_seconds: dict[int, float] = {}
+        self._sizes: list[int] = []  # step_seconds' keys, sorted
+        self._slope: float | None = None  # of step_seconds' least-squares line, once computed
         self.host_seconds = 0.0  # the scheduler's own work per step (running average)
         self.declined = 0  # steps in a row whose proposals the cost model turned down
         self.overlap = overlap  # plain steps overlap the scheduler's work with the forward
@@ -206,12 +226,29 @@ class SpeculationControl:
         """``auto``: a step speculates only where the cost model says it pays (``worth``)."""
         return self.mode == "auto"
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode step (every chunk a decode or a verification) of ``rows`` rows took ``seconds``."""
-        old = self.step_seconds.get(rows)
+    def observe_step(self, rows: int, seconds: float, sequences: int | None = None) -> None:
+        """A decode step (every chunk a decode or a verification) of ``sequences`` sequences and
+        ``rows`` rows took ``seconds``: a plain step (``sequences`` None or ``rows``) moves the
+        plain steps' table, one with proposed rows the cost of a proposed row at that many
+        sequences (their rows run on the kernels the plain step picks: ``DecodeRows.kernel_rows``,
+        so a proposed row's cost is its sequences', not a plain step's of as many rows)."""
+        if sequences is None or sequences == rows:
+            old = self.step_seconds.get(rows)
+            if old is not None:
+                seconds = min(seconds, OUTLIER * old)
+            else:
+                bisect.insort(self._sizes, rows)
+            self.step_seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
+            self._slope = None
+            return
+        plain = self._cost(sequences)
+        if plain is None:
+            return  # nothing to tell the proposed rows' share by yet
+        per_row = max(0.0, seconds - plain) / (rows - sequences)
+        old = self.row_seconds.get(sequences)
         if old is not None:
-            seconds = min(seconds, OUTLIER * old)
-        self.step_seconds[rows] = seconds if old is None else old + EMA * (seconds - old)
+            per_row = min(per_row, OUTLIER * old)
+        self.row_seconds[sequences] = per_row if old is None else old + EMA * (per_row - old)
 
     def observe_host(self, seconds: float) -> None:
         """The scheduler's own work for one step (schedule, prepare, settle, route) took
@@ -224,27 +261,65 @@ class SpeculationControl:
         between the nearest measured sizes, else from the nearest one along the least-squares
         slope of them all (adjacent sizes' times are too noisy for a slope). None below every
         measured size, or with fewer than two: unknown."""
-        table = self.step_seconds
+        table, sizes = self.step_seconds, self._sizes
         if rows in table:
             return table[rows]
-        sizes = sorted(table)
-        below = [r for r in sizes if r < rows]
-        above = [r for r in sizes if r > rows]
-        if not below or len(sizes) < 2:
+        i = bisect.bisect_left(sizes, rows)
+        if i == 0 or len(sizes) < 2:
             return None
-        if above:
-            lo, hi = below[-1], above[0]
+        if i < len(sizes):
+            lo, hi = sizes[i - 1], sizes[i]
             return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
-        mean_r = sum(sizes) / len(sizes)
-        mean_s = sum(table.values()) / len(sizes)
-        slope = sum((r - mean_r) * (table[r] - mean_s) for r in sizes) / sum((r - mean_r) ** 2 for r in sizes)
-        return table[below[-1]] + max(0.0, slope) * (rows - below[-1])
+        if self._slope is None:
+            mean_r = sum(sizes) / len(sizes)
+            mean_s = sum(table.values()) / len(sizes)
+            covariance = sum((r - mean_r) * (table[r] - mean_s) for r in sizes)
+            self._slope = max(0.0, covariance / sum((r - mean_r) ** 2 for r in sizes))
+        return table[sizes[-1]] + self._slope * (rows - sizes[-1])
+
+    def _spec_cost(self, rows: int, extra: int) -> float | None:
+        """Estimated forward seconds of a step of ``rows`` decodes carrying ``extra`` proposed
+        tokens: the plain step's, and each proposed row's at those sequences (else at the nearest
+        sequences measured). None: unknown."""
+        plain = self._cost(rows)
+        if plain is None or not extra:
+            return plain
+        per_row = self.row_seconds.get(rows)
+        if per_row is None:
+            if not self.row_seconds:
+                return None
+            per_row = self.row_seconds[min(self.row_seconds, key=lambda s: (abs(s - rows), s))]
+        return plain + extra * per_row
+
+    def _measured(self, rows: int) -> bool:
+        """Whether a plain step of ``rows`` and a proposed row have estimates (``_choose`` needs them)."""
+        return self._spec_cost(rows, 1) is not None
+
+    def _choose(self, rows: int, chances: dict[int, list[float]]) -> tuple[Counter[int], int, float]:
+        """How many of each sequence's proposed tokens (``chances``: each one's chance to be kept,
+        by key) a step of ``rows`` decodes should carry: the tokens likeliest kept first, for as
+        long as the step's expected tokens per second rise (a few past a dip: measured step times
+        are noisy). Returns (tokens by key, extra rows, expected tokens from them); a sequence's
+        tokens are taken from its first, as its chances never rise."""
+        order = sorted(((c, key) for key, cs in chances.items() for c in cs), key=lambda t: -t[0])
+        best_n, best_rate, best_expected, expected = 0, 0.0, 0.0, 0.0
+        for n, (c, _) in enumerate(order, 1):
+            cost = self._spec_cost(rows, n)
+            if cost is None:
+                break
+            expected += c
+            rate = (rows + expected) / (cost + self.host_seconds)
+            if rate > best_rate:
+                best_n, best_rate, best_expected = n, rate, expected
+            elif n - best_n >= PAST_DIP:
+                break
+        return Counter(key for _, key in order[:best_n]), best_n, best_expected
 
     def worth(self, rows: int, extra: int, expected: float) -> bool:
         """Whether a step of ``rows`` decodes plus ``extra`` proposed rows, expected to bring
         ``expected`` more tokens, beats the plain step in tokens per second: the plain one
         overlapped with the scheduler's work (``overlap``), the speculating one after it."""
-        plain, spec = self._cost(rows), self._cost(rows + extra)
+        plain, spec = self._cost(rows), self._spec_cost(rows, extra)
         if plain is None or spec is None:
             return True  # not measured yet: try it, and measure
         host = self.host_seconds
@@ -286,7 +361,7 @@ class SpeculationControl:
         Call with every token known (no step in flight)."""
         decodes = [seq for seq in running if seq.num_pending == 1 and not seq.verifying]
         proposals: dict[int, tuple[int, ...]] = {}
-        expected = 0.0
+        chance: dict[int, float] = {}  # by key: each proposed token's chance to be kept
         for seq in decodes:
             if not self.may_speculate(seq):
                 continue
@@ -298,8 +373,8 @@ class SpeculationControl:
                 continue
             if self.drafted:  # the draft model's guesses, made by the runner just before the step
                 proposals[id(seq)] = (PENDING,) * room
+                chance[id(seq)] = spec.acceptance
                 spec.method = "draft"
-                expected += spec.acceptance * room
                 continue
             proposed, from_prediction = spec.proposer.propose(room)
             spec.method = "prediction" if from_prediction else "ngram"
@@ -308,16 +383,19 @@ class SpeculationControl:
                 proposed, spec.method = self.suffix.propose(spec.proposer.tokens, room), "suffix"
             if proposed:
                 proposals[id(seq)] = proposed
-                expected += spec.acceptance * len(proposed)
-        extra = sum(map(len, proposals.values()))
+                chance[id(seq)] = spec.acceptance
         if not proposals or not self.adaptive:
             if self.declined >= RECHECK:  # the step ``wants`` waited for had nothing to measure
                 self.declined = 0
             return proposals
-        if self._cost(len(decodes)) is not None and self._cost(len(decodes) + extra) is not None:
-            if self.worth(len(decodes), extra, expected):
+        rows = len(decodes)
+        if self._measured(rows):
+            counts, extra, expected = self._choose(
+                rows, {key: _kept_chances(chance[key], len(p)) for key, p in proposals.items()}
+            )
+            if extra and self.worth(rows, extra, expected):
                 self.declined = 0
-                return proposals
+                return {key: proposals[key][:n] for key, n in counts.items()}
             self.declined += 1
             if self.declined < RECHECK:
                 return {}
@@ -331,18 +409,20 @@ class SpeculationControl:
         """Whether the next step should wait for the one in flight (giving up overlap for a step)
         so that its decodes can carry proposals: some sequence is verifying, or has a match to
         propose from now and (``auto``) the rows it would add are expected to pay."""
-        candidates, expected = 0, 0.0
+        chances: dict[int, list[float]] = {}
         for seq in running:
             if seq.verifying:
                 return True
             if self.may_speculate(seq) and seq.output_ids:
                 spec = self.known(seq)
                 if self._still_matches(seq, spec) and spec.known >= spec.resume_at:
-                    candidates += 1
-                    expected += spec.kept_match * spec.acceptance * self.num_tokens
-        if not candidates:
+                    chances[id(seq)] = [spec.kept_match * c for c in _kept_chances(spec.acceptance, self.num_tokens)]
+        if not chances:
             return False
-        if not self.adaptive or self.worth(len(running), candidates * self.num_tokens, expected):
+        if not self.adaptive or not self._measured(len(running)):
+            return True
+        _, extra, expected = self._choose(len(running), chances)
+        if extra and self.worth(len(running), extra, expected):
             return True
         # turned down: estimates are only renewed by steps that run, so now and then one does
         self.declined += 1
@@ -389,7 +469,9 @@ class SpeculationControl:
         spec.accepted += accepted
         if method == "prediction":
             spec.prediction_accepted += accepted
-        spec.acceptance += EMA * (accepted / proposed - spec.acceptance)
+        spec.hits = (1 - EMA) * spec.hits + accepted
+        spec.trials = (1 - EMA) * spec.trials + accepted + (accepted < proposed)
+        spec.acceptance = spec.hits / spec.trials
         if accepted:
             spec.misses = 0
         else:

@@ -220,9 +220,15 @@ class Backend(ABC):
         """Every decoder layer on the embedded batch ``h`` [T, hidden], storing this step's
         K/V; returns the final-normed hidden states of ``logits_rows`` [S, hidden]."""
 
-    def head(self, h: torch.Tensor, lm_head: Any) -> torch.Tensor:
-        """``h @ lm_head``: the logits' projection (a backend may run it in another precision)."""
+    def head(self, h: torch.Tensor, lm_head: Any, kernel_rows: int | None = None) -> torch.Tensor:
+        """``h @ lm_head``: the logits' projection (a backend may run it in another precision);
+        ``kernel_rows``: ``kernel_rows(meta)`` of the step, where the backend picks kernels by rows."""
         return project(h, lm_head)
+
+    def kernel_rows(self, meta: Any) -> int | None:
+        """The rows by which a step's kernels are picked, where not its own (a CPU verification
+        step's sequences: ``cpu_attention.DecodeRows``); None: its own."""
+        return None
 
     def bind(self, model: ModelWeights, kv_cache: KVCache) -> Any:
         """Per-cache state ``run_layers`` may reuse as ``bound`` (made once by the runner that

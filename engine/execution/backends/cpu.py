@@ -50,6 +50,7 @@ from trillm.engine.execution.layers import (
 from trillm.engine.execution.rope import apply_rotary
 from trillm.engine.step import Batch, ScheduledSequence, StepInputs
 from trillm.kernels import amx_tiles, bf16_panels, cpu_decode, cpu_forward, cpu_matmul, cpu_ops
+from trillm.kernels.block_weights import BlockWeight
 from trillm.kernels.gguf_blocks import GGUFWeight
 from trillm.kernels.stacked import Stacked, out_features
 
@@ -181,6 +182,7 @@ class CpuBackend(Backend):
                     None if len(decode_rows) == len(step.ids) else torch.tensor(decode_rows, dtype=torch.long),
                     padded_tables(decode_tables, torch.int32),
                     torch.tensor(decode_lens, dtype=torch.int32),
+                    len(batch.chunks) if len(decode_rows) == len(step.ids) > len(batch.chunks) else None,
                 ),
             )
         else:
@@ -214,17 +216,26 @@ class CpuBackend(Backend):
             and d.rows is None  # a decode-only step
             and h.shape[0] <= bound.max_rows
         ):
-            h = bound.run(h, rope, meta.slot_mapping, d.block_tables, d.context_lens, torch.get_num_threads())
+            h = bound.run(
+                h, rope, meta.slot_mapping, d.block_tables, d.context_lens, torch.get_num_threads(), d.kernel_rows
+            )
         else:
             h = self._layers(model, h, rope, kv_cache, meta)
         return norm(h.index_select(0, logits_rows), model.final_norm, s.rms_norm_eps)
 
-    def head(self, h: torch.Tensor, lm_head: Any) -> torch.Tensor:
+    def head(self, h: torch.Tensor, lm_head: Any, kernel_rows: int | None = None) -> torch.Tensor:
         """The LM head on AMX tiles from its crossover on, as the layers' projections (only where the
-        tiles take it: a dense head would be converted to bfloat16 every step)."""
-        if not (amx_tiles.handles(lm_head) and self._in_bf16(lm_head, h.shape[0])):
-            return project(h, lm_head)
-        return bf16_panels.matmul(h, lm_head, scratch=self.scratch)
+        tiles take it: a dense head would be converted to bfloat16 every step); by ``kernel_rows``
+        where the step gives them (``DecodeRows``)."""
+        if amx_tiles.handles(lm_head) and self._in_bf16(lm_head, kernel_rows or h.shape[0]):
+            return bf16_panels.matmul(h, lm_head, scratch=self.scratch)
+        if kernel_rows and isinstance(lm_head, BlockWeight):
+            return cpu_matmul.matmul(h, lm_head, kernel_rows=kernel_rows)
+        return project(h, lm_head)
+
+    def kernel_rows(self, meta: CpuMetadata) -> int | None:
+        d = meta.decode_rows
+        return d.kernel_rows if d is not None else None
 
     def _in_bf16(self, w: Weight, rows: int) -> bool:
         return self.gemm_bf16 and rows >= bf16_panels.crossover(w)

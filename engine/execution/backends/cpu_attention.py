@@ -65,6 +65,9 @@ class DecodeRows:
     rows: torch.Tensor | None  # [Bd] batch rows; None: every row, in order (a decode-only step)
     block_tables: torch.Tensor  # [Bd, Pmax] int32
     context_lens: torch.Tensor  # [Bd] int32
+    # a decode-only step carrying proposed tokens: its sequences, by which its kernels are picked
+    # (each row then computed as its sequence's plain step computes it); else None
+    kernel_rows: int | None = None
 
 
 @attrs.frozen
