@@ -15,10 +15,11 @@ from trillm.engine.execution.backends.base import StepRows
 from trillm.engine.execution.verify import verify
 from trillm.engine.sampling_params import SamplingParams
 from trillm.engine.scheduling.kv_pages import PageAllocator
+from trillm.engine.scheduling.ngram_proposer import NgramProposer
 from trillm.engine.scheduling.prefix_cache import PrefixCache
 from trillm.engine.scheduling.scheduler import Scheduler
 from trillm.engine.scheduling.sequence import Sequence
-from trillm.engine.scheduling.speculation import MAX_COOLDOWN, RECHECK, NgramProposer, SpeculationControl
+from trillm.engine.scheduling.speculation import MAX_COOLDOWN, RECHECK, SpeculationControl
 from trillm.engine.scheduling.step_loop import StepLoop
 from trillm.engine.scheduling.suffix_cache import SuffixCache
 from trillm.engine.step import Batch, Sampled, SampleRow, Step, StepInputs, fill_pending

@@ -393,10 +393,7 @@ class DecoderModel:
         rows = logits_rows if hidden_rows is None else torch.cat([logits_rows, hidden_rows])
         h = self.backend.run_layers(self, self._embed(input_ids), positions, kv_cache, meta, rows, bound)
         sampled = logits_rows.shape[0]
-        logits = self.tp.gather_vocab(
-            self.backend.head(
-                h[:sampled] if hidden_rows is not None else h, self.lm_head, self.backend.kernel_rows(meta)
-            ).float()
-        )
+        heads = h[:sampled] if hidden_rows is not None else h
+        logits = self.tp.gather_vocab(self.backend.head(heads, self.lm_head, self.backend.kernel_rows(meta)).float())
         hidden = h[sampled:].float() if hidden_rows is not None else None
         return soft_cap(logits, self.shape.final_logit_softcap), hidden
