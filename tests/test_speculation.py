@@ -160,6 +160,20 @@ def test_acceptance_counts_kept_tokens_against_the_ones_that_stopped_a_verificat
     assert spec.acceptance < 0.1 < start
 
 
+def test_a_new_request_starts_from_what_recent_requests_kept() -> None:
+    """Open chat keeps little of what it proposes: after enough of it a new request expects little
+    from its first proposals too (and with a predicted output, much)."""
+    control = SpeculationControl("auto", 8)
+    first = control.known(_decoding([1, 2, 3], control))
+    assert first.acceptance == pytest.approx(0.6)
+    for _ in range(100):
+        control.record(first, 2, 0, "ngram")
+    fresh = control.known(_decoding([4, 5, 6, 7], control))
+    assert fresh.acceptance < 0.2
+    predicted = control.state((9, 9, 9), 3)
+    assert predicted.acceptance == pytest.approx(0.8)
+
+
 def test_a_stalled_step_moves_the_cost_model_only_so_far_and_declined_sizes_are_measured_again() -> None:
     control = SpeculationControl("auto", 4)
     for _ in range(3):

@@ -44,6 +44,9 @@ MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plai
 OUTLIER = 2.0
 RECHECK = 100  # steps declined in a row, after which one sequence's proposals measure again
 PAST_DIP = 4  # proposed tokens ``_choose`` tries past the best count before it stops looking
+PRIOR_EMA = 0.02  # the newest verification's weight in every request's acceptance (a new one's prior)
+PRIOR_TRIALS = 2.0  # the tokens' worth of evidence a new sequence's prior counts for
+PREDICTED = 0.8  # a new sequence's acceptance at least, with a client's predicted output
 
 
 def _kept_chances(p: float, n: int) -> list[float]:
@@ -112,6 +115,8 @@ class SpeculationControl:
         self._slope: float | None = None  # of step_seconds' least-squares line, once computed
         self.host_seconds = 0.0  # the scheduler's own work per step (running average)
         self.declined = 0  # steps in a row whose proposals the cost model turned down
+        # every request's proposals, as SequenceSpeculation's hits and trials: a new request's prior
+        self.hits, self.trials = 0.6 * PRIOR_TRIALS, PRIOR_TRIALS
         self.overlap = overlap  # plain steps overlap the scheduler's work with the forward
 
     @property
@@ -224,7 +229,16 @@ class SpeculationControl:
         return (rows + expected) / (spec + host) > MARGIN * rows / plain_step
 
     def state(self, prediction: tuple[int, ...], prompt_len: int) -> SequenceSpeculation:
-        return SequenceSpeculation(NgramProposer(prediction, prompt_len))
+        """A new sequence's proposer, its acceptance starting from what recent requests' proposals
+        kept (worth ``PRIOR_TRIALS`` tokens: open chat keeps a tenth, and a fresh request there should
+        not pay for two failed verifications to learn it), or ``PREDICTED`` with a client's predicted
+        output (the client says what the output will be)."""
+        p = self.hits / self.trials
+        if prediction:
+            p = max(p, PREDICTED)
+        return SequenceSpeculation(
+            NgramProposer(prediction, prompt_len), acceptance=p, hits=p * PRIOR_TRIALS, trials=PRIOR_TRIALS
+        )
 
     # -- over the scheduler's running sequences ------------------------------------------------
 
@@ -369,6 +383,8 @@ class SpeculationControl:
         spec.hits = (1 - EMA) * spec.hits + accepted
         spec.trials = (1 - EMA) * spec.trials + accepted + (accepted < proposed)
         spec.acceptance = spec.hits / spec.trials
+        self.hits = (1 - PRIOR_EMA) * self.hits + accepted
+        self.trials = (1 - PRIOR_EMA) * self.trials + accepted + (accepted < proposed)
         if accepted:
             spec.misses = 0
         else:
