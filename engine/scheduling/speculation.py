@@ -6,16 +6,17 @@ model scores all of them at once, and the sampler keeps the longest prefix it ag
 token of its own (``execution/verify.py``): greedy output is the output without speculation, and
 sampled output keeps its distribution.
 
-``NgramProposer`` is prompt lookup: the last tokens matched against the request's own prompt and
+``ngram_proposer.NgramProposer`` is prompt lookup: the last tokens matched against the request's own prompt and
 output (and a client's predicted output, first), the tokens after the longest recent match
 proposed. Its state is the request's own, built from its tokens as they come, so it is never
 stale across requests. ``suffix_cache.SuffixCache`` proposes what earlier requests wrote. With a
 draft model (``execution/draft.py``) the proposals here are placeholders its guesses fill in.
 
 ``SpeculationControl`` decides per step and per sequence: a sequence whose proposals keep failing
-backs off (exponentially, up to ``MAX_COOLDOWN`` tokens), and a step speculates only while the
-measured step times say the extra rows cost less than the tokens they are expected to bring (a
-stalled step moves them only so far, and a size turned down ``RECHECK`` times is measured again).
+backs off (exponentially, up to ``MAX_COOLDOWN`` tokens), and a step carries the proposed tokens
+likeliest kept (by each sequence's per-token acceptance) only while the measured step times say the
+extra rows cost less than the tokens they are expected to bring (a stalled step moves them only so
+far, and a size turned down ``RECHECK`` times is measured again).
 Pure and synchronous, as the scheduler is.
 """
 
