@@ -263,7 +263,8 @@ def test_avx2_build_without_avx512(tmp_path):
     build has no SIMD path, i.e. no AVX2 + FMA), both decoding exactly. Every M from the
     in-register path (up to 11 rows, 4 at a time or 5 for a last row, each row bit for bit as
     alone) into the panel one (16-row tiles), two blocks of packed x (600 rows at K = 608); N not
-    a multiple of the tiles (1-4 weight rows, 8-lane stores, 48-row panels: 49 leaves one column),
+    a multiple of the tiles (1-4 weight rows in register, 6 in a panel tile, 8-lane stores, 48-row
+    panels: 49 leaves one column),
     K a multiple of 32 but not of the 64-wide chunks."""
     lib = build_variant(tmp_path, "avx2", ["-mno-avx512f"])
     expected = "plain" if cpu_matmul.simd() == "plain" else "avx2"  # AVX-512 CPUs all have AVX2 + FMA
