@@ -109,7 +109,8 @@ def test_the_cost_model_speculates_only_where_the_rows_pay() -> None:
     assert not control.worth(8, 32, 4.0)  # compute-bound: 40 rows cost 8x what 8 do
     # a proposed row is priced by the sequences beside it, not by a plain step of as many rows:
     # 16 plain rows cost 0.040 s, 1 sequence's 15 proposed rows at 4 % of that each far less
-    assert control.worth(1, 15, 4.0) and control._spec_cost(1, 15) < 0.020 < control._cost(16)
+    plain, per_row = control._row_costs(1) or (1.0, 1.0)
+    assert control.worth(1, 15, 4.0) and plain + 15 * per_row < 0.020 < (control._cost(16) or 0.0)
 
 
 def _decoding(prompt: list[int], control: SpeculationControl) -> Sequence:

@@ -44,7 +44,6 @@ MARGIN = 1.03  # speculation must promise 3 % more tokens per second than a plai
 # 9-row step's average look 10x too high, and speculation stayed off for the rest of the run.
 OUTLIER = 2.0
 RECHECK = 100  # steps declined in a row, after which one sequence's proposals measure again
-PAST_DIP = 4  # proposed tokens ``_choose`` tries past the best count before it stops looking
 PRIOR_EMA = 0.02  # the newest verification's weight in every request's acceptance (a new one's prior)
 PRIOR_TRIALS = 2.0  # the tokens' worth of evidence a new sequence's prior counts for
 PREDICTED = 0.8  # a new sequence's acceptance at least, with a client's predicted output
@@ -180,54 +179,54 @@ class SpeculationControl:
             self._slope = max(0.0, covariance / sum((r - mean_r) ** 2 for r in sizes))
         return table[sizes[-1]] + self._slope * (rows - sizes[-1])
 
-    def _spec_cost(self, rows: int, extra: int) -> float | None:
-        """Estimated forward seconds of a step of ``rows`` decodes carrying ``extra`` proposed
-        tokens: the plain step's, and each proposed row's at those sequences (else at the nearest
-        sequences measured). None: unknown."""
+    def _row_costs(self, rows: int) -> tuple[float, float] | None:
+        """Estimated forward seconds of a plain step of ``rows`` decodes, and of each proposed row
+        such a step carries (measured at those sequences, else at the nearest sequences measured).
+        None: either unknown."""
         plain = self._cost(rows)
-        if plain is None or not extra:
-            return plain
+        if plain is None or not self.row_seconds:
+            return None
         per_row = self.row_seconds.get(rows)
         if per_row is None:
-            if not self.row_seconds:
-                return None
             per_row = self.row_seconds[min(self.row_seconds, key=lambda s: (abs(s - rows), s))]
-        return plain + extra * per_row
+        return plain, per_row
 
     def _measured(self, rows: int) -> bool:
         """Whether a plain step of ``rows`` and a proposed row have estimates (``_choose`` needs them)."""
-        return self._spec_cost(rows, 1) is not None
+        return self._row_costs(rows) is not None
 
     def _choose(self, rows: int, chances: dict[int, list[float]]) -> tuple[Counter[int], int, float]:
         """How many of each sequence's proposed tokens (``chances``: each one's chance to be kept,
         by key) a step of ``rows`` decodes should carry: the tokens likeliest kept first, for as
-        long as the step's expected tokens per second rise (a few past a dip: measured step times
-        are noisy). Returns (tokens by key, extra rows, expected tokens from them); a sequence's
-        tokens are taken from its first, as its chances never rise."""
+        long as the step's expected tokens per second rise (each row costs the same and each token
+        brings less than the one before, so the first fall is past the best). Returns (tokens by
+        key, extra rows, expected tokens from them); a sequence's tokens are taken from its first,
+        as its chances never rise."""
+        costs = self._row_costs(rows)
+        if costs is None:
+            return Counter(), 0, 0.0
+        plain, per_row = costs
         order = sorted(((c, key) for key, cs in chances.items() for c in cs), key=lambda t: -t[0])
         best_n, best_rate, best_expected, expected = 0, 0.0, 0.0, 0.0
         for n, (c, _) in enumerate(order, 1):
-            cost = self._spec_cost(rows, n)
-            if cost is None:
-                break
             expected += c
-            rate = (rows + expected) / (cost + self.host_seconds)
-            if rate > best_rate:
-                best_n, best_rate, best_expected = n, rate, expected
-            elif n - best_n >= PAST_DIP:
+            rate = (rows + expected) / (plain + n * per_row + self.host_seconds)
+            if rate <= best_rate:
                 break
+            best_n, best_rate, best_expected = n, rate, expected
         return Counter(key for _, key in order[:best_n]), best_n, best_expected
 
     def worth(self, rows: int, extra: int, expected: float) -> bool:
         """Whether a step of ``rows`` decodes plus ``extra`` proposed rows, expected to bring
         ``expected`` more tokens, beats the plain step in tokens per second: the plain one
         overlapped with the scheduler's work (``overlap``), the speculating one after it."""
-        plain, spec = self._cost(rows), self._spec_cost(rows, extra)
-        if plain is None or spec is None:
+        costs = self._row_costs(rows)
+        if costs is None:
             return True  # not measured yet: try it, and measure
+        plain, per_row = costs
         host = self.host_seconds
         plain_step = max(plain, host) if self.overlap else plain + host
-        return (rows + expected) / (spec + host) > MARGIN * rows / plain_step
+        return (rows + expected) / (plain + extra * per_row + host) > MARGIN * rows / plain_step
 
     def state(self, prediction: tuple[int, ...], prompt_len: int) -> SequenceSpeculation:
         """A new sequence's proposer, its acceptance starting from what recent requests' proposals
