@@ -165,7 +165,8 @@ class GenerationBody(StructuredFields):
     speculative: bool = Field(
         True,
         description="let speculative decoding (`--speculative`) propose tokens for this request; `false` opts out "
-        "(the output is the same either way: greedy token for token, sampling in distribution)",
+        "(the output is the same either way: greedy token for token, bit for bit while its batch stays on one "
+        "side of the line where decode steps move to AMX tiles (`architecture.md`, Scoring); sampling in distribution)",
     )
     stream: bool = Field(False, description="Server-Sent Events")
     stream_options: StreamOptions | None = Field(
