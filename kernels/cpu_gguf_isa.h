@@ -378,14 +378,19 @@ INLINE void read_ahead(const uint8_t *p, int64_t bytes)
  * four at a time in 32-bit words */
 INLINE void k4_scales(const uint8_t *b, __m256 *dl, __m256 *mins)
 {
-    const uint32_t s0 = u32(b + 4), s1 = u32(b + 8), s2 = u32(b + 12);
-    const uint32_t sc_lo = s0 & 0x3f3f3f3f, mn_lo = s1 & 0x3f3f3f3f;
-    const uint32_t sc_hi = (s2 & 0x0f0f0f0f) | ((s0 >> 6) & 0x03030303) << 4;
-    const uint32_t mn_hi = ((s2 >> 4) & 0x0f0f0f0f) | ((s1 >> 6) & 0x03030303) << 4;
-    *dl = _mm256_mul_ps(_mm256_set1_ps(f16(b)),
-                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sc_hi, (int)sc_lo))));
-    *mins = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)),
-                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)mn_hi, (int)mn_lo))));
+    /* bytes 4-15: scales 0-3 (low 6 bits of 4-7), minimums 0-3 (of 8-11), the low and high nibbles of
+     * 12-15 the low 4 bits of scales and minimums 4-7, whose top 2 bits are those of 4-7 and 8-11 */
+    const __m128i v = _mm_loadu_si128((const __m128i *)b);
+    const __m128i low = _mm_shuffle_epi8(v, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+    const __m128i m4 = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0);
+    const __m128i hi4 = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15);
+    __m128i q = _mm_or_si128(_mm_and_si128(low, m4), _mm_and_si128(_mm_srli_epi16(low, 4), hi4));
+    q = _mm_or_si128(q, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+    const __m128 dm = _mm_cvtph_ps(v); /* d, dmin */
+    *dl = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)));
+    *mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))));
 }
 
 /* Group g's 64 values (sub-blocks 2 g and 2 g + 1) of Q4_K or Q5_K (qh NULL for Q4_K) as unsigned bytes */
@@ -588,17 +593,33 @@ INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, co
     return pair_dot16(even, odd, X, row, k);
 }
 
-/* Group g of a Q4_K block as pair_dot16's int16 lanes, from one broadcast load of its 32 bytes: the low
- * half's lanes take the low nibbles of each pair of bytes (shifts 0 and 8), the high half's the high
- * ones (4 and 12). The same values in the same lanes as k4_group, pair_i and pair_product's split, in
- * four instructions where those take six (one of them a cross-lane insert). */
+/* Group g of a Q4_K block in pair registers from one broadcast load of its 32 bytes, with no shift: the
+ * low half takes the low nibbles as they are, the high half the high nibbles in place, that is 16 times
+ * their values (the caller's scales of the odd sub-blocks carry 1/16, which makes the same floats: a
+ * power of two commutes with each rounding). As pair_dot16's int16 lanes (even: each pair's first
+ * byte, odd: its second, moved down by a byte shuffle) or as pair_product's unsigned bytes (16 * 15
+ * fits a byte). The shuffle and the masks run beside the products' port, where shifts would queue
+ * on it. */
+INLINE __m512i k4_pair_bytes(const uint8_t *qs, int g)
+{
+    const __m512i w = _mm512_broadcast_i64x4(load32(qs + 32 * g));
+    return _mm512_and_si512(w, _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_set1_epi8((char)0xf0), 1));
+}
+
 INLINE void k4_pair16(const uint8_t *qs, int g, __m512i *even, __m512i *odd)
 {
-    const __m512i w = _mm512_broadcast_i64x4(load32(qs + 32 * g)), low4 = _mm512_set1_epi16(15);
-    const __m512i at_even = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    const __m512i at_odd = _mm512_add_epi16(at_even, _mm512_set1_epi16(8));
-    *even = _mm512_and_si512(_mm512_srlv_epi16(w, at_even), low4);
-    *odd = _mm512_and_si512(_mm512_srlv_epi16(w, at_odd), low4);
+    const __m512i w = _mm512_broadcast_i64x4(load32(qs + 32 * g));
+    const __m512i nibble = _mm512_inserti64x4(_mm512_set1_epi16(0x0f), _mm256_set1_epi16(0xf0), 1);
+    const __m512i second = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(1, -128, 3, -128, 5, -128, 7, -128, 9, -128, 11, -128, 13, -128, 15, -128));
+    *even = _mm512_and_si512(w, nibble);
+    *odd = _mm512_and_si512(_mm512_shuffle_epi8(w, second), nibble);
+}
+
+/* Q4_K's 8 scales with the odd ones over 16, for k4_pair_bytes / k4_pair16's high halves */
+INLINE __m256 k4_pair_scales(__m256 dl)
+{
+    return _mm256_mul_ps(dl, _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f));
 }
 
 /* A pair register's sums into an Acc: its low half is the 256-bit code's a0, its high half a1 */
@@ -663,6 +684,8 @@ INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh
 {
     __m256 dl, mins;
     k4_scales(b, &dl, &mins);
+    if (!qh)
+        dl = k4_pair_scales(dl);
     __m256 sc[TILE];
     for (int t = 0; t < T; t++) {
         const int64_t run = (i0 + t) * (X->K / 32) + k0 / 32;
@@ -679,9 +702,13 @@ INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh
                 a[t] = _mm512_fmadd_ps(pair_dot16(even, odd, X, i0 + t, k0 + 64 * g), pair_scale32(sc[t], g), a[t]);
             continue;
         }
-        __m256i lo, hi;
-        k4_group(qs, qh, g, &lo, &hi);
-        const __m512i u = pair_i(lo, hi);
+        __m512i u;
+        if (qh) {
+            __m256i lo, hi;
+            k4_group(qs, qh, g, &lo, &hi);
+            u = pair_i(lo, hi);
+        } else
+            u = k4_pair_bytes(qs, g);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++)
             a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * g, int8, 0), pair_scale32(sc[t], g), a[t]);
