@@ -480,8 +480,7 @@ INLINE void q6_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
     const uint8_t *ql = b, *qh = b + 128;
     __m256 ds_lo, ds_hi;
     scales16(_mm256_set1_ps(f16(b + 208)), _mm_loadu_si128((const __m128i *)(b + 192)), &ds_lo, &ds_hi);
-    const __m256 thirty_two = _mm256_set1_ps(32.0f);
-    minimums16(_mm256_mul_ps(thirty_two, ds_lo), _mm256_mul_ps(thirty_two, ds_hi), X, i0, T, k0, m);
+    minimums16(ds_lo, ds_hi, X, i0, T, k0, m); /* times 32: OFFSET */
     const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) { /* runs of 32: value 32 r + l */
@@ -522,8 +521,7 @@ INLINE void q3_k_block(const uint8_t *b, const XRows *X, int64_t i0, const int T
     const uint8_t *hmask = b, *qs = b + 32;
     __m256 ds_lo, ds_hi;
     scales16(_mm256_set1_ps(f16(b + 108)), q3_k_scales(b), &ds_lo, &ds_hi);
-    const __m256 four = _mm256_set1_ps(4.0f);
-    minimums16(_mm256_mul_ps(four, ds_lo), _mm256_mul_ps(four, ds_hi), X, i0, T, k0, m);
+    minimums16(ds_lo, ds_hi, X, i0, T, k0, m); /* times 4: OFFSET */
     const __m256i h = load32(hmask);
 #pragma GCC unroll 8
     for (int r = 0; r < 8; r++) /* runs of 32: value 32 r + l */
@@ -736,18 +734,32 @@ INLINE void pair_into(__m512i u, const __m512 *sd, const XRows *X, int64_t i0, c
         a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8, 0), pair_scale16(sd[t], p), a[t]);
 }
 
+/* scales16 in one register: sub-block s in lane s (lanes 0-7 scales16's lo, 8-15 its hi) */
+INLINE __m512 scales16_wide(const uint8_t *d, __m128i sc8)
+{
+    return _mm512_mul_ps(_mm512_set1_ps(f16(d)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+}
+
+INLINE __m256 low_half(__m512 v)
+{
+    return _mm512_castps512_ps256(v);
+}
+
+INLINE __m256 high_half(__m512 v)
+{
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
 /* q6_k_block, two runs at a time: runs 2 p and 2 p + 1 are the same nibbles of 64 bytes of ql in a row,
  * their high bits two pairs apart in the same 32 bytes of qh. */
 INLINE void q6_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const int T, int64_t k0, __m512 *a,
                             __m256 *m, const int int8)
 {
     const uint8_t *ql = b, *qh = b + 128;
-    __m256 ds_lo, ds_hi;
-    scales16(_mm256_set1_ps(f16(b + 208)), _mm_loadu_si128((const __m128i *)(b + 192)), &ds_lo, &ds_hi);
-    const __m256 thirty_two = _mm256_set1_ps(32.0f);
-    minimums16(_mm256_mul_ps(thirty_two, ds_lo), _mm256_mul_ps(thirty_two, ds_hi), X, i0, T, k0, m);
+    const __m512 ds = scales16_wide(b + 208, _mm_loadu_si128((const __m128i *)(b + 192)));
+    minimums16(low_half(ds), high_half(ds), X, i0, T, k0, m); /* times 32: OFFSET */
     __m512 sd[TILE];
-    scaled16(pair_ps(ds_lo, ds_hi), X, i0, T, k0, sd);
+    scaled16(ds, X, i0, T, k0, sd);
     const __m512i low4 = _mm512_set1_epi8(15), bits45 = _mm512_set1_epi8(0x30);
     /* bits 2 j, 2 j + 1 of qh to bits 4, 5: runs with j = 0, 1 shift left 4, 2; j = 2, 3 by 0, right 2 */
     const __m512i left = pair_i(_mm256_set1_epi16(4), _mm256_set1_epi16(2));
@@ -769,12 +781,10 @@ INLINE void q3_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
                             __m256 *m, const int int8)
 {
     const uint8_t *hmask = b, *qs = b + 32;
-    __m256 ds_lo, ds_hi;
-    scales16(_mm256_set1_ps(f16(b + 108)), q3_k_scales(b), &ds_lo, &ds_hi);
-    const __m256 four = _mm256_set1_ps(4.0f);
-    minimums16(_mm256_mul_ps(four, ds_lo), _mm256_mul_ps(four, ds_hi), X, i0, T, k0, m);
+    const __m512 ds = scales16_wide(b + 108, q3_k_scales(b));
+    minimums16(low_half(ds), high_half(ds), X, i0, T, k0, m); /* times 4: OFFSET */
     __m512 sd[TILE];
-    scaled16(pair_ps(ds_lo, ds_hi), X, i0, T, k0, sd);
+    scaled16(ds, X, i0, T, k0, sd);
     const __m256i h = load32(hmask);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++)
@@ -799,6 +809,10 @@ INLINE void q2_k_block_wide(const uint8_t *b, const XRows *X, int64_t i0, const 
 #else
 #define KQ(block) block
 #endif
+
+/* The offset Q6_K's and Q3_K's quants are stored above (32, 4), taken off through their minimums:
+ * each block's minimums are summed unscaled and the row's total scaled once */
+#define OFFSET(type) ((type) == Q6_K ? 32.0f : (type) == Q3_K ? 4.0f : 1.0f)
 
 /* A weight row (``blocks`` k-quant blocks of ``bytes``) against rows i0 .. i0 + T of x. */
 INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, const XRows *X, int64_t i0, const int T,
@@ -833,7 +847,10 @@ INLINE void k_rows(int type, const uint8_t *row, int64_t blocks, int bytes, cons
         else
             KQ(k4_block)(b, b + 16, NULL, X, i0, T, 256 * j, a, m, int8);
     }
+    const float offset = OFFSET(type);
     for (int t = 0; t < T; t++) {
+        if (offset != 1.0f) /* a power of two: the same floats as each block's minimums scaled by it */
+            m[t] = _mm256_mul_ps(m[t], _mm256_set1_ps(offset));
 #if GGUF_WIDE
         put_pair(a[t], &acc[i0 + t]);
 #else
