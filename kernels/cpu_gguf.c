@@ -344,14 +344,22 @@ static void quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, float 
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < K / 32; b++) {
             const float *v = x + i * ldx + 32 * b;
+#if GGUF_SIMD
+            const float amax = run_amax(v);
+#else
             float amax = 0.0f;
             for (int l = 0; l < 32; l++) {
                 const float a = v[l] < 0.0f ? -v[l] : v[l];
                 amax = a > amax ? a : amax;
             }
+#endif
             const float d = amax / levels, id = d > 0.0f ? 1.0f / d : 0.0f;
             int16_t *q = xq + i * K;
             int32_t n0 = 0, n1 = 0; /* the sums of the quantized values, exact */
+#if GGUF_SIMD
+            quantize_run(v, id, q, x_index(32 * b, K), x_index(32 * b + 1, K), x8 ? x8 + i * K + 32 * b : NULL, &n0,
+                         &n1);
+#else
             for (int l = 0; l < 32; l++) {
                 const float t = v[l] * id;
                 const int16_t r = (int16_t)(int)(t + (t >= 0.0f ? 0.5f : -0.5f));
@@ -363,6 +371,7 @@ static void quantize_x(const float *x, int64_t ldx, int64_t M, int64_t K, float 
                 else
                     n1 += r;
             }
+#endif
             const float h0 = d * (float)n0, h1 = d * (float)n1;
             dx[i * (K / 32) + b] = d;
             s16[i * (K / 16) + 2 * b] = h0;

@@ -256,6 +256,48 @@ INLINE int64_t x_index(int64_t v, int64_t K)
     return (v & ~(int64_t)31) + odd + l / 2;
 }
 
+/* max |v[l]|, l < 32 (max is exact: any order gives the scalar loop's value) */
+INLINE float run_amax(const float *v)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(v));
+    for (int j = 1; j < 4; j++)
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * j)));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+/* quantize_x for one run of 32 values v (SIMD): the same floats and integers as its scalar loop (a
+ * multiply, a half away from zero added, truncation), its values put where x_index says (its 16 even
+ * values in a row, its 16 odd ones in a row) and, for int8 activations, into x8 in their order.
+ * Returns the exact integer sums of values 0-15 and 16-31. */
+INLINE void quantize_run(const float *v, float id, int16_t *xq, int64_t even_at, int64_t odd_at, int8_t *x8,
+                         int32_t *n0, int32_t *n1)
+{
+    const __m256 scale = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+    __m256i r[4]; /* int32: values 8 j .. 8 j + 7 */
+    for (int j = 0; j < 4; j++) {
+        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * j), scale);
+        r[j] = _mm256_cvttps_epi32(_mm256_add_ps(t, _mm256_or_ps(_mm256_and_ps(t, sign), half)));
+    }
+    const __m256i s0 = _mm256_add_epi32(r[0], r[1]), s1 = _mm256_add_epi32(r[2], r[3]);
+    __m128i h = _mm_hadd_epi32(_mm256_castsi256_si128(s0), _mm256_extracti128_si256(s0, 1));
+    h = _mm_hadd_epi32(h, _mm_hadd_epi32(_mm256_castsi256_si128(s1), _mm256_extracti128_si256(s1, 1)));
+    h = _mm_hadd_epi32(h, h); /* lanes: n0, n1 */
+    *n0 = _mm_cvtsi128_si32(h);
+    *n1 = _mm_extract_epi32(h, 1);
+    /* int32 lanes as (even, odd) int16 pairs: values 2 i and 2 i + 1 of a run, packed to int16 in order */
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xd8); /* values 0-15 */
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xd8); /* 16-31 */
+    const __m256i e_lo = _mm256_srai_epi32(_mm256_slli_epi32(lo, 16), 16), o_lo = _mm256_srai_epi32(lo, 16);
+    const __m256i e_hi = _mm256_srai_epi32(_mm256_slli_epi32(hi, 16), 16), o_hi = _mm256_srai_epi32(hi, 16);
+    store32(xq + even_at, _mm256_permute4x64_epi64(_mm256_packs_epi32(e_lo, e_hi), 0xd8));
+    store32(xq + odd_at, _mm256_permute4x64_epi64(_mm256_packs_epi32(o_lo, o_hi), 0xd8));
+    if (x8)
+        store32(x8, _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xd8));
+}
+
 /* The 16 even values of the run of row ``row`` of x from value k (a multiple of 32), and its odd ones
  * (where its values k and k + 1 sit) */
 INLINE const int16_t *x_run(const XRows *X, int64_t row, int64_t k, const int16_t **odd)
