@@ -229,6 +229,7 @@ INLINE void six_bit32(const uint8_t *restrict lo, int lo_shift, const uint8_t *r
 typedef struct {
     const int16_t *xq;
     const int8_t *x8;
+    const int8_t *xh, *xl; /* wide builds under int16 activations: each value 256 xh + xl, in order; else NULL */
     const float *dx, *s16, *s32;
     int64_t M, K;
 } XRows;
@@ -270,10 +271,11 @@ INLINE float run_amax(const float *v)
 
 /* quantize_x for one run of 32 values v (SIMD): the same floats and integers as its scalar loop (a
  * multiply, a half away from zero added, truncation), its values put where x_index says (its 16 even
- * values in a row, its 16 odd ones in a row) and, for int8 activations, into x8 in their order.
+ * values in a row, its 16 odd ones in a row) and, for int8 activations, into x8 in their order, or as
+ * two byte planes (xh, and planes_apart bytes on, xl) where given.
  * Returns the exact integer sums of values 0-15 and 16-31. */
 INLINE void quantize_run(const float *v, float id, int16_t *xq, int64_t even_at, int64_t odd_at, int8_t *x8,
-                         int32_t *n0, int32_t *n1)
+                         int8_t *xh, int64_t planes_apart, int32_t *n0, int32_t *n1)
 {
     const __m256 scale = _mm256_set1_ps(id), half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
     __m256i r[4]; /* int32: values 8 j .. 8 j + 7 */
@@ -296,6 +298,14 @@ INLINE void quantize_run(const float *v, float id, int16_t *xq, int64_t even_at,
     store32(xq + odd_at, _mm256_permute4x64_epi64(_mm256_packs_epi32(o_lo, o_hi), 0xd8));
     if (x8)
         store32(x8, _mm256_permute4x64_epi64(_mm256_packs_epi16(lo, hi), 0xd8));
+    if (xh) { /* value = 256 high + low, both signed bytes (|value| <= INT16_LEVELS) */
+        const __m256i h_lo = _mm256_srai_epi16(_mm256_add_epi16(lo, _mm256_set1_epi16(128)), 8);
+        const __m256i h_hi = _mm256_srai_epi16(_mm256_add_epi16(hi, _mm256_set1_epi16(128)), 8);
+        const __m256i l_lo = _mm256_sub_epi16(lo, _mm256_slli_epi16(h_lo, 8));
+        const __m256i l_hi = _mm256_sub_epi16(hi, _mm256_slli_epi16(h_hi, 8));
+        store32(xh, _mm256_permute4x64_epi64(_mm256_packs_epi16(h_lo, h_hi), 0xd8));
+        store32(xh + planes_apart, _mm256_permute4x64_epi64(_mm256_packs_epi16(l_lo, l_hi), 0xd8));
+    }
 }
 
 /* The 16 even values of the run of row ``row`` of x from value k (a multiple of 32), and its odd ones
@@ -622,41 +632,39 @@ INLINE __m512 pair_dot16(__m512i even, __m512i odd, const XRows *X, int64_t row,
 }
 
 /* run_product for runs 2 p and 2 p + 1 (values k .. k + 63, k a multiple of 64) at once, each in run_dot's
- * lanes. With int16 activations ``sign`` says the bytes of u are signed values (MXFP4's), else unsigned. */
-INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, const int int8, const int sign)
+ * lanes. With int16 activations ``sign`` says the bytes of u are signed values (MXFP4's), else unsigned;
+ * ``planes``: multiply unsigned u by x's byte planes (two byte multiply-adds, no int16 lanes to make:
+ * the faster form for one row of x), else by its int16 lanes (made once for a tile of rows, as the
+ * compiler shares them between the tile's calls: at 4 and 8 rows the planes cost 4 % more). Both give
+ * the same integers, so the same bits. */
+INLINE __m512 pair_product(__m512i u, const XRows *X, int64_t row, int64_t k, const int int8, const int sign,
+                           const int planes)
 {
     if (int8)
         return _mm512_cvtepi32_ps(
             _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(X->x8 + row * X->K + k)));
+    if (planes && !sign) { /* int16 x as its two byte planes: the same integer in each lane as pair_dot16's */
+        const int64_t at = row * X->K + k;
+        const __m512i high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512(X->xh + at));
+        return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_slli_epi32(high, 8), u, _mm512_loadu_si512(X->xl + at)));
+    }
     const __m512i even = sign ? _mm512_srai_epi16(_mm512_slli_epi16(u, 8), 8) : _mm512_and_si512(u, _mm512_set1_epi16(0xff));
     const __m512i odd = sign ? _mm512_srai_epi16(u, 8) : _mm512_srli_epi16(u, 8);
     return pair_dot16(even, odd, X, row, k);
 }
 
-/* Group g of a Q4_K block in pair registers from one broadcast load of its 32 bytes, with no shift: the
- * low half takes the low nibbles as they are, the high half the high nibbles in place, that is 16 times
- * their values (the caller's scales of the odd sub-blocks carry 1/16, which makes the same floats: a
- * power of two commutes with each rounding). As pair_dot16's int16 lanes (even: each pair's first
- * byte, odd: its second, moved down by a byte shuffle) or as pair_product's unsigned bytes (16 * 15
- * fits a byte). The shuffle and the masks run beside the products' port, where shifts would queue
- * on it. */
+/* Group g of a Q4_K block as pair_product's unsigned bytes, from one broadcast load of its 32 bytes and
+ * no shift: the low half takes the low nibbles as they are, the high half the high nibbles in place,
+ * 16 times their values (16 * 15 fits a byte; k4_pair_scales gives the odd sub-blocks' scales 1/16,
+ * which makes the same floats: a power of two commutes with each rounding). */
 INLINE __m512i k4_pair_bytes(const uint8_t *qs, int g)
 {
     const __m512i w = _mm512_broadcast_i64x4(load32(qs + 32 * g));
     return _mm512_and_si512(w, _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_set1_epi8((char)0xf0), 1));
 }
 
-INLINE void k4_pair16(const uint8_t *qs, int g, __m512i *even, __m512i *odd)
-{
-    const __m512i w = _mm512_broadcast_i64x4(load32(qs + 32 * g));
-    const __m512i nibble = _mm512_inserti64x4(_mm512_set1_epi16(0x0f), _mm256_set1_epi16(0xf0), 1);
-    const __m512i second = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(1, -128, 3, -128, 5, -128, 7, -128, 9, -128, 11, -128, 13, -128, 15, -128));
-    *even = _mm512_and_si512(w, nibble);
-    *odd = _mm512_and_si512(_mm512_shuffle_epi8(w, second), nibble);
-}
 
-/* Q4_K's 8 scales with the odd ones over 16, for k4_pair_bytes / k4_pair16's high halves */
+/* Q4_K's 8 scales with the odd ones over 16, for k4_pair_bytes's high halves */
 INLINE __m256 k4_pair_scales(__m256 dl)
 {
     return _mm256_mul_ps(dl, _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f));
@@ -713,7 +721,7 @@ INLINE void group_wide(const __m512i *u, __m256 dv, __m256 mv, const int mins, c
         __m512 a = pair_ps(acc[i].a0, acc[i].a1);
 #pragma GCC unroll 4
         for (int p = 0; p < GROUP / 2; p++)
-            a = _mm512_fmadd_ps(pair_product(u[p], X, i, k0 + 64 * p, int8, sign), pair_scale32(scale, p), a);
+            a = _mm512_fmadd_ps(pair_product(u[p], X, i, k0 + 64 * p, int8, sign, 1), pair_scale32(scale, p), a);
         put_pair(a, &acc[i]);
     }
 }
@@ -734,14 +742,6 @@ INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh
     }
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
-        if (!int8 && !qh) { /* Q4_K under int16 activations */
-            __m512i even, odd;
-            k4_pair16(qs, g, &even, &odd);
-#pragma GCC unroll 8
-            for (int t = 0; t < T; t++)
-                a[t] = _mm512_fmadd_ps(pair_dot16(even, odd, X, i0 + t, k0 + 64 * g), pair_scale32(sc[t], g), a[t]);
-            continue;
-        }
         __m512i u;
         if (qh) {
             __m256i lo, hi;
@@ -751,7 +751,7 @@ INLINE void k4_block_wide(const uint8_t *b, const uint8_t *qs, const uint8_t *qh
             u = k4_pair_bytes(qs, g);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++)
-            a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * g, int8, 0), pair_scale32(sc[t], g), a[t]);
+            a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * g, int8, 0, T == 1), pair_scale32(sc[t], g), a[t]);
     }
 }
 
@@ -773,7 +773,7 @@ INLINE void pair_into(__m512i u, const __m512 *sd, const XRows *X, int64_t i0, c
 {
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++)
-        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8, 0), pair_scale16(sd[t], p), a[t]);
+        a[t] = _mm512_fmadd_ps(pair_product(u, X, i0 + t, k0 + 64 * p, int8, 0, T == 1), pair_scale16(sd[t], p), a[t]);
 }
 
 /* scales16 in one register: sub-block s in lane s (lanes 0-7 scales16's lo, 8-15 its hi) */
