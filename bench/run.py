@@ -53,28 +53,33 @@ async def sse_events(http: Any, path: str, body: dict[str, Any]) -> AsyncIterato
 async def _stream_one(
     http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None, extra: dict[str, Any]
 ) -> tuple[float, list[float], int]:
-    """One streaming request: (ttft, inter-token gaps, completion tokens)."""
+    """One streaming request: (ttft, inter-token gaps, completion tokens). A chunk that carries
+    several tokens (speculation's kept runs: the running usage every chunk reports, where the server
+    gives it, says how many) counts its gap once per token, split evenly: the ITL is per token."""
     body = {
-        **extra,
         "model": model,
         "prompt": prompt,  # a completion: the same prompt tokens on every server, no chat template
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.8,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **extra,
     }
     t0 = time.perf_counter()
-    ttft, last, gaps, tokens, seen = float("nan"), 0.0, [], 0, 0
+    ttft, last, gaps, tokens, seen, counted = float("nan"), 0.0, [], 0, 0, 0
     async for event in sse_events(http, "/v1/completions", body):
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
+        usage = event.get("usage") or {}
+        if usage:
+            tokens = usage["completion_tokens"]
         if event.get("choices") and event["choices"][0].get("text"):
             now = time.perf_counter()
+            carried = max(1, tokens - counted) if usage else 1  # a server without running usage: one
+            counted += carried
             if seen == 0:
                 ttft = now - t0
             else:
-                gaps.append(now - last)
+                gaps.extend([(now - last) / carried] * carried)
             last, seen = now, seen + 1
             if seen == 5 and started is not None:
                 started.set()
