@@ -556,16 +556,21 @@ int trillm_gguf_matmul_grouped(const float *x, int64_t ldx, int64_t x_step, int 
         X[g] = (XRows){xq + g * per, x8, xh, xh ? xh + per : NULL, d, s16, s32, M, K};
     }
     const DirectKernel direct = direct_kernel(type);
-    const int64_t units = (N + ROWS - 1) / ROWS, tasks = G * units;
-#pragma omp parallel num_threads(num_threads) if (tasks > 1 && G * N * K * (M + 4) >= PARALLEL_MIN_WORK)
+    const int64_t units = (N + ROWS - 1) / ROWS, tasks = G * units; /* a task: ROWS rows of one weight */
+    const int shares = num_threads < 1 ? 1 : num_threads < MAX_SHARES ? num_threads : MAX_SHARES;
+    Share share[MAX_SHARES]; /* as trillm_gguf_matmul's: a thread done early takes chunks of the others' */
+    for (int s = 0; s < shares; s++)
+        share_init(&share[s], tasks * s / shares, tasks * (s + 1) / shares);
+#pragma omp parallel num_threads(shares) if (tasks > 1 && G * N * K * (M + 4) >= PARALLEL_MIN_WORK)
     {
-        const int t = omp_get_thread_num(), T = omp_get_num_threads();
-        for (int64_t task = tasks * t / T, end = tasks * (t + 1) / T; task < end;) {
-            const int64_t g = task / units, u0 = task % units, u1 = MIN(units, u0 + end - task);
-            rows_int(bt, direct, ws[g], row_bytes, &X[x_step ? g : 0], out + g * out_step, ldo, u0 * ROWS,
-                     MIN(u1 * ROWS, N), 0);
-            task += u1 - u0;
-        }
+        int64_t t0, t1;
+        while (take(share, shares, omp_get_thread_num(), &t0, &t1))
+            for (int64_t task = t0; task < t1;) {
+                const int64_t g = task / units, u0 = task % units, u1 = MIN(units, u0 + t1 - task);
+                rows_int(bt, direct, ws[g], row_bytes, &X[x_step ? g : 0], out + g * out_step, ldo, u0 * ROWS,
+                         MIN(u1 * ROWS, N), 0);
+                task += u1 - u0;
+            }
     }
     free(xq), free(dx), free(X);
     return 0;
