@@ -221,7 +221,11 @@ def run_bench(args: argparse.Namespace) -> None:
     dummy = base.load_format == "dummy"
     config_path = Path(base.model) / "config.json" if Path(base.model).is_dir() else Path(base.model)
     cache = base.cache_path
-    model_dir = resolve_model(DEFAULT_ALIAS if dummy else base.model, cache)
+    memory = args.url is None  # a running server holds the model: only its metadata is read here
+    try:  # a model that cannot be served here: its one line, as `trillm serve` says it
+        model_dir = resolve_model(DEFAULT_ALIAS if dummy else base.model, cache, memory)
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"trillm bench: {error}") from None
     # What transformers loads for the baseline: the GGUF file itself (the alias's as its conversion), or the folder.
     gguf = None if dummy else gguf_file(base.model, cache)
     baseline_source: Any = (model_dir, {})
@@ -231,7 +235,7 @@ def run_bench(args: argparse.Namespace) -> None:
         baseline_source = (gguf.parent, {"gguf_file": gguf.name})
     # The tokenizer and config the servers use (a GGUF file's from its own keys: transformers
     # cannot build every family's tokenizer from a folder of its file).
-    tokenizer, _, model_config = load_tokenizer(base)
+    tokenizer, _, model_config = load_tokenizer(base, memory)
     levels = [int(c) for c in args.concurrency.split(",")]
     structured = args.structured.split(",")
     if not set(structured) <= {"on", "off"} or ("on" in structured and structured[0] != "off" and len(structured) > 1):
@@ -240,7 +244,7 @@ def run_bench(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     formats = swept_values(args, base, "weight_format")
     # The engine's own choice (for the first server's weight format), so both sides use the same dtype.
-    dtype = choose_model_dtype(attrs.evolve(base, weight_format=formats[0]), device).dtype
+    dtype = choose_model_dtype(attrs.evolve(base, weight_format=formats[0]), device, memory).dtype
     dtype_name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     rng = random.Random(0)
     shared = _prompt(tokenizer, args.shared_prefix_len, random.Random(1)) if args.shared_prefix_len else ""

