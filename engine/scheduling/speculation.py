@@ -191,20 +191,16 @@ class SpeculationControl:
             per_row = self.row_seconds[min(self.row_seconds, key=lambda s: (abs(s - rows), s))]
         return plain, per_row
 
-    def _measured(self, rows: int) -> bool:
-        """Whether a plain step of ``rows`` and a proposed row have estimates (``_choose`` needs them)."""
-        return self._row_costs(rows) is not None
-
-    def _choose(self, rows: int, chances: dict[int, list[float]]) -> tuple[Counter[int], int, float]:
+    def _decide(self, rows: int, chances: dict[int, list[float]]) -> Counter[int] | None:
         """How many of each sequence's proposed tokens (``chances``: each one's chance to be kept,
         by key) a step of ``rows`` decodes should carry: the tokens likeliest kept first, for as
         long as the step's expected tokens per second rise (each row costs the same and each token
-        brings less than the one before, so the first fall is past the best). Returns (tokens by
-        key, extra rows, expected tokens from them); a sequence's tokens are taken from its first,
-        as its chances never rise."""
+        brings less than the one before, so the first fall is past the best), if those then pay
+        (``worth``); empty if they do not, None if the costs are not measured yet. A sequence's
+        tokens are taken from its first, as its chances never rise."""
         costs = self._row_costs(rows)
         if costs is None:
-            return Counter(), 0, 0.0
+            return None
         plain, per_row = costs
         order = sorted(((c, key) for key, cs in chances.items() for c in cs), key=lambda t: -t[0])
         best_n, best_rate, best_expected, expected = 0, 0.0, 0.0, 0.0
@@ -214,15 +210,19 @@ class SpeculationControl:
             if rate <= best_rate:
                 break
             best_n, best_rate, best_expected = n, rate, expected
-        return Counter(key for _, key in order[:best_n]), best_n, best_expected
+        if not best_n or not self._pays(rows, best_n, best_expected, costs):
+            return Counter()
+        return Counter(key for _, key in order[:best_n])
 
     def worth(self, rows: int, extra: int, expected: float) -> bool:
         """Whether a step of ``rows`` decodes plus ``extra`` proposed rows, expected to bring
         ``expected`` more tokens, beats the plain step in tokens per second: the plain one
         overlapped with the scheduler's work (``overlap``), the speculating one after it."""
         costs = self._row_costs(rows)
-        if costs is None:
-            return True  # not measured yet: try it, and measure
+        return costs is None or self._pays(rows, extra, expected, costs)  # not measured yet: try it, and measure
+
+    def _pays(self, rows: int, extra: int, expected: float, costs: tuple[float, float]) -> bool:
+        """``worth`` with the step's costs (``_row_costs``) at hand."""
         plain, per_row = costs
         host = self.host_seconds
         plain_step = max(plain, host) if self.overlap else plain + host
@@ -299,12 +299,9 @@ class SpeculationControl:
             if self.declined >= RECHECK:  # the step ``wants`` waited for had nothing to measure
                 self.declined = 0
             return proposals
-        rows = len(decodes)
-        if self._measured(rows):
-            counts, extra, expected = self._choose(
-                rows, {key: _kept_chances(chance[key], len(p)) for key, p in proposals.items()}
-            )
-            if extra and self.worth(rows, extra, expected):
+        counts = self._decide(len(decodes), {key: _kept_chances(chance[key], len(p)) for key, p in proposals.items()})
+        if counts is not None:
+            if counts:
                 self.declined = 0
                 return {key: proposals[key][:n] for key, n in counts.items()}
             self.declined += 1
@@ -330,10 +327,8 @@ class SpeculationControl:
                     chances[id(seq)] = [spec.kept_match * c for c in _kept_chances(spec.acceptance, self.num_tokens)]
         if not chances:
             return False
-        if not self.adaptive or not self._measured(len(running)):
-            return True
-        _, extra, expected = self._choose(len(running), chances)
-        if extra and self.worth(len(running), extra, expected):
+        counts = self._decide(len(running), chances) if self.adaptive else None
+        if counts is None or counts:  # not adaptive, not measured yet, or worth it
             return True
         # turned down: estimates are only renewed by steps that run, so now and then one does
         self.declined += 1
