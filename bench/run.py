@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -50,29 +50,22 @@ async def sse_events(http: Any, path: str, body: dict[str, Any]) -> AsyncIterato
                 yield json.loads(line[6:])
 
 
-async def _stream_one(
-    http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None, extra: dict[str, Any]
+async def timed_stream(
+    http: Any, path: str, body: dict[str, Any], text: Callable[[dict[str, Any]], Any], started: trio.Event | None = None
 ) -> tuple[float, list[float], int]:
-    """One streaming request: (ttft, inter-token gaps, completion tokens). A chunk that carries
-    several tokens (speculation's kept runs: the running usage every chunk reports, where the server
-    gives it, says how many) counts its gap once per token, split evenly: the ITL is per token."""
-    body = {
-        "model": model,
-        "prompt": prompt,  # a completion: the same prompt tokens on every server, no chat template
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "temperature": 0.8,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-        **extra,
-    }
+    """One streaming request's (ttft, inter-token gaps, completion tokens); ``text`` gives a
+    choice's new text (a completion's or a chat delta's). The gaps are per token: a chunk that
+    carries several (speculation's kept runs: the running usage every chunk reports, which the
+    body asks for, says how many) counts its gap once per token, split evenly. ``started`` is
+    set once 5 chunks have come."""
+    body = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     t0 = time.perf_counter()
     ttft, last, gaps, tokens, seen, counted = float("nan"), 0.0, [], 0, 0, 0
-    async for event in sse_events(http, "/v1/completions", body):
+    async for event in sse_events(http, path, body):
         usage = event.get("usage") or {}
         if usage:
             tokens = usage["completion_tokens"]
-        if event.get("choices") and event["choices"][0].get("text"):
+        if event.get("choices") and text(event["choices"][0]):
             now = time.perf_counter()
             carried = max(1, tokens - counted) if usage else 1  # a server without running usage: one
             counted += carried
@@ -84,6 +77,22 @@ async def _stream_one(
             if seen == 5 and started is not None:
                 started.set()
     return ttft, gaps, tokens or seen  # a server that reports no usage: one token per event
+
+
+async def _stream_one(
+    http: Any, model: str, prompt: str, max_tokens: int, started: trio.Event | None, extra: dict[str, Any]
+) -> tuple[float, list[float], int]:
+    """One streaming completion (``timed_stream``)."""
+    body = {
+        "model": model,
+        "prompt": prompt,  # a completion: the same prompt tokens on every server, no chat template
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+        **extra,
+    }
+    return await timed_stream(http, "/v1/completions", body, lambda choice: choice.get("text"), started)
 
 
 async def _serving_run(

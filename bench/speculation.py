@@ -258,7 +258,7 @@ class ServerTarget:
     async def _run(self, workload: str, concurrency: int, turn: int) -> Turn:
         import httpx
 
-        from trillm.bench.run import sse_events
+        from trillm.bench.run import timed_stream
 
         items = _items(workload, concurrency, turn)
         results: list[tuple[float, list[float], int]] = []
@@ -271,22 +271,13 @@ class ServerTarget:
                     "max_tokens": _max_tokens(workload),
                     "temperature": 0,
                     "stream": True,
-                    "stream_options": {"include_usage": True},
                 }
                 if prediction:
                     body["prediction"] = {"type": "content", "content": prediction}
-                began, last, gaps, ttft, tokens = time.perf_counter(), 0.0, [], float("nan"), 0
-                async for event in sse_events(http, "/v1/chat/completions", body):
-                    if event.get("usage"):
-                        tokens = event["usage"]["completion_tokens"]
-                    if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
-                        now = time.perf_counter()
-                        if last:
-                            gaps.append(now - last)
-                        else:
-                            ttft = now - began
-                        last = now
-                results.append((ttft, gaps, tokens))
+                timed = await timed_stream(
+                    http, "/v1/chat/completions", body, lambda choice: choice.get("delta", {}).get("content")
+                )
+                results.append(timed)
 
             start = time.perf_counter()
             async with trio.open_nursery() as nursery:
