@@ -443,6 +443,15 @@ static void share_init(Share *s, int64_t lo, int64_t hi)
     atomic_store_explicit(&s->range, (uint64_t)hi << 32 | (uint64_t)lo, memory_order_relaxed);
 }
 
+/* units split into equal shares, one a thread (num_threads of them, within 1 .. MAX_SHARES): how many */
+static int shares_of(Share *share, int num_threads, int64_t units)
+{
+    const int shares = num_threads < 1 ? 1 : num_threads < MAX_SHARES ? num_threads : MAX_SHARES;
+    for (int s = 0; s < shares; s++)
+        share_init(&share[s], units * s / shares, units * (s + 1) / shares);
+    return shares;
+}
+
 /* A chunk of share s, from the front (own) or the back (another's): 1 and [*u0, *u1), or 0 if none is left. */
 static int take_from(Share *s, int front, int64_t *u0, int64_t *u1)
 {
@@ -499,10 +508,8 @@ int trillm_gguf_matmul(const float *x, int64_t ldx, int type, const uint8_t *w, 
         quantize_x(x, ldx, M, K, int8 ? 127.0f : INT16_LEVELS, xq, x8, xh, dx, s16, s32);
         const XRows X = {xq, x8, xh, xh ? xh + M * K : NULL, dx, s16, s32, M, K};
         const DirectKernel direct = direct_kernel(type);
-        const int shares = num_threads < 1 ? 1 : num_threads < MAX_SHARES ? num_threads : MAX_SHARES;
         Share share[MAX_SHARES];
-        for (int s = 0; s < shares; s++)
-            share_init(&share[s], units * s / shares, units * (s + 1) / shares);
+        const int shares = shares_of(share, num_threads, units);
 #pragma omp parallel num_threads(shares) if (units > 1 && N * K * (M + 4) >= PARALLEL_MIN_WORK)
         {
             int64_t u0, u1;
@@ -557,10 +564,8 @@ int trillm_gguf_matmul_grouped(const float *x, int64_t ldx, int64_t x_step, int 
     }
     const DirectKernel direct = direct_kernel(type);
     const int64_t units = (N + ROWS - 1) / ROWS, tasks = G * units; /* a task: ROWS rows of one weight */
-    const int shares = num_threads < 1 ? 1 : num_threads < MAX_SHARES ? num_threads : MAX_SHARES;
     Share share[MAX_SHARES]; /* as trillm_gguf_matmul's: a thread done early takes chunks of the others' */
-    for (int s = 0; s < shares; s++)
-        share_init(&share[s], tasks * s / shares, tasks * (s + 1) / shares);
+    const int shares = shares_of(share, num_threads, tasks);
 #pragma omp parallel num_threads(shares) if (tasks > 1 && G * N * K * (M + 4) >= PARALLEL_MIN_WORK)
     {
         int64_t t0, t1;
