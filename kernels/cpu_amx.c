@@ -35,6 +35,8 @@
 
 #define NB 32     /* weight rows per panel: two B tiles */
 #define KSTEP 32  /* values of K per tile product: 16 pairs */
+#define TILE_WORDS 256 /* a B tile: 16 pairs x 16 weight rows, u32 */
+#define STEP_WORDS (2 * TILE_WORDS) /* a wide product's B tiles of one step of K */
 #define KC 4096   /* values of K per panel, a multiple of 256 (whole blocks of every type): 256 KiB */
 #define X_BLOCK_BYTES (16 << 20) /* rows of x per pass (each pass decodes W again; see pass_rows) */
 #define WIDE_ROWS 128 /* rows of x from which x is the A operand (multiply_rows) */
@@ -187,6 +189,26 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
         }
 }
 
+/* 32 weight rows (row stride ``stride``) over ``values`` (a multiple of KSTEP) as B tiles: step s's
+ * tile of rows 0-15 (16 pairs x 16 rows, pair p of row c at [p][c], 1 KiB) at tiles + s * step_words,
+ * that of rows 16-31 half_words further. A product's two B tiles then lie side by side, or (the
+ * gated layout) a half's gate and up tiles do: each tile load reads 1 KiB in one run of 64-byte rows
+ * (two tiles interleaved at a 128-byte stride ran a 2,000-row product 10-15 % slower). */
+static void to_tiles(const uint16_t *rows, int64_t stride, int64_t values, uint32_t *tiles, int64_t step_words,
+                     int64_t half_words)
+{
+    for (int64_t s = 0; s < values / KSTEP; s++)
+        for (int64_t c0 = 0; c0 < NB; c0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_ps((const float *)(rows + (c0 + i) * stride) + s * 16);
+            transpose16(r);
+            uint32_t *t = tiles + s * step_words + c0 / 16 * half_words;
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_ps((float *)(t + j * 16), r[j]);
+        }
+}
+
 /* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m_from <= m < min(M, m_to) (m_from a multiple
  * of 32), x as the A operand (x16 in tile
  * order, see pack_tile_order; zero past M up to a multiple of 32). The tiles start from out where
@@ -195,7 +217,7 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
 static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t m_from, int64_t m_to, int64_t k0,
                           int64_t kc, const uint32_t *pairs, int64_t cols, float *out, int64_t ldo, int load, float *edge)
 {
-    const int64_t xs = KSTEP * 2, ps = NB * 4, tile = 16 * KSTEP; /* a tile of x: 16 rows of 32, 1 KiB */
+    const int64_t xs = KSTEP * 2, tile = 16 * KSTEP; /* a tile of x: 16 rows of 32, 1 KiB */
     for (int64_t m0 = m_from; m0 < MIN(M, m_to); m0 += 32) {
         const int64_t rows = MIN(32, M - m0);
         const int full = rows == 32 && cols == NB;
@@ -210,7 +232,7 @@ static void multiply_rows(const uint16_t *x16, int64_t Kp, int64_t M, int64_t m_
         start_tiles(!load && full, c, c + 16, c + 16 * ldc, c + 16 * ldc + 16, ldc * 4);
         const uint16_t *a = x16 + m0 * Kp + k0 * 16; /* rows m0 .. m0 + 15 from k0, then the next 16 */
         for (int64_t s = 0; s < kc / KSTEP; s++)
-            dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, pairs + s * 16 * NB, pairs + s * 16 * NB + 16, ps);
+            dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, pairs + s * STEP_WORDS, pairs + s * STEP_WORDS + TILE_WORDS, 64);
         store_tiles(c, c + 16, c + 16 * ldc, c + 16 * ldc + 16, ldc * 4);
         if (!full)
             for (int64_t i = 0; i < rows; i++)
@@ -291,7 +313,7 @@ static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, in
                         _tile_release();
                         return 2;
                     }
-                    to_pairs(at, ps, NB, kc, block + (g - b0) * group_words + k0 / 2 * NB, NB);
+                    to_tiles(at, ps, kc, block + (g - b0) * group_words + k0 / 2 * NB, STEP_WORDS, TILE_WORDS);
                 }
             for (int64_t m0 = 0; m0 < M; m0 += 32)
                 for (int64_t g = b0; g < b1; g++)
@@ -352,21 +374,22 @@ static inline __m512 gated16(__m512 g, __m512 u, int activation)
     return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
 }
 
-/* acc[m, 0..64) (+)= x16[m] . (gate pairs | up pairs) over k0 .. k0 + kc (M a multiple of 32): for
- * each 32 rows of x and each half of the group's 32 columns, the 2 x 2 block of tile products (two A
- * tiles of x, the half's gate and up B tiles): one tile load a product, and the second half finds
- * its rows of x still in L1. */
-static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *gate,
-                           const uint32_t *up, float *acc, int first)
+/* acc[m, 0..64) (+)= x16[m] . the group's gate and up tiles over k0 .. k0 + kc (M a multiple of 32;
+ * ``group`` in gated_tiles' layout): for each 32 rows of x and each half of the group's 32 columns, the
+ * 2 x 2 block of tile products (two A tiles of x, the half's gate and up B tiles, side by side): one
+ * tile load a product, and the second half finds its rows of x still in L1. */
+static void multiply_gated(const uint16_t *x16, int64_t Kp, int64_t M, int64_t k0, int64_t kc, const uint32_t *group,
+                           float *acc, int first)
 {
-    const int64_t xs = KSTEP * 2, ps = NB * 4, cs = 2 * NB * 4, tile = 16 * KSTEP;
+    const int64_t xs = KSTEP * 2, cs = 2 * NB * 4, tile = 16 * KSTEP;
     for (int64_t m0 = 0; m0 < M; m0 += 32)
-        for (int64_t half = 0; half < NB; half += 16) {
-            float *c = acc + m0 * 2 * NB + half; /* gate columns; up's NB further on */
+        for (int64_t half = 0; half < 2; half++) {
+            float *c = acc + m0 * 2 * NB + half * 16; /* gate columns; up's NB further on */
             start_tiles(first, c, c + NB, c + 16 * 2 * NB, c + 16 * 2 * NB + NB, cs);
             const uint16_t *a = x16 + m0 * Kp + k0 * 16;
+            const uint32_t *b = group + half * (Kp / KSTEP) * STEP_WORDS + k0 / KSTEP * STEP_WORDS;
             for (int64_t s = 0; s < kc / KSTEP; s++)
-                dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, gate + s * 16 * NB + half, up + s * 16 * NB + half, ps);
+                dp_2x2(a + s * tile, a + 16 * Kp + s * tile, xs, b + s * STEP_WORDS, b + s * STEP_WORDS + TILE_WORDS, 64);
             store_tiles(c, c + NB, c + 16 * 2 * NB, c + 16 * 2 * NB + NB, cs);
         }
 }
@@ -401,7 +424,8 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
         for (int64_t g = b0; g < b1 && fresh; g++) /* the block's gate and up panels turned into pairs */
             for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
                 const int64_t kc = MIN(KC, Kp - k0);
-                uint32_t *gate = block + (g - b0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
+                /* half h's step s: its gate tile at (h Kp / 32 + s) STEP_WORDS, its up tile next */
+                uint32_t *gate = block + (g - b0) * group_words + k0 / KSTEP * STEP_WORDS, *up = gate + TILE_WORDS;
                 for (int part = 0; part < 2; part++) {
                     int64_t ps;
                     const uint16_t *at = panel_at(part ? U : G, (part ? up0 : gate0) + g * NB, k0, kc, row, panel, &ps);
@@ -410,16 +434,15 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                         _tile_release();
                         return 2;
                     }
-                    to_pairs(at, ps, NB, kc, part ? up : gate, NB);
+                    to_tiles(at, ps, kc, part ? up : gate, STEP_WORDS, Kp / KSTEP * STEP_WORDS);
                 }
             }
         for (int64_t m0 = 0; m0 < Mp; m0 += 32)
             for (int64_t g = b0; g < b1; g++) {
                 const int64_t n0 = g * NB, cols = MIN(NB, I - n0);
-                for (int64_t k0 = 0; k0 < Kp; k0 += KC) {
-                    const uint32_t *gate = block + (g - b0) * group_words + k0 / 2 * NB, *up = gate + Kp / 2 * NB;
-                    multiply_gated(x16 + m0 * Kp, Kp, 32, k0, MIN(KC, Kp - k0), gate, up, acc, k0 == 0);
-                }
+                for (int64_t k0 = 0; k0 < Kp; k0 += KC)
+                    multiply_gated(x16 + m0 * Kp, Kp, 32, k0, MIN(KC, Kp - k0), block + (g - b0) * group_words, acc,
+                                   k0 == 0);
                 const __mmask16 lo = (__mmask16)((1u << MIN(16, cols)) - 1);
                 const __mmask16 hi = (__mmask16)((1u << MAX(0, cols - 16)) - 1);
                 for (int64_t m = m0; m < MIN(m0 + 32, out16 ? Mp : M); m++) {

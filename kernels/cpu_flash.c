@@ -8,8 +8,8 @@
  * pages once, rounded to bfloat16 straight into the tiles' layouts, and every (query head, block of
  * 32 query rows) runs flash attention over the key blocks it sees (causal, and within ``window``):
  * S = Q K^T and O += P V on the tiles, the online softmax in AVX-512 with a base-2 exponential of
- * our own (a degree-5 polynomial around the nearest integer: 3e-6 relative, far below bfloat16's
- * rounding of P). Q, K, V and P are rounded to bfloat16 as torch's bfloat16 flash kernel rounds
+ * our own (a degree-3 polynomial around the nearest integer: 7.5e-5 relative, far below bfloat16's
+ * rounding of P; the exponentials are most of the attention's time). Q, K, V and P are rounded to bfloat16 as torch's bfloat16 flash kernel rounds
  * them; scores, the softmax and the output are float32. Queries and output stay float32 rows.
  *
  * Buffers: the keys and values in tiles' layout (grown to the largest span, 4 bytes per key and
@@ -103,41 +103,57 @@ typedef struct {
     const uint32_t *kp, *vp;
 } Span;
 
+/* 2^x for the softmax's weights: a degree-3 polynomial around the nearest integer, 7.5e-5 relative
+ * (bfloat16, which the weights are rounded to, keeps 2^-9: the two more terms of exp2_ps were for
+ * nothing here), no floor: x far below zero gives 0 and past 128 infinity, both only where the
+ * caller masks the lane or a weight truly is 0. */
+static inline __m512 exp2_coarse(__m512 x)
+{
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(0.055171344f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24261034f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69326097f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992812f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* One row's scores of a step's keys (row, STEP floats) into its weights (prow, bfloat16) against the
  * running maximum m (base 2) and sums l, its output row o rescaled where the maximum is raised.
- * seen: the keys it sees, 16 a mask; ``whole`` (a constant where this is inlined): all of them, no
- * masking at all. */
+ * seen: the keys it sees, 16 a mask (the others' weights are 0); ``whole`` (a constant where this is
+ * inlined): all of them, no masking at all. Scores are scaled to base 2 in the exponent's own fma. */
 static inline __attribute__((always_inline)) void softmax_row(const float *row, uint16_t *prow, float *m, __m512 *l,
                                                               float *o, int64_t D, float scale2, const __mmask16 *seen,
                                                               int whole)
 {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY), k2 = _mm512_set1_ps(scale2);
+    const __m512 k2 = _mm512_set1_ps(scale2);
     __m512 sv[VECS], p[VECS];
     for (int i = 0; i < VECS; i++)
-        sv[i] = whole ? _mm512_mul_ps(_mm512_loadu_ps(row + 16 * i), k2)
-                      : _mm512_mask_mul_ps(ninf, seen[i], _mm512_loadu_ps(row + 16 * i), k2);
+        sv[i] = _mm512_loadu_ps(row + 16 * i);
     /* The running maximum is raised only when a score passes it by more than RAISE (weights up to
      * 2^RAISE then): most steps leave it, the output and the sums as they are, and need no
-     * horizontal maximum. */
-    const __m512 limit = _mm512_set1_ps(*m + RAISE);
+     * horizontal maximum. Compared unscaled (scale2 > 0). */
+    const __m512 limit = _mm512_set1_ps((*m + RAISE) / scale2);
     __mmask16 over = 0;
     for (int i = 0; i < VECS; i++)
-        over |= _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ);
+        over |= whole ? _mm512_cmp_ps_mask(sv[i], limit, _CMP_GT_OQ)
+                      : _mm512_mask_cmp_ps_mask(seen[i], sv[i], limit, _CMP_GT_OQ);
     if (over) {
-        __m512 top = sv[0];
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        __m512 top = whole ? sv[0] : _mm512_mask_mov_ps(ninf, seen[0], sv[0]);
         for (int i = 1; i < VECS; i++)
-            top = _mm512_max_ps(top, sv[i]);
-        const float t = _mm512_reduce_max_ps(top);
+            top = _mm512_max_ps(top, whole ? sv[i] : _mm512_mask_mov_ps(ninf, seen[i], sv[i]));
+        const float t = _mm512_reduce_max_ps(top) * scale2;
         const __m512 alpha = _mm512_set1_ps(*m == -INFINITY ? 0.0f : exp2f(*m - t));
         *m = t;
         *l = _mm512_mul_ps(alpha, *l);
         for (int64_t d = 0; d < D; d += 16)
             _mm512_storeu_ps(o + d, _mm512_mul_ps(alpha, _mm512_loadu_ps(o + d)));
     }
-    const __m512 mv = _mm512_set1_ps(*m);
+    const __m512 minus_m = _mm512_set1_ps(-*m);
     for (int i = 0; i < VECS; i++) {
-        p[i] = exp2_ps(_mm512_sub_ps(sv[i], mv));
-        if (!whole) /* exp2_ps(-inf) is its floor, 2^-126, not 0 */
+        p[i] = exp2_coarse(_mm512_fmadd_ps(sv[i], k2, minus_m));
+        if (!whole)
             p[i] = _mm512_maskz_mov_ps(seen[i], p[i]);
     }
     *l = _mm512_add_ps(*l, _mm512_add_ps(_mm512_add_ps(p[0], p[1]), _mm512_add_ps(p[2], p[3])));
