@@ -37,6 +37,8 @@
 #define KSTEP 32  /* values of K per tile product: 16 pairs */
 #define TILE_WORDS 256 /* a B tile: 16 pairs x 16 weight rows, u32 */
 #define STEP_WORDS (2 * TILE_WORDS) /* a wide product's B tiles of one step of K */
+#define CHUNK_VALUES 320 /* see k_chunk */
+#define CHUNKED_K 1024
 #define KC 4096   /* values of K per panel, a multiple of 256 (whole blocks of every type): 256 KiB */
 #define X_BLOCK_BYTES (16 << 20) /* rows of x per pass (each pass decodes W again; see pass_rows) */
 #define WIDE_ROWS 128 /* rows of x from which x is the A operand (multiply_rows) */
@@ -189,6 +191,20 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
         }
 }
 
+/* Values of K a wide product runs through every group of a block before the next (a multiple of
+ * KSTEP, the chunks of Kp as even as steps allow): up to CHUNKED_K, x's 32 rows of a chunk stay in L1
+ * while each group's tiles stream past them (over all of K 576 at once, 36 KiB of x and 36 KiB of a
+ * half's tiles, both came from L2), and the sums of the chunks before are loaded back into the tiles:
+ * a 2,000-row product at K 576 10-20 % faster. Past it all of K at once: a block there holds a few
+ * groups, so x is reused little, and at K 2,048-8,192 the sums' round trips cost 10-40 %. */
+static int64_t k_chunk(int64_t Kp)
+{
+    if (Kp > CHUNKED_K)
+        return Kp;
+    const int64_t chunks = (Kp + CHUNK_VALUES - 1) / CHUNK_VALUES, steps = Kp / KSTEP;
+    return (steps + chunks - 1) / chunks * KSTEP;
+}
+
 /* 32 weight rows (row stride ``stride``) over ``values`` (a multiple of KSTEP) as B tiles: step s's
  * tile of rows 0-15 (16 pairs x 16 rows, pair p of row c at [p][c], 1 KiB) at tiles + s * step_words,
  * that of rows 16-31 half_words further. A product's two B tiles then lie side by side, or (the
@@ -293,7 +309,7 @@ static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, in
         return 1;
     uint16_t *panel = (uint16_t *)(row + kc_max);
     float *acc = row + kc_max + kc_max / 2 * NB; /* the sums, or the edge */
-    const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
+    const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4)), chunk = k_chunk(Kp);
     int keep = 0, fresh = 1;
     uint32_t *pairs = wide ? pairs_buffer(call, g0, g1, group_words, per_block, &keep, &fresh) : NULL;
     if (wide && !pairs)
@@ -316,9 +332,9 @@ static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, in
                     to_tiles(at, ps, kc, block + (g - b0) * group_words + k0 / 2 * NB, STEP_WORDS, TILE_WORDS);
                 }
             for (int64_t m0 = 0; m0 < M; m0 += 32)
-                for (int64_t g = b0; g < b1; g++)
-                    for (int64_t k0 = 0; k0 < Kp; k0 += KC)
-                        multiply_rows(xs, Kp, M, m0, m0 + 32, k0, MIN(KC, Kp - k0),
+                for (int64_t k0 = 0; k0 < Kp; k0 += chunk) /* x's chunk in L1 for every group of the block */
+                    for (int64_t g = b0; g < b1; g++)
+                        multiply_rows(xs, Kp, M, m0, m0 + 32, k0, MIN(chunk, Kp - k0),
                                       block + (g - b0) * group_words + k0 / 2 * NB, MIN(NB, L->N - g * NB),
                                       out + g * NB, ldo, accumulate || k0 > 0, acc);
         }
@@ -404,13 +420,15 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                         uint16_t *out16, int64_t Ip, int activation, int64_t g0, int64_t g1)
 {
     const int64_t kc_max = MIN(KC, Kp), Mp = (M + 31) / 32 * 32;
-    /* row: kc_max floats; panel: NB x kc_max bfloat16; acc: 32 x 2 NB floats (a block of rows' sums) */
-    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + 32 * 2 * NB;
-    float *row = grown(1, words * 4);
     const int64_t group_words = Kp / 2 * NB * 2; /* a group's gate pairs, then its up pairs */
     /* as groups(): blocks of groups whose pairs stay in L2, every 32 rows of x against each in turn; a
      * thread's pairs kept for the call's later passes where they take at most KEEP_PAIRS_BYTES */
     const int64_t per_block = MAX(1, PAIRS_L2_BYTES / (group_words * 4));
+    /* row: kc_max floats; panel: NB x kc_max bfloat16; acc: 32 x 2 NB floats a group of the block (32
+     * rows' sums) */
+    const size_t words = (size_t)kc_max + (size_t)kc_max / 2 * NB + (size_t)per_block * 32 * 2 * NB;
+    float *row = grown(1, words * 4);
+    const int64_t chunk = k_chunk(Kp);
     int keep, fresh;
     uint32_t *pairs = pairs_buffer(call, g0, g1, group_words, per_block, &keep, &fresh);
     if (!row || !pairs)
@@ -437,16 +455,17 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                     to_tiles(at, ps, kc, part ? up : gate, STEP_WORDS, Kp / KSTEP * STEP_WORDS);
                 }
             }
-        for (int64_t m0 = 0; m0 < Mp; m0 += 32)
+        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+            for (int64_t k0 = 0; k0 < Kp; k0 += chunk) /* x's chunk in L1 for every group of the block */
+                for (int64_t g = b0; g < b1; g++)
+                    multiply_gated(x16 + m0 * Kp, Kp, 32, k0, MIN(chunk, Kp - k0), block + (g - b0) * group_words,
+                                   acc + (g - b0) * 32 * 2 * NB, k0 == 0);
             for (int64_t g = b0; g < b1; g++) {
                 const int64_t n0 = g * NB, cols = MIN(NB, I - n0);
-                for (int64_t k0 = 0; k0 < Kp; k0 += KC)
-                    multiply_gated(x16 + m0 * Kp, Kp, 32, k0, MIN(KC, Kp - k0), block + (g - b0) * group_words, acc,
-                                   k0 == 0);
                 const __mmask16 lo = (__mmask16)((1u << MIN(16, cols)) - 1);
                 const __mmask16 hi = (__mmask16)((1u << MAX(0, cols - 16)) - 1);
                 for (int64_t m = m0; m < MIN(m0 + 32, out16 ? Mp : M); m++) {
-                    const float *a = acc + (m - m0) * 2 * NB;
+                    const float *a = acc + (g - b0) * 32 * 2 * NB + (m - m0) * 2 * NB;
                     const __m512 v0 = gated16(_mm512_loadu_ps(a), _mm512_loadu_ps(a + NB), activation);
                     const __m512 v1 = gated16(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(a + NB + 16), activation);
                     if (out16) { /* this group's 32 values of row m: one run of the tile order; zeros past I and M */
@@ -462,6 +481,7 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                     _mm512_mask_storeu_ps(o + 16, hi, v1);
                 }
             }
+        }
     }
     _tile_release();
     return 0;
