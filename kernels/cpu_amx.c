@@ -195,8 +195,8 @@ static void write_out(const float *acc, int64_t Mp, int64_t M, int64_t cols, flo
  * KSTEP, the chunks of Kp as even as steps allow): up to CHUNKED_K, x's 32 rows of a chunk stay in L1
  * while each group's tiles stream past them (over all of K 576 at once, 36 KiB of x and 36 KiB of a
  * half's tiles, both came from L2), and the sums of the chunks before are loaded back into the tiles:
- * a 2,000-row product at K 576 10-20 % faster. Past it all of K at once: a block there holds a few
- * groups, so x is reused little, and at K 2,048-8,192 the sums' round trips cost 10-40 %. */
+ * 2,000-row products at K 576 6-12 % faster (two threads). Past it all of K at once: a block there
+ * holds a few groups, so x is reused little, and at K 2,048-8,192 the sums' round trips cost 10-40 %. */
 static int64_t k_chunk(int64_t Kp)
 {
     if (Kp > CHUNKED_K)

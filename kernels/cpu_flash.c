@@ -9,8 +9,9 @@
  * 32 query rows) runs flash attention over the key blocks it sees (causal, and within ``window``):
  * S = Q K^T and O += P V on the tiles, the online softmax in AVX-512 with a base-2 exponential of
  * our own (a degree-3 polynomial around the nearest integer: 7.5e-5 relative, far below bfloat16's
- * rounding of P; the exponentials are most of the attention's time). Q, K, V and P are rounded to bfloat16 as torch's bfloat16 flash kernel rounds
- * them; scores, the softmax and the output are float32. Queries and output stay float32 rows.
+ * rounding of P; the exponentials are most of the attention's time). Q, K, V and P are rounded to
+ * bfloat16 as torch's bfloat16 flash kernel rounds them; scores, the softmax and the output are
+ * float32. Queries and output stay float32 rows.
  *
  * Buffers: the keys and values in tiles' layout (grown to the largest span, 4 bytes per key and
  * head dimension and kv head: 1.5 MiB at 2,048 tokens of SmolLM2; freed after a span of over
