@@ -35,6 +35,10 @@
 
 #define NB 32     /* weight rows per panel: two B tiles */
 #define KSTEP 32  /* values of K per tile product: 16 pairs */
+/* A wide product's weight tiles (to_pairs with ld 16): a step of K's tile of a group's rows 0-15 and
+ * that of rows 16-31 side by side (or, gated, a half's gate and up tiles), so each tile load reads 1 KiB
+ * in one run of 64-byte rows (two tiles interleaved at a 128-byte stride ran a 2,000-row product
+ * 10-15 % slower). */
 #define TILE_WORDS 256 /* a B tile: 16 pairs x 16 weight rows, u32 */
 #define STEP_WORDS (2 * TILE_WORDS) /* a wide product's B tiles of one step of K */
 #define CHUNK_VALUES 320 /* see k_chunk */
@@ -205,26 +209,6 @@ static int64_t k_chunk(int64_t Kp)
     return (steps + chunks - 1) / chunks * KSTEP;
 }
 
-/* 32 weight rows (row stride ``stride``) over ``values`` (a multiple of KSTEP) as B tiles: step s's
- * tile of rows 0-15 (16 pairs x 16 rows, pair p of row c at [p][c], 1 KiB) at tiles + s * step_words,
- * that of rows 16-31 half_words further. A product's two B tiles then lie side by side, or (the
- * gated layout) a half's gate and up tiles do: each tile load reads 1 KiB in one run of 64-byte rows
- * (two tiles interleaved at a 128-byte stride ran a 2,000-row product 10-15 % slower). */
-static void to_tiles(const uint16_t *rows, int64_t stride, int64_t values, uint32_t *tiles, int64_t step_words,
-                     int64_t half_words)
-{
-    for (int64_t s = 0; s < values / KSTEP; s++)
-        for (int64_t c0 = 0; c0 < NB; c0 += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = _mm512_loadu_ps((const float *)(rows + (c0 + i) * stride) + s * 16);
-            transpose16(r);
-            uint32_t *t = tiles + s * step_words + c0 / 16 * half_words;
-            for (int j = 0; j < 16; j++)
-                _mm512_storeu_ps((float *)(t + j * 16), r[j]);
-        }
-}
-
 /* out[m, 0..cols) (+)= x16[m, k0 .. k0 + kc] . pairs for m_from <= m < min(M, m_to) (m_from a multiple
  * of 32), x as the A operand (x16 in tile
  * order, see pack_tile_order; zero past M up to a multiple of 32). The tiles start from out where
@@ -329,7 +313,7 @@ static int groups(const AmxLayout *L, const void *xs, int wide, int64_t call, in
                         _tile_release();
                         return 2;
                     }
-                    to_tiles(at, ps, kc, block + (g - b0) * group_words + k0 / 2 * NB, STEP_WORDS, TILE_WORDS);
+                    to_pairs(at, ps, NB, kc, block + (g - b0) * group_words + k0 / 2 * NB, 16, STEP_WORDS, TILE_WORDS);
                 }
             for (int64_t m0 = 0; m0 < M; m0 += 32)
                 for (int64_t k0 = 0; k0 < Kp; k0 += chunk) /* x's chunk in L1 for every group of the block */
@@ -452,7 +436,7 @@ static int groups_gated(const AmxLayout *G, int64_t gate0, const AmxLayout *U, i
                         _tile_release();
                         return 2;
                     }
-                    to_tiles(at, ps, kc, part ? up : gate, STEP_WORDS, Kp / KSTEP * STEP_WORDS);
+                    to_pairs(at, ps, NB, kc, part ? up : gate, 16, STEP_WORDS, Kp / KSTEP * STEP_WORDS);
                 }
             }
         for (int64_t m0 = 0; m0 < Mp; m0 += 32) {

@@ -137,10 +137,13 @@ static inline void transpose16(__m512 r[16])
 }
 
 /* ``count`` rows (a multiple of 16) of ``values`` bfloat16 each (a multiple of 32; row stride ``stride``)
- * as a B operand's pairs: pair p of row c at pairs[p * ld + c] (u32). A 16 x 16 transpose of pairs
- * per 16 rows and 32 values: weight rows for cpu_amx.c's wide products, keys for cpu_flash.c's scores. */
+ * as B operands' pairs (pair p of row c at [p][c], u32), a 16 x 16 transpose of pairs per 16 rows and
+ * 32 values: the block of pairs p0 .. p0 + 16 of rows c0 .. c0 + 16 starts at pairs + (p0 / 16) * step
+ * + (c0 / 16) * across, its 16 rows of pairs ``ld`` apart. One matrix of pairs (ld the rows' count,
+ * step 16 ld, across 16: cpu_flash.c's keys) or a tile a block (ld 16: cpu_amx.c's weight tiles, laid
+ * out as its products load them). */
 static inline void to_pairs(const uint16_t *rows, int64_t stride, int64_t count, int64_t values, uint32_t *pairs,
-                            int64_t ld)
+                            int64_t ld, int64_t step, int64_t across)
 {
     for (int64_t p0 = 0; p0 < values / 2; p0 += 16)
         for (int64_t c0 = 0; c0 < count; c0 += 16) {
@@ -148,8 +151,9 @@ static inline void to_pairs(const uint16_t *rows, int64_t stride, int64_t count,
             for (int i = 0; i < 16; i++)
                 r[i] = _mm512_loadu_ps((const float *)(rows + (c0 + i) * stride) + p0);
             transpose16(r);
+            uint32_t *block = pairs + p0 / 16 * step + c0 / 16 * across;
             for (int j = 0; j < 16; j++)
-                _mm512_storeu_ps((float *)(pairs + (p0 + j) * ld + c0), r[j]);
+                _mm512_storeu_ps((float *)(block + j * ld), r[j]);
         }
 }
 

@@ -81,7 +81,7 @@ static void layout_block(const Cache *c, int64_t length, int64_t g, int64_t b, u
             _mm256_storeu_si256((__m256i *)(v16 + i * D + d), vv);
         }
     }
-    to_pairs(k16, D, KB, D, kp, KB); /* keys: rows of D / 2 pairs turned into columns */
+    to_pairs(k16, D, KB, D, kp, KB, 16 * KB, 16); /* keys: rows of D / 2 pairs turned into columns */
     for (int64_t j = 0; j < KB / 2; j++) /* values: two key rows interleaved value by value */
         for (int64_t d = 0; d < D; d += 16) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(v16 + 2 * j * D + d));
