@@ -118,7 +118,7 @@ static void plain_rows(const Weight *W, const float *x, int64_t ldx, float *out,
 typedef __m512 vec;
 #define VL 16
 #define DIRECT_MAX_M 11 /* below 12 rows the panel path still pays the decode and FMAs of 16 (measured) */
-#define DIRECT_PASS 4   /* x rows a pass over the weights takes (5 for a last row): 4 x 4 accumulators */
+#define DIRECT_PASS 11  /* x rows a pass over the weights takes: 5 x 4 or 11 x 2 accumulators at most */
 #define KC 128          /* K per chunk: 48 x 128 floats = 24 KB, two of them (decoding, in use) fit L1 */
 #define TILE_NR 12      /* weights per panel tile: 2 x 12 accumulators */
 
@@ -193,7 +193,7 @@ INLINE void store_part(float *o, vec r, int64_t valid, int accumulate)
 typedef __m256 vec;
 #define VL 8
 #define DIRECT_MAX_M 11 /* measured crossover at 12 rows here too */
-#define DIRECT_PASS 4   /* as for AVX-512, with 8 accumulators at most */
+#define DIRECT_PASS 4   /* x rows a pass takes (5 for a last row): 8 accumulators at most */
 #define KC 64 /* K per chunk: 2 x 12 KB fit a 32 KB L1 (Zen 2/3, Intel client); 128 was no faster here */
 #define TILE_NR 6 /* 2 x 6 accumulators, 2 x vectors and a broadcast: 15 of 16 registers */
 
@@ -293,7 +293,7 @@ INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out
         d[j] = W->d + n * W->nb;
         m[j] = q8 ? d[j] : W->m + n * W->nb;
     }
-    vec acc[DIRECT_PASS + 1][DIRECT_NR_MAX];
+    vec acc[DIRECT_PASS + 1][DIRECT_NR_MAX]; /* only MR x NR are used (in registers) */
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NR; j++)
             acc[r][j] = vzero();
@@ -311,12 +311,28 @@ INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out
                 if (!q8)
                     _mm_prefetch(pf_m + b * NR * 4 + l, _MM_HINT_T0);
             }
-        for (int j = 0; j < NR; j++) {
-            vec w[BV];
-            decode_block(q[j] + b * qb, d[j][b], m[j][b], q8, w);
-            for (int r = 0; r < MR; r++)
+        if (MR <= 5) { /* a weight row's block, then every x row */
+            for (int j = 0; j < NR; j++) {
+                vec w[BV];
+                decode_block(q[j] + b * qb, d[j][b], m[j][b], q8, w);
+                for (int r = 0; r < MR; r++)
+                    for (int v = 0; v < BV; v++)
+                        acc[r][j] = vfma(w[v], vloadu(x + r * ldx + 32 * b + VL * v), acc[r][j]);
+            }
+        } else { /* (AVX-512) the blocks of both weight rows, then an x row at a time, its vectors loaded
+                  * once: loads of x repeated per weight row, which GCC kept on the stack, cost 15 % at 9 rows */
+            vec w[2][BV];
+            for (int j = 0; j < NR; j++)
+                decode_block(q[j] + b * qb, d[j][b], m[j][b], q8, w[j]);
+#pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                vec xv[BV];
                 for (int v = 0; v < BV; v++)
-                    acc[r][j] = vfma(w[v], vloadu(x + r * ldx + 32 * b + VL * v), acc[r][j]);
+                    xv[v] = vloadu(x + r * ldx + 32 * b + VL * v);
+                for (int j = 0; j < NR; j++)
+                    for (int v = 0; v < BV; v++)
+                        acc[r][j] = vfma(w[j][v], xv[v], acc[r][j]);
+            }
         }
     }
     for (int r = 0; r < MR; r++)
@@ -328,10 +344,13 @@ INLINE void direct_tile(const Weight *W, const float *x, int64_t ldx, float *out
 }
 
 /* All x rows against weight rows n0..n1 (whole units of DIRECT_NR_MAX from n0), a unit at a
- * time: DIRECT_PASS x rows a pass over the unit (still in L1 for the next pass), a last row
- * alone joining the pass before (decoding every weight once more cost more than a wider tile;
- * measured on SmolLM2's weights from DRAM, 9 rows 7-10 % faster than passes of 4, 4, 1). The
- * first PF_ROWS rows are fetched here; each tile prefetches for a later one. */
+ * time: up to DIRECT_PASS x rows a pass over the unit (still in L1 for the next pass). AVX-512
+ * takes every row of a verification (up to 11) in one pass, 2 weight rows a tile from 6 rows:
+ * SmolLM2's 121 matrices from memory, 6 rows 11.8 -> 9.8 ms, 9 rows 15.1 -> 13.7 (passes of 4
+ * and 5 before), 10 rows 17.9 -> 15.9 (decoding every weight once more costs more than the
+ * narrower tile). AVX2 takes 4 rows a pass, a last row alone joining the pass before (9 rows
+ * 7-10 % faster than passes of 4, 4, 1). The first PF_ROWS rows are fetched here; each tile
+ * prefetches for a later one. */
 INLINE void direct_rows(const Weight *W, const float *x, int64_t ldx, float *out, int64_t ldo, int64_t M,
                         int64_t n0, int64_t n1, int accumulate, const int q8)
 {
@@ -345,19 +364,29 @@ INLINE void direct_rows(const Weight *W, const float *x, int64_t ldx, float *out
     }
     for (int64_t n = n0; n < n1; n += DIRECT_NR_MAX)
         for (int64_t i = 0, left = M; left > 0;) {
+#if SIMD == 2 /* passes of equal size (a pass per DIRECT_PASS rows) */
+            const int64_t passes = (left + DIRECT_PASS - 1) / DIRECT_PASS, rows = (left + passes - 1) / passes;
+#else
             const int64_t rows = left == DIRECT_PASS + 1 ? left : MIN(left, DIRECT_PASS);
+#endif
             const float *xi = x + i * ldx;
             float *oi = out + i * ldo;
 #define PASS(MR, NR)                                                                                                  \
     for (int64_t t = n; t < n + DIRECT_NR_MAX; t += NR)                                                               \
     direct_tile(W, xi, ldx, oi, ldo, t, accumulate, q8, MR, NR)
             switch (rows) {
-#if SIMD == 2 /* 4 weight rows a tile (2 x 12 was slower, with a load of x per FMA; 6 x 4 no faster) */
+#if SIMD == 2 /* 4 weight rows a tile up to 5 x rows (2 x 12 was slower, with a load of x per FMA), then 2 */
             case 1: PASS(1, 4); break;
             case 2: PASS(2, 4); break;
             case 3: PASS(3, 4); break;
             case 4: PASS(4, 4); break;
-            default: PASS(5, 4); break;
+            case 5: PASS(5, 4); break;
+            case 6: PASS(6, 2); break;
+            case 7: PASS(7, 2); break;
+            case 8: PASS(8, 2); break;
+            case 9: PASS(9, 2); break;
+            case 10: PASS(10, 2); break;
+            default: PASS(11, 2); break;
 #else /* MR x NR <= 8 accumulators of 16 registers (1 x 8 was slower than 1 x 4) */
             case 1: PASS(1, 4); break;
             case 2: PASS(2, 4); break;

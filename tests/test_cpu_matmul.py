@@ -125,15 +125,19 @@ DIRECT_ROWS = 11  # cpu_matmul.c's DIRECT_MAX_M: up to these rows the weights ar
 def test_a_row_is_the_same_whatever_rows_come_with_it(kind: str, N: int, K: int):
     """Up to DIRECT_ROWS rows each row's result is the one it gets alone, bit for bit (the order of
     its additions does not depend on the tile): speculation's verification rows must give the
-    logits a plain decode gives, or a greedy tie could break differently."""
+    logits a plain decode gives, or a greedy tie could break differently. Past DIRECT_ROWS, rows
+    told to take the kernel of one row (a verification of several sequences) run in passes of
+    equal size, and still give each row its lone result."""
     weight = block_weight(kind, N, K, seed=N)
-    x = torch.randn(DIRECT_ROWS, K, generator=torch.Generator().manual_seed(K))
+    x = torch.randn(3 * DIRECT_ROWS, K, generator=torch.Generator().manual_seed(K))
+    one_row = 1 << cpu_matmul._KERNEL_ROWS_SHIFT
     for threads in (1, 2):
-        alone = torch.cat(
-            [cpu_matmul._matmul(x[i : i + 1], weight, None, False, threads, 0) for i in range(DIRECT_ROWS)]
-        )
+        alone = torch.cat([cpu_matmul._matmul(x[i : i + 1], weight, None, False, threads, 0) for i in range(len(x))])
         for M in range(2, DIRECT_ROWS + 1):
             together = cpu_matmul._matmul(x[:M], weight, None, False, threads, 0)
+            assert torch.equal(together, alone[:M]), (M, threads)
+        for M in (DIRECT_ROWS + 1, 2 * DIRECT_ROWS - 1, 3 * DIRECT_ROWS):
+            together = cpu_matmul._matmul(x[:M], weight, None, False, threads, one_row)
             assert torch.equal(together, alone[:M]), (M, threads)
 
 
