@@ -128,8 +128,9 @@ class EngineConfig:
         "auto",
         "on CPUs serving in float32: the dtype of the matrix products of wide steps and of prefill attention "
         "(steps of 64 rows or more); `bfloat16` decodes the weights panel by panel to bfloat16 and multiplies on "
-        "AMX tiles (within bfloat16 rounding of float32): where the tiles run here, every step of 6-12 rows or "
-        "more (by the weight's form; batched decode and prefill) on panels decoded in L2 (a wide step's gated MLP "
+        "AMX tiles (within bfloat16 rounding of float32): where the tiles run here, every step of a half-precision "
+        "checkpoint (its rows read in place) and of 6-12 rows or more for blocks (by their form; batched decode and "
+        "prefill) on panels decoded in L2 (a wide step's gated MLP "
         "and prefill attention on the tiles too), else prefill chunks (from 49-80 rows) through oneDNN; smaller "
         "steps keep their float32 kernels; `auto`: bfloat16 where `--dtype auto` chose float32 and the CPU has "
         "AMX-BF16, else float32; the start-up log says which",

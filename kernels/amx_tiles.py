@@ -46,8 +46,11 @@ _F32 = torch.float32
 # x at a time), repacked Q4_1/Q8_0 from 6 (SmolLM2's 121 matrices from memory, in turn: 5 rows 17.2
 # ms in float32 against 19.5 on the tiles, 6 rows 22.4 against 19.8, 12 rows 43.2 against 20.7;
 # the 16 measured before came from a process whose OpenMP teams slept at every barrier).
-# A file's BF16 rows from 12 too (below, cpu_gguf dots them in float32), copied into the panels as they are.
-MIN_ROWS = {"GGUF": 12, "REPACKED": 6, "BF16": 12}
+# BF16 rows (a half-precision checkpoint's) at every step, read where they lie: the tiles keep pace with
+# memory from one row on, where cpu_gguf's float32 dots do not (SmolLM2's 121 matrices from memory: 1 row
+# 13.5 ms on the tiles against 22.9, 2 rows 13.4 against 27.3, 8 rows 13.8 against 57.1), and a row's
+# product is the same whatever rows come with it, so one kernel serves plain and speculative steps.
+MIN_ROWS = {"GGUF": 12, "REPACKED": 6, "BF16": 1}
 
 
 class _Layout(ctypes.Structure):

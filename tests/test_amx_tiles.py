@@ -52,7 +52,10 @@ def test_the_tiles_run_exactly_where_the_cpu_has_them():
             amx_tiles.matmul(torch.randn(16, 256), q4k)
     bf16 = random_weight("BF16", 64, 256)  # read in place by the tiles, at any rows
     assert amx_tiles.handles(bf16)
-    assert bf16_panels.crossover(bf16) == cpu_gguf.FLOAT_GEMM_ROWS
+    if amx_tiles.available():  # every step of a half-precision checkpoint, one row too
+        assert bf16_panels.crossover(bf16) == amx_tiles.MIN_ROWS["BF16"] == 1
+    else:
+        assert bf16_panels.crossover(bf16) == cpu_gguf.FLOAT_GEMM_ROWS
 
 
 def _forms() -> dict[str, tuple[object, torch.Tensor]]:
@@ -78,6 +81,18 @@ def _forms() -> dict[str, tuple[object, torch.Tensor]]:
 
 
 FORMS = _forms() if cpu_gguf.available() and cpu_matmul.available() else {}
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", ["BF16 K=256 (in place)", "BF16 K=200", "Q4_1 (repacked)", "Q4_K"])
+def test_a_row_is_the_same_whatever_rows_come_with_it(name):
+    """A half-precision checkpoint runs every step on the tiles (``MIN_ROWS["BF16"]`` 1): a speculative
+    step's proposed rows must give the logits a plain step gives, bit for bit, at every batch size."""
+    weight, dense = FORMS[name]
+    x = torch.randn(150, dense.shape[1], generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([amx_tiles.matmul(x[i : i + 1], weight) for i in range(20)])
+    for M in (2, 9, 16, 17, 33, 128, 150):  # from 128 rows x is the A operand
+        assert torch.equal(amx_tiles.matmul(x[:M], weight)[:20], alone[: min(M, 20)]), M
 
 
 @needs_tiles
