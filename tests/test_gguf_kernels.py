@@ -211,6 +211,9 @@ def test_the_start_up_log_names_each_projections_formats_and_path():
     paths = dict(line.split(": ", 1) for line in lines[3:])
     assert set(paths) == {"Q4_K", "Q6_K", "dense float32"} and paths["dense float32"] == "torch"
     assert paths["Q4_K"].startswith(f"cpu_gguf, {cpu_gguf.simd()}: int16 activations up to {cpu_gguf.GEMM_ROWS - 1}")
+    bf16 = random_weight("BF16", 32, 256, 4)  # a half-precision checkpoint's rows: on the tiles at every step
+    assert kernel_paths({"down": [bf16]})[-1].startswith("BF16: cpu_gguf: rows decoded to float32")
+    assert kernel_paths({"down": [bf16]}, tiles=True)[-1].startswith("BF16: AMX-BF16 tiles at every step")
 
 
 SMALLER_TEAM = """

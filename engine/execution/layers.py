@@ -282,8 +282,11 @@ def _kind(w: Weight) -> str:
     return f"dense {str(w.dtype).removeprefix('torch.')}"
 
 
-def _path(kind: str) -> str:
-    """The kernel a kind of weight runs on here (for the start-up log)."""
+def _path(kind: str, tiles: bool) -> str:
+    """The kernel a kind of weight runs on here (for the start-up log); ``tiles``: steps run on the
+    AMX tiles from ``amx_tiles.MIN_ROWS`` (a half-precision checkpoint's rows at every step)."""
+    if kind == "BF16" and tiles:
+        return "AMX-BF16 tiles at every step, read in place (x rounded to bfloat16; --gemm-dtype float32: float32)"
     if kind.startswith("dense"):
         return "torch"
     if not (cpu_matmul.available() if kind.endswith("blocks") else cpu_gguf.available()):
@@ -299,9 +302,9 @@ def _path(kind: str) -> str:
     )
 
 
-def kernel_paths(roles: dict[str, list[Weight]]) -> list[str]:
+def kernel_paths(roles: dict[str, list[Weight]], tiles: bool = False) -> list[str]:
     """One line per kind of projection (qkv, o_proj, ...): its weights' formats, how many of each,
-    and the kernel each runs on, chosen by what this CPU has."""
+    and the kernel each runs on, chosen by what this CPU has (``tiles``: as ``_path``)."""
     lines: list[str] = []
     kinds: set[str] = set()
     for role, weights in roles.items():
@@ -310,5 +313,5 @@ def kernel_paths(roles: dict[str, list[Weight]]) -> list[str]:
             counts[_kind(w)] = counts.get(_kind(w), 0) + 1
             kinds.update(_kind(p) for p in (w.parts if isinstance(w, Stacked) else (w,)))
         lines.append(f"{role}: " + ", ".join(f"{n} x {k}" for k, n in counts.items()))
-    lines += [f"{kind}: {_path(kind)}" for kind in sorted(kinds)]
+    lines += [f"{kind}: {_path(kind, tiles)}" for kind in sorted(kinds)]
     return lines

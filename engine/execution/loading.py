@@ -278,7 +278,8 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
         experts = [w for layer in model.layers if layer.moe is not None for w in layer.moe.projections()]
         if experts:
             roles["experts"] = experts
-        for line in kernel_paths(roles):
+        tiles = isinstance(backend, CpuBackend) and backend.gemm_bf16 and amx_tiles.available()
+        for line in kernel_paths(roles, tiles):
             log.info("projections %s", line)
     return model, tokenizer, eos_ids
 
