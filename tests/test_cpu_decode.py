@@ -86,6 +86,33 @@ def test_more_shapes_and_task_splits(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 256), (8, 2, 32)])
+def test_rows_reading_the_same_pages_give_their_lone_results(variant: str, kv_dtype: torch.dtype, heads, kv_heads, dim):
+    """A verification's rows of one sequence (the same table, one more token each) are attended as a
+    group, each chunk of the cache read once (and a 16-bit one widened once) for all of them: each
+    row must still be what it is alone, bit for bit, so that speculation keeps greedy output. Rows
+    of other sequences between them, a sequence sharing only a prefix's pages, 18 rows (past a
+    group's 16) and an empty row are mixed in."""
+    page = 16
+    q, k_cache, v_cache, tables, _ = paged_inputs([300, 40, 300], heads, kv_heads, dim, page, 5, kv_dtype)
+    forked = tables[0].clone()
+    forked[-(-281 // page) - 1] = tables[2][0]  # the same pages as sequence 0 but its last
+    rows = [(0, n) for n in range(283, 292)] + [(1, 40), (1, 0)] + [(0, n) for n in range(270, 288)] + [(2, 281)]
+    table = torch.stack([forked if i == 2 else tables[i] for i, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    qs = torch.randn(len(rows), heads, dim, generator=torch.Generator().manual_seed(9))
+    scale = dim**-0.5
+    for threads in (1, 2, 3):
+        together = cpu_decode.decode_attention(qs, k_cache, v_cache, table, lens, scale, num_threads=threads)
+        for i in range(len(rows)):
+            alone = cpu_decode.decode_attention(
+                qs[i : i + 1], k_cache, v_cache, table[i : i + 1], lens[i : i + 1], scale
+            )
+            assert torch.equal(together[i], alone[0]), (threads, i)
+    want = reference.decode_attention(qs, k_cache.float(), v_cache.float(), table, lens, scale)
+    torch.testing.assert_close(together, want, atol=1e-5, rtol=1e-5)
+
+
 def test_empty_context_gives_zeros_like_the_reference():
     q, k_cache, v_cache, tables, context_lens = paged_inputs([3, 0, 9], 4, 2, 16, 4, seed=3)
     want = reference.decode_attention(q, k_cache, v_cache, tables, context_lens, 0.25)
