@@ -308,6 +308,10 @@ class SpeculationControl:
             if self.declined < RECHECK:
                 return {}
             self.declined = 0  # estimates are only renewed by steps that run: renew one now
+        elif self._cost(len(decodes)) is None:
+            # a plain step of this many decodes first: what proposed rows cost is measured against it
+            # (probed blind, every step of a 32-stream batch carried a probe and none was ever weighed)
+            return {}
         # not measured yet (or due again): one sequence's proposals probe what a few more rows cost
         # (a whole batch's, tried blind at 32 streams, made the first seconds of a run 25 % slower)
         first = next(iter(proposals))
@@ -328,6 +332,8 @@ class SpeculationControl:
         if not chances:
             return False
         counts = self._decide(len(running), chances) if self.adaptive else None
+        if counts is None and self.adaptive and self._cost(len(running)) is None:
+            return False  # a plain step of this size first (``proposals``)
         if counts is None or counts:  # not adaptive, not measured yet, or worth it
             return True
         # turned down: estimates are only renewed by steps that run, so now and then one does
