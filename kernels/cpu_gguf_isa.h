@@ -1020,70 +1020,7 @@ INLINE void q5_group_values(const uint8_t *b, int has_m, __m512i *u, __m256 *dv,
                 : _mm256_mul_ps(_mm256_set1_ps(16.0f), *dv);
 }
 
-/* A weight row's first `groups` whole groups against rows i0 .. i0 + T of x, the sums in registers from
- * the first group to the last (as mxfp4_rows_wide: one thread from L2, Q5_0 13.3-14.7 -> 14.8-15.3 GB/s, Q5_1 13.5-13.8 -> 14.8). */
-INLINE void q5_rows_wide(const uint8_t *row, int64_t groups, int has_m, const XRows *X, int64_t i0, const int T,
-                         Acc *acc, const int int8)
-{
-    const int bytes = has_m ? 24 : 22;
-    __m512 a[TILE];
-    __m256 m[TILE];
-    for (int t = 0; t < T; t++)
-        a[t] = pair_ps(acc[i0 + t].a0, acc[i0 + t].a1), m[t] = acc[i0 + t].m;
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *b = row + g * GROUP * bytes;
-        if (i0 == 0)
-            read_ahead(b, GROUP * bytes);
-        __m512i u[GROUP / 2];
-        __m256 dv, mv;
-        q5_group_values(b, has_m, u, &dv, &mv);
-        for (int t = 0; t < T; t++)
-            group_row(u, dv, mv, 1, X, i0 + t, 32 * GROUP * g, &a[t], &m[t], int8, 0);
-    }
-    for (int t = 0; t < T; t++)
-        put_pair(a[t], &acc[i0 + t]), acc[i0 + t].m = m[t];
-}
 #endif
-
-INLINE void q5_legacy_row(const uint8_t *row, int64_t blocks, int has_m, const XRows *X, Acc *acc, const int int8)
-{
-    const int bytes = has_m ? 24 : 22;
-    int64_t j = 0;
-#if GGUF_WIDE
-    j = blocks / GROUP * GROUP; /* the whole groups first, a tile of rows of x at a time; the rest below */
-    if (j) {
-        int64_t i = 0;
-        for (; i + TILE <= X->M; i += TILE)
-            q5_rows_wide(row, j / GROUP, has_m, X, i, TILE, acc, int8);
-        switch (X->M - i) {
-        case 3: q5_rows_wide(row, j / GROUP, has_m, X, i, 3, acc, int8); break;
-        case 2: q5_rows_wide(row, j / GROUP, has_m, X, i, 2, acc, int8); break;
-        case 1: q5_rows_wide(row, j / GROUP, has_m, X, i, 1, acc, int8); break;
-        default: break;
-        }
-    }
-#endif
-    for (; j < blocks; j += GROUP) {
-        read_ahead(row + j * bytes, GROUP * bytes);
-        q5_legacy_direct(row + j * bytes, MIN(GROUP, blocks - j), has_m, X, 32 * j, acc, int8);
-    }
-}
-
-static void q5_0_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
-{
-    if (X->x8)
-        q5_legacy_row(row, blocks, 0, X, acc, 1);
-    else
-        q5_legacy_row(row, blocks, 0, X, acc, 0);
-}
-
-static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
-{
-    if (X->x8)
-        q5_legacy_row(row, blocks, 1, X, acc, 1);
-    else
-        q5_legacy_row(row, blocks, 1, X, acc, 0);
-}
 
 /* MXFP4, 8 blocks at a time: the nibbles looked up as signed doubled E2M1 values (one byte
  * shuffle per half), split into even and odd int16 lanes for the x layout; no minimums. */
@@ -1190,41 +1127,58 @@ INLINE void mxfp4_direct8(const uint8_t *b, int64_t count, const XRows *X, int64
 }
 
 #if GGUF_WIDE
-/* A weight row's first `groups` whole groups against rows i0 .. i0 + T of x, their runs in pairs (x's
- * too) and their sums in registers from the first group to the last, as k_rows keeps them: through
- * acc each group, they were a store-to-load chain (one thread, a decode row from L2: 9.2-9.5 -> 10.5
- * GB/s; two threads from memory 16.3-17.0 -> 17.3). Each row's sums in the same order: the same bits. */
-INLINE void mxfp4_rows_wide(const uint8_t *row, int64_t groups, const XRows *X, int64_t i0, const int T, Acc *acc,
-                            const int int8)
+/* A whole group of a 32-value legacy type (Q5_0, Q5_1, MXFP4) as group_row takes it: its values two
+ * blocks a register (u), its scales (dv) and minimums (mv). */
+INLINE void legacy_group(int type, const uint8_t *b, const int int8, __m512i *u, __m256 *dv, __m256 *mv)
 {
+    if (type != MXFP4) {
+        q5_group_values(b, type == Q5_1, u, dv, mv);
+        return;
+    }
+    for (int p = 0; p < GROUP / 2; p++)
+        u[p] = mxfp4_pair(b, p, int8 ? FP4_OFFSET : FP4_DOUBLED);
+    *dv = e8m0_half8(b);
+    *mv = _mm256_mul_ps(_mm256_set1_ps(12.0f), *dv);
+}
+
+/* A weight row's first `groups` whole groups of such a type against rows i0 .. i0 + T of x, their runs
+ * in pairs (x's too) and their sums in registers from the first group to the last, as k_rows keeps
+ * them: through acc each group, they were a store-to-load chain (one thread, a decode row from L2:
+ * MXFP4 9.2-9.5 -> 10.5 GB/s, Q5_0 13.3-14.7 -> 14.8-15.3, Q5_1 13.5-13.8 -> 14.8; two threads from
+ * memory, MXFP4 16.3-17.0 -> 17.3). Each row's sums in the same order: the same bits. MXFP4's values
+ * are signed (offset, with minimums, under int8 activations), Q5's unsigned with minimums. */
+INLINE void legacy_rows_wide(int type, const uint8_t *row, int64_t groups, const XRows *X, int64_t i0, const int T,
+                             Acc *acc, const int int8)
+{
+    const int bytes = type == MXFP4 ? 17 : type == Q5_1 ? 24 : 22, mxfp4 = type == MXFP4;
     __m512 a[TILE];
     __m256 m[TILE];
     for (int t = 0; t < T; t++)
         a[t] = pair_ps(acc[i0 + t].a0, acc[i0 + t].a1), m[t] = acc[i0 + t].m;
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *b = row + g * GROUP * 17;
+        const uint8_t *b = row + g * GROUP * bytes;
         if (i0 == 0) /* the row's first tile of x: the later ones find it in cache */
-            read_ahead(b, GROUP * 17);
+            read_ahead(b, GROUP * bytes);
         __m512i u[GROUP / 2];
-        for (int p = 0; p < GROUP / 2; p++)
-            u[p] = mxfp4_pair(b, p, int8 ? FP4_OFFSET : FP4_DOUBLED);
-        const __m256 dv = e8m0_half8(b), mv = _mm256_mul_ps(_mm256_set1_ps(12.0f), dv);
+        __m256 dv, mv;
+        legacy_group(type, b, int8, u, &dv, &mv);
         for (int t = 0; t < T; t++)
-            group_row(u, dv, mv, int8, X, i0 + t, 32 * GROUP * g, &a[t], &m[t], int8, 1);
+            group_row(u, dv, mv, mxfp4 ? int8 : 1, X, i0 + t, 32 * GROUP * g, &a[t], &m[t], int8, mxfp4);
     }
     for (int t = 0; t < T; t++)
         put_pair(a[t], &acc[i0 + t]), acc[i0 + t].m = m[t];
 }
 
-INLINE void mxfp4_wide_as(const uint8_t *row, int64_t groups, const XRows *X, Acc *acc, const int int8)
+/* Every row of x, TILE at a time (each tile size its own code, so that the sums stay in registers). */
+INLINE void legacy_wide_as(int type, const uint8_t *row, int64_t groups, const XRows *X, Acc *acc, const int int8)
 {
     int64_t i = 0;
     for (; i + TILE <= X->M; i += TILE)
-        mxfp4_rows_wide(row, groups, X, i, TILE, acc, int8);
+        legacy_rows_wide(type, row, groups, X, i, TILE, acc, int8);
     switch (X->M - i) {
-    case 3: mxfp4_rows_wide(row, groups, X, i, 3, acc, int8); break;
-    case 2: mxfp4_rows_wide(row, groups, X, i, 2, acc, int8); break;
-    case 1: mxfp4_rows_wide(row, groups, X, i, 1, acc, int8); break;
+    case 3: legacy_rows_wide(type, row, groups, X, i, 3, acc, int8); break;
+    case 2: legacy_rows_wide(type, row, groups, X, i, 2, acc, int8); break;
+    case 1: legacy_rows_wide(type, row, groups, X, i, 1, acc, int8); break;
     default: break;
     }
 }
@@ -1236,7 +1190,7 @@ static void mxfp4_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *a
 #if GGUF_WIDE
     j = blocks / GROUP * GROUP; /* the whole groups first, the rest as below */
     if (j)
-        X->x8 ? mxfp4_wide_as(row, j / GROUP, X, acc, 1) : mxfp4_wide_as(row, j / GROUP, X, acc, 0);
+        X->x8 ? legacy_wide_as(MXFP4, row, j / GROUP, X, acc, 1) : legacy_wide_as(MXFP4, row, j / GROUP, X, acc, 0);
 #endif
     for (; j < blocks; j += GROUP) {
         read_ahead(row + j * 17, GROUP * 17);
@@ -1245,6 +1199,37 @@ static void mxfp4_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *a
         else
             mxfp4_direct(row + j * 17, MIN(GROUP, blocks - j), X, 32 * j, acc);
     }
+}
+
+INLINE void q5_legacy_row(const uint8_t *row, int64_t blocks, int has_m, const XRows *X, Acc *acc, const int int8)
+{
+    const int bytes = has_m ? 24 : 22;
+    int64_t j = 0;
+#if GGUF_WIDE
+    j = blocks / GROUP * GROUP; /* the whole groups first, the rest below */
+    if (j)
+        legacy_wide_as(has_m ? Q5_1 : Q5_0, row, j / GROUP, X, acc, int8);
+#endif
+    for (; j < blocks; j += GROUP) {
+        read_ahead(row + j * bytes, GROUP * bytes);
+        q5_legacy_direct(row + j * bytes, MIN(GROUP, blocks - j), has_m, X, 32 * j, acc, int8);
+    }
+}
+
+static void q5_0_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    if (X->x8)
+        q5_legacy_row(row, blocks, 0, X, acc, 1);
+    else
+        q5_legacy_row(row, blocks, 0, X, acc, 0);
+}
+
+static void q5_1_row(const uint8_t *row, int64_t blocks, const XRows *X, Acc *acc)
+{
+    if (X->x8)
+        q5_legacy_row(row, blocks, 1, X, acc, 1);
+    else
+        q5_legacy_row(row, blocks, 1, X, acc, 0);
 }
 
 /* A row of a type's blocks against every row of x (the block loop inside: one call per row). */
