@@ -240,8 +240,9 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
     model.kv_dtype = kv.dtype
     log.info("KV cache %s: %s", kv.name, kv.reason)
     tokenizer, eos_ids = _tokenizer_and_eos(config, folder, model_config)
-    if isinstance(backend, CpuBackend) and backend.gemm_bf16:
-        tiles = amx_tiles.available()
+    gemm_bf16 = isinstance(backend, CpuBackend) and backend.gemm_bf16
+    tiles = gemm_bf16 and amx_tiles.available()  # the wide steps (and a half-precision checkpoint's) on AMX tiles
+    if gemm_bf16:
         log.info(
             "prefill steps: GEMMs (from %d-%d rows by the weight's form) and attention (from %d rows) in "
             "bfloat16 (%s); decode steps %s%s",
@@ -278,7 +279,6 @@ def load_planned(plan: LoadPlan, tp: TensorParallel = SINGLE) -> tuple[DecoderMo
         experts = [w for layer in model.layers if layer.moe is not None for w in layer.moe.projections()]
         if experts:
             roles["experts"] = experts
-        tiles = isinstance(backend, CpuBackend) and backend.gemm_bf16 and amx_tiles.available()
         for line in kernel_paths(roles, tiles):
             log.info("projections %s", line)
     return model, tokenizer, eos_ids
